@@ -1,0 +1,187 @@
+"""V-trace off-policy actor-critic targets (Espeholt et al., 2018, "IMPALA", eq. 1).
+
+All tensors are time-major: a leading time dimension ``T`` followed by the batch
+dimension ``B``. The API follows scalable_agent / TorchBeast:
+
+* ``from_importance_weights`` computes the V-trace value targets ``vs`` and the
+  policy-gradient advantages from log importance weights.
+* ``from_logits`` derives those log importance weights from behaviour and target
+  policy logits and then calls ``from_importance_weights``.
+
+Everything returned is a constant (computed under ``torch.no_grad()``): the
+targets are regression targets / advantage weights, not something to
+differentiate through.
+
+Conventions for ``lambda_`` follow scalable_agent/TorchBeast: it multiplies the
+truncated trace coefficients, ``c_t = lambda_ * min(1, rho_t)``.
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+
+class VTraceReturns(NamedTuple):
+    """V-trace outputs.
+
+    vs: [T, B] value targets v_s.
+    pg_advantages: [T, B] advantages for the policy-gradient term,
+        ``clipped_rho_s * (r_s + gamma_s * v_{s+1} - V(x_s))``.
+    """
+
+    vs: torch.Tensor
+    pg_advantages: torch.Tensor
+
+
+class VTraceFromLogitsReturns(NamedTuple):
+    """V-trace outputs plus the log-probabilities used to form the importance weights.
+
+    vs, pg_advantages: as in ``VTraceReturns``.
+    log_rhos: [T, B] ``target_action_log_probs - behaviour_action_log_probs``.
+    behaviour_action_log_probs: [T, B] log mu(a_t | x_t).
+    target_action_log_probs: [T, B] log pi(a_t | x_t); keeps its autograd graph so
+        it can be reused for the policy-gradient loss.
+    """
+
+    vs: torch.Tensor
+    pg_advantages: torch.Tensor
+    log_rhos: torch.Tensor
+    behaviour_action_log_probs: torch.Tensor
+    target_action_log_probs: torch.Tensor
+
+
+def action_log_probs(
+    policy_logits: torch.Tensor, actions: torch.Tensor
+) -> torch.Tensor:
+    """Log-probabilities of the taken actions under a categorical policy.
+
+    Args:
+        policy_logits: [T, B, A] unnormalised logits.
+        actions: [T, B] integer action indices in ``[0, A)``.
+
+    Returns:
+        [T, B] ``log softmax(policy_logits)[t, b, actions[t, b]]``. Differentiable
+        with respect to ``policy_logits``.
+    """
+    # Negative cross-entropy == log-prob of the target class; flatten so that
+    # nll_loss sees the usual [N, A] / [N] layout.
+    return -F.nll_loss(
+        F.log_softmax(torch.flatten(policy_logits, 0, -2), dim=-1),
+        torch.flatten(actions),
+        reduction="none",
+    ).view_as(actions)
+
+
+def from_logits(
+    behaviour_policy_logits: torch.Tensor,
+    target_policy_logits: torch.Tensor,
+    actions: torch.Tensor,
+    discounts: torch.Tensor,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    bootstrap_value: torch.Tensor,
+    clip_rho_threshold: float | None = 1.0,
+    clip_pg_rho_threshold: float | None = 1.0,
+    lambda_: float = 1.0,
+) -> VTraceFromLogitsReturns:
+    """V-trace for softmax policies given as logits.
+
+    Args:
+        behaviour_policy_logits: [T, B, A] logits of the policy mu that acted.
+        target_policy_logits: [T, B, A] logits of the policy pi being learned.
+        actions: [T, B] actions taken by mu.
+        discounts, rewards, values, bootstrap_value, clip_rho_threshold,
+        clip_pg_rho_threshold, lambda_: see ``from_importance_weights``.
+
+    Returns:
+        ``VTraceFromLogitsReturns``. ``vs`` and ``pg_advantages`` carry no gradient;
+        ``target_action_log_probs`` keeps the graph of ``target_policy_logits``.
+    """
+    target_action_log_probs = action_log_probs(target_policy_logits, actions)
+    behaviour_action_log_probs = action_log_probs(behaviour_policy_logits, actions)
+    log_rhos = target_action_log_probs - behaviour_action_log_probs
+    vtrace_returns = from_importance_weights(
+        log_rhos=log_rhos,
+        discounts=discounts,
+        rewards=rewards,
+        values=values,
+        bootstrap_value=bootstrap_value,
+        clip_rho_threshold=clip_rho_threshold,
+        clip_pg_rho_threshold=clip_pg_rho_threshold,
+        lambda_=lambda_,
+    )
+    return VTraceFromLogitsReturns(
+        log_rhos=log_rhos,
+        behaviour_action_log_probs=behaviour_action_log_probs,
+        target_action_log_probs=target_action_log_probs,
+        **vtrace_returns._asdict(),
+    )
+
+
+@torch.no_grad()
+def from_importance_weights(
+    log_rhos: torch.Tensor,
+    discounts: torch.Tensor,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    bootstrap_value: torch.Tensor,
+    clip_rho_threshold: float | None = 1.0,
+    clip_pg_rho_threshold: float | None = 1.0,
+    lambda_: float = 1.0,
+) -> VTraceReturns:
+    """V-trace targets from log importance weights log(pi(a_t|x_t) / mu(a_t|x_t)).
+
+    With ``rho_t = exp(log_rhos[t])``, ``rho_bar = clip_rho_threshold`` and
+    ``c_t = lambda_ * min(1, rho_t)``:
+
+        delta_t = min(rho_bar, rho_t) * (r_t + gamma_t * V(x_{t+1}) - V(x_t))
+        v_t - V(x_t) = delta_t + gamma_t * c_t * (v_{t+1} - V(x_{t+1}))
+
+    with ``V(x_T) = v_T = bootstrap_value``. This backward recursion is eq. (1) of
+    the IMPALA paper with the n-step horizon running to the end of the sequence.
+
+    Args:
+        log_rhos: [T, B] log importance weights.
+        discounts: [T, B] per-step discounts gamma_t; 0 where the episode ended at
+            step t, which cuts both the bootstrap and the trace.
+        rewards: [T, B] rewards r_t.
+        values: [T, B] value estimates V(x_t).
+        bootstrap_value: [B] value estimate V(x_T) after the last step.
+        clip_rho_threshold: rho_bar for the value targets; ``None`` means no clipping.
+        clip_pg_rho_threshold: clipping of rho in ``pg_advantages``; ``None`` means
+            no clipping.
+        lambda_: trace-cutting parameter in [0, 1], folded into c_t.
+
+    Returns:
+        ``VTraceReturns`` of [T, B] tensors that carry no gradient.
+    """
+    rhos = torch.exp(log_rhos)
+    if clip_rho_threshold is not None:
+        clipped_rhos = torch.clamp(rhos, max=clip_rho_threshold)
+    else:
+        clipped_rhos = rhos
+    # The trace coefficients are always truncated at 1 (the paper's c_bar = 1).
+    cs = lambda_ * torch.clamp(rhos, max=1.0)
+
+    # V(x_{t+1}) for every t: shift values by one and append the bootstrap.
+    values_t_plus_1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)], dim=0)
+    deltas = clipped_rhos * (rewards + discounts * values_t_plus_1 - values)
+
+    # Backward recursion on whole [B] slices; on entry acc = v_{t+1} - V(x_{t+1}).
+    acc = torch.zeros_like(bootstrap_value)
+    vs_minus_v_xs = torch.empty_like(values)
+    for t in reversed(range(values.shape[0])):
+        acc = deltas[t] + discounts[t] * cs[t] * acc
+        vs_minus_v_xs[t] = acc
+    vs = vs_minus_v_xs + values
+
+    # Advantage for the policy gradient uses the V-trace target of the next state.
+    vs_t_plus_1 = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)], dim=0)
+    if clip_pg_rho_threshold is not None:
+        clipped_pg_rhos = torch.clamp(rhos, max=clip_pg_rho_threshold)
+    else:
+        clipped_pg_rhos = rhos
+    pg_advantages = clipped_pg_rhos * (rewards + discounts * vs_t_plus_1 - values)
+
+    return VTraceReturns(vs=vs, pg_advantages=pg_advantages)
