@@ -1,0 +1,1 @@
+"""IMPALA / V-trace actor-critic trainer."""

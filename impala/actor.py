@@ -1,0 +1,129 @@
+"""The actor loop: step a batch of envs with one batched policy forward and write unrolls into slots.
+
+`run_actor` is the body of an actor process; `training.py` creates the process, the queues and the
+shared model and passes them in. It can also be called inline for a fixed number of unrolls.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import traceback
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from impala.buffers import Buffers
+from impala.config import Config
+from impala.environment import EnvBatch
+from impala.model import Net, sample_actions
+
+
+class ActorChannels(NamedTuple):
+    """What connects an actor to the main process (all created by `training.py`)."""
+
+    free_queue: Any  # slot numbers the actor may fill
+    full_queue: Any  # slot numbers of finished unrolls, for the learner
+    episode_queue: Any  # (actor_index, return, length) of every finished full game
+    error_queue: Any  # (actor_index, traceback text) when the actor dies of an exception
+    stop_event: Any  # set by the main process: finish and return
+    policy_version: Any  # shared int: learner updates applied to the shared model
+
+
+def actor_seed(config: Config, actor_index: int, restart: int = 0) -> int:
+    return config.seed * 1_000_003 + actor_index * 10_007 + restart * 101
+
+
+def _take_slots(free_queue: Any, count: int, stop_event: Any) -> list[int] | None:
+    slots = []
+    while len(slots) < count:
+        try:
+            slot = free_queue.get(timeout=0.2)
+        except queue.Empty:
+            if stop_event.is_set():
+                return None
+            continue
+        if slot is None:  # sentinel from the main process
+            return None
+        slots.append(slot)
+    return slots
+
+
+def run_actor(actor_index: int, config: Config, buffers: Buffers, model: Net, channels: ActorChannels,
+              restart: int = 0, max_unrolls: int | None = None) -> None:
+    """Fill slots until `channels.stop_event` is set (or `max_unrolls` unrolls per env are done)."""
+    try:
+        if max_unrolls is None:  # a child process: the main process handles Ctrl-C for the whole tree
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            torch.set_num_threads(1)  # batch inference is fastest with one thread per actor
+        _act(actor_index, config, buffers, model, channels, restart, max_unrolls)
+    except KeyboardInterrupt:
+        pass
+    except Exception:
+        channels.error_queue.put((actor_index, traceback.format_exc()))
+        raise
+
+
+def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channels: ActorChannels,
+         restart: int, max_unrolls: int | None) -> None:
+    seed = actor_seed(config, actor_index, restart)
+    env = EnvBatch(config.env, config.envs_per_actor, seed, episodic_life=config.episodic_life)
+    generator = torch.Generator().manual_seed(seed)
+    T = config.unroll_length
+    n = env.num_envs
+    # The current row of every env; it becomes row 0 of the next unroll.
+    row = {
+        "obs": torch.from_numpy(env.reset()),
+        "done": torch.ones(n, dtype=torch.bool),
+        "reward": torch.zeros(n),
+        "episode_return": torch.zeros(n),
+        "episode_step": torch.zeros(n, dtype=torch.int64),
+        "game_over": torch.zeros(n, dtype=torch.bool),
+    }
+    core_state = model.initial_state(n)
+    unrolls = 0
+    try:
+        while not channels.stop_event.is_set() and (max_unrolls is None or unrolls < max_unrolls):
+            slots = _take_slots(channels.free_queue, n, channels.stop_event)
+            if slots is None:
+                return
+            index = torch.tensor(slots)
+            buffers["slot_owner"][index] = actor_index  # lets the monitor reclaim them if this actor dies
+            buffers["policy_version"][index] = channels.policy_version.value
+            for i, state in enumerate(core_state):
+                buffers[f"core_state_{i}"][index] = state.transpose(0, 1)  # [layers, N, H] -> [N, layers, H]
+            for t in range(T + 1):
+                for key, value in row.items():
+                    buffers[key][index, t] = value
+                if t == T:
+                    break
+                with torch.no_grad():
+                    output, core_state = model(row["obs"][None], row["done"][None], core_state)
+                logits = output.policy_logits[0]
+                action = sample_actions(logits, generator)
+                buffers["action"][index, t] = action
+                buffers["policy_logits"][index, t] = logits
+                buffers["baseline"][index, t] = output.baseline[0]
+                step = env.step(action.numpy())
+                row = _row_from_step(step)
+                for i in np.flatnonzero(step.game_over):
+                    channels.episode_queue.put((actor_index, float(step.episode_return[i]),
+                                                int(step.episode_step[i])))
+            buffers["slot_owner"][index] = -1
+            for slot in slots:
+                channels.full_queue.put(slot)
+            unrolls += 1
+    finally:
+        env.close()
+
+
+def _row_from_step(step: Any) -> dict[str, torch.Tensor]:
+    return {
+        "obs": torch.from_numpy(step.obs),
+        "done": torch.from_numpy(step.done),
+        "reward": torch.from_numpy(step.reward),
+        "episode_return": torch.from_numpy(step.episode_return.astype(np.float32)),
+        "episode_step": torch.from_numpy(step.episode_step),
+        "game_over": torch.from_numpy(step.game_over),
+    }

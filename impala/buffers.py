@@ -1,0 +1,88 @@
+"""Shared-memory rollout slots.
+
+A slot holds one unroll of one env in rows 0..T, where row 0 repeats the last row of the previous
+unroll of that env. Alignment (the same in every row t):
+
+    obs[t], done[t]      the observation and whether it begins an episode
+    reward[t]            the reward received on arriving at obs t
+    action[t], policy_logits[t], baseline[t]   chosen at obs t (row T's are not used)
+
+so the action at t pairs with reward[t + 1] and done[t + 1], and the bootstrap value is the value
+of obs T. Only slot numbers travel through queues; the tensors below stay in shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from impala.config import UserError
+
+_POISON = {torch.uint8: 255, torch.bool: True, torch.int64: -1, torch.float32: float("nan")}
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    num_buffers: int
+    unroll_length: int
+    observation_shape: tuple[int, ...]
+    observation_dtype: torch.dtype
+    num_actions: int
+    core_state_shapes: tuple[tuple[int, ...], ...] = ()  # per tensor of the LSTM state, one env's shape
+
+    def fields(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        n, rows = self.num_buffers, self.unroll_length + 1
+        fields = {
+            "obs": ((n, rows, *self.observation_shape), self.observation_dtype),
+            "done": ((n, rows), torch.bool),
+            "reward": ((n, rows), torch.float32),
+            "episode_return": ((n, rows), torch.float32),
+            "episode_step": ((n, rows), torch.int64),
+            "game_over": ((n, rows), torch.bool),
+            "action": ((n, rows), torch.int64),
+            "policy_logits": ((n, rows, self.num_actions), torch.float32),
+            "baseline": ((n, rows), torch.float32),
+            "policy_version": ((n,), torch.int64),
+            "slot_owner": ((n,), torch.int64),  # actor filling the slot, -1 when none
+        }
+        for i, shape in enumerate(self.core_state_shapes):
+            fields[f"core_state_{i}"] = ((n, *shape), torch.float32)
+        return fields
+
+    def nbytes(self) -> int:
+        total = 0
+        for shape, dtype in self.fields().values():
+            count = 1
+            for size in shape:
+                count *= size
+            total += count * torch.empty((), dtype=dtype).element_size()
+        return total
+
+
+Buffers = dict[str, torch.Tensor]
+
+
+def check_shared_memory(needed_bytes: int, path: str = "/dev/shm") -> None:
+    """Raise UserError if `path` has too little free space for the rollout buffers."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return  # no /dev/shm to check (not Linux): let torch report what it can
+    free = stat.f_bavail * stat.f_frsize
+    # Leave room for the shared models and the queues' own segments.
+    if needed_bytes * 1.1 + 64 * 2**20 > free:
+        raise UserError(
+            f"the rollout buffers need {needed_bytes / 2**20:.0f} MiB of shared memory but {path} has "
+            f"{free / 2**20:.0f} MiB free; in Docker run with --shm-size=8g (or --ipc=host), "
+            "or lower --num_buffers, --unroll_length or --envs_per_actor")
+
+
+def create_buffers(spec: BufferSpec) -> Buffers:
+    """Allocate every field in shared memory, filled with poison so an unwritten row fails loudly."""
+    check_shared_memory(spec.nbytes())
+    buffers = {}
+    for name, (shape, dtype) in spec.fields().items():
+        buffers[name] = torch.full(shape, _POISON[dtype], dtype=dtype).share_memory_()
+    return buffers

@@ -1,0 +1,76 @@
+"""Checkpoints: written atomically, loaded as data only, checked against the run that loads them.
+
+A checkpoint is a dict of tensors and plain values (model, optimiser and schedule state, step
+counters, flags). It is written to a temporary file in the same directory and renamed over the old
+one, so a kill at any instant leaves either the old or the new checkpoint, never a torn one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from impala.config import UserError
+
+CHECKPOINT_NAME = "model.tar"
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Write `state` to `path` atomically (temporary file, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint as data (`weights_only=True`); a missing or unreadable file is a UserError."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no checkpoint at {path}; train a run with this --xpid first")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for truncated or foreign files
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"checkpoint {path} is not a readable checkpoint ({reason[:200]})") from None
+    required = ("model_state_dict", "flags", "step", "observation_shape", "num_actions")
+    if not isinstance(state, dict) or any(key not in state for key in required):
+        raise UserError(f"checkpoint {path} is not an impala checkpoint (missing model or flags)")
+    return state
+
+
+def check_compatible(state: dict[str, Any], *, env: str, model: str, use_lstm: bool, hidden_size: int,
+                     observation_shape: tuple[int, ...], num_actions: int, path: str | os.PathLike) -> None:
+    """Refuse a checkpoint made for another env or model shape, saying which differs."""
+    flags = state["flags"]
+    differences = []
+    if flags.get("env") != env:
+        differences.append(f"env {flags.get('env')!r} vs {env!r}")
+    if state.get("model") != model:
+        differences.append(f"model {state.get('model')!r} vs {model!r}")
+    if bool(flags.get("use_lstm")) != use_lstm:
+        differences.append(f"use_lstm {flags.get('use_lstm')} vs {use_lstm}")
+    if int(flags.get("hidden_size", hidden_size)) != hidden_size:
+        differences.append(f"hidden_size {flags.get('hidden_size')} vs {hidden_size}")
+    if tuple(state["observation_shape"]) != tuple(observation_shape):
+        differences.append(f"observation shape {tuple(state['observation_shape'])} vs {tuple(observation_shape)}")
+    if int(state["num_actions"]) != num_actions:
+        differences.append(f"{state['num_actions']} actions vs {num_actions}")
+    if differences:
+        raise UserError(f"checkpoint {path} does not fit this run: " + "; ".join(differences)
+                        + " (checkpoint vs flags)")

@@ -1,0 +1,195 @@
+"""The run's configuration: one frozen dataclass, its command line, and its validation.
+
+Every flag is a field below with its default and a one-line description; `build_parser` turns the
+fields into argparse flags, so `python run.py --help` and this file can never disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class UserError(Exception):
+    """A problem the user can fix (a flag, an env id, a path, a checkpoint).
+
+    `run.py` prints its message as one line and exits with code 2, without a traceback.
+    """
+
+
+def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+@dataclass(frozen=True)
+class Config:
+    # What to run.
+    mode: str = _flag("train", "train, test (play episodes with a saved agent) or plot (runs' returns to PNG)",
+                      choices=("train", "test", "plot"))
+    env: str = _flag("PongNoFrameskip-v4", "gymnasium env id: Atari (e.g. PongNoFrameskip-v4, ALE/Breakout-v5) "
+                     "or a vector-observation env with discrete actions (e.g. CartPole-v1)")
+    xpid: str | None = _flag(None, "run name; the run lives in SAVEDIR/XPID (default: ENV-date-time)")
+    savedir: str = _flag("runs", "directory that holds one subdirectory per run")
+    resume: bool = _flag(False, "continue the run XPID from its last checkpoint (same as re-running its xpid)")
+    seed: int = _flag(0, "seed for envs, weights and action sampling")
+
+    # Acting.
+    num_actors: int = _flag(4, "actor processes")
+    envs_per_actor: int = _flag(8, "envs stepped together by each actor, with one batched policy forward")
+    num_buffers: int | None = _flag(None, "shared rollout slots (default: 2 x envs of all actors + batch_size)")
+    unroll_length: int = _flag(80, "agent steps per unroll (T)")
+    inference: str = _flag("actor", "where actions are computed: 'actor' (each actor, on CPU) or 'central' "
+                           "(one thread in the main process batches all actors on the learner's device)",
+                           choices=("actor", "central"))
+    inference_wait_ms: float = _flag(0.0, "central inference: how long to wait for more actors before "
+                                     "running a partial batch (0: serve whoever is ready)")
+
+    # Learning.
+    total_steps: int = _flag(10_000_000, "agent steps to train for (1 agent step = frame skip frames on Atari)")
+    batch_size: int = _flag(8, "unrolls per learner update (B)")
+    num_learner_threads: int = _flag(2, "learner threads; updates are serialised, extra threads prepare batches")
+    model: str = _flag("auto", "network: shallow (IMPALA/TorchBeast Atari net), resnet (deep IMPALA ResNet), "
+                       "mlp (vector observations) or auto (shallow for images, mlp for vectors)",
+                       choices=("auto", "shallow", "resnet", "mlp"))
+    use_lstm: bool = _flag(False, "add an LSTM core, reset at episode ends")
+    hidden_size: int = _flag(256, "width of the MLP layers and of the LSTM core")
+    entropy_cost: float = _flag(0.0006, "entropy bonus weight")
+    baseline_cost: float = _flag(0.5, "baseline (value) loss weight")
+    discounting: float = _flag(0.99, "discount factor gamma")
+    reward_clipping: str = _flag("abs_one", "reward clipping for learning: abs_one (to [-1, 1]) or none",
+                                 choices=("abs_one", "none"))
+    episodic_life: bool = _flag(True, "Atari: a lost life ends the episode for the learner (returns are "
+                                "still reported per full game)", negatable=True)
+
+    # Optimiser (torch.optim.RMSprop; note PyTorch adds epsilon outside the square root).
+    learning_rate: float = _flag(0.00048, "RMSprop learning rate, decayed linearly to 0 over total_steps")
+    alpha: float = _flag(0.99, "RMSprop smoothing constant")
+    momentum: float = _flag(0.0, "RMSprop momentum")
+    epsilon: float = _flag(0.01, "RMSprop epsilon")
+    grad_norm_clipping: float = _flag(40.0, "global gradient-norm clipping threshold")
+
+    # Devices and speed.
+    disable_cuda: bool = _flag(False, "learn on the CPU even when a GPU is present")
+    amp: bool = _flag(False, "GPU only: learner forward/backward in bfloat16 autocast")
+    compile: bool = _flag(False, "torch.compile the learner's model")
+
+    # Outputs.
+    log_interval_s: float = _flag(5.0, "seconds between console lines and TensorBoard scalars")
+    checkpoint_interval_s: float = _flag(300.0, "seconds between checkpoints (one is always written at the end)")
+    test_episodes: int = _flag(10, "test mode: full-game episodes to play")
+    max_actor_restarts: int = _flag(10, "a run stops after this many actor crashes within 10 minutes")
+    max_bad_updates: int = _flag(20, "a run stops after this many consecutive non-finite updates")
+    plot_out: str | None = _flag(None, "plot mode: PNG path (default: SAVEDIR/returns.png)")
+    plot_xpids: tuple[str, ...] = _flag((), "plot mode: runs to plot (default: XPID, or every run in SAVEDIR)",
+                                        nargs="*", metavar="XPID")
+
+    @property
+    def slots_needed(self) -> int:
+        """Slots that actors and learners can hold at once; fewer would deadlock."""
+        return self.num_actors * self.envs_per_actor + self.num_learner_threads * self.batch_size
+
+    @property
+    def resolved_num_buffers(self) -> int:
+        if self.num_buffers is not None:
+            return self.num_buffers
+        return 2 * self.num_actors * self.envs_per_actor + self.num_learner_threads * self.batch_size
+
+    @property
+    def steps_per_update(self) -> int:
+        return self.unroll_length * self.batch_size
+
+    def validate(self) -> list[str]:
+        """Every problem with these values, each with the numbers involved; empty when all is well."""
+        problems = []
+        positive_ints = ("num_actors", "envs_per_actor", "unroll_length", "total_steps", "batch_size",
+                         "num_learner_threads", "hidden_size", "test_episodes")
+        for name in positive_ints:
+            if getattr(self, name) < 1:
+                problems.append(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("learning_rate", "epsilon", "grad_norm_clipping", "log_interval_s", "checkpoint_interval_s"):
+            if not getattr(self, name) > 0:
+                problems.append(f"--{name} must be > 0, got {getattr(self, name)}")
+        for name in ("entropy_cost", "baseline_cost", "momentum", "inference_wait_ms"):
+            if getattr(self, name) < 0:
+                problems.append(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.discounting <= 1:
+            problems.append(f"--discounting must be in [0, 1], got {self.discounting}")
+        if not 0 <= self.alpha < 1:
+            problems.append(f"--alpha must be in [0, 1), got {self.alpha}")
+        if self.max_actor_restarts < 0 or self.max_bad_updates < 1:
+            problems.append("--max_actor_restarts must be >= 0 and --max_bad_updates >= 1")
+        if self.num_buffers is not None and self.num_buffers < self.slots_needed:
+            problems.append(
+                f"--num_buffers {self.num_buffers} is too few: {self.num_actors} actors x {self.envs_per_actor} "
+                f"envs + {self.num_learner_threads} learner threads x batch {self.batch_size} "
+                f"hold up to {self.slots_needed} slots at once")
+        if self.xpid is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.xpid):
+            problems.append(f"--xpid {self.xpid!r} must be a plain name (letters, digits, '.', '_', '-')")
+        if self.mode == "test" and self.xpid is None:
+            problems.append("--mode test needs --xpid NAME of a trained run")
+        if self.resume and self.xpid is None:
+            problems.append("--resume needs --xpid NAME of the run to continue")
+        if self.use_lstm and self.inference == "central":
+            problems.append("--use_lstm is not supported with --inference central; use --inference actor")
+        if not self.savedir:
+            problems.append("--savedir must not be empty")
+        return problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in dataclasses.fields(self)}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="run.py",
+        description="IMPALA: actor processes fill shared rollout buffers, learner threads apply V-trace.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(Config):
+        meta = dict(f.metadata)
+        help_text = meta.pop("help")
+        negatable = meta.pop("negatable", False)
+        if f.type in ("bool", bool):
+            action = argparse.BooleanOptionalAction if negatable else "store_true"
+            parser.add_argument(f"--{f.name}", action=action, default=f.default, help=help_text)
+            continue
+        if "nargs" not in meta:
+            meta["type"] = _arg_type(f.type)
+        parser.add_argument(f"--{f.name}", default=f.default, help=help_text, **meta)
+    return parser
+
+
+def _arg_type(annotation: str) -> Any:
+    base = annotation.replace(" | None", "")
+    return {"int": int, "float": float, "str": str}[base]
+
+
+class _ErrorRaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print usage and exit; we want one line
+        raise UserError(message)
+
+
+def parse_config(argv: Sequence[str] | None = None) -> Config:
+    """Flags -> validated Config. Raises UserError naming every problem found."""
+    parser = build_parser()
+    parser.__class__ = _ErrorRaisingParser
+    args = parser.parse_args(argv)
+    values = vars(args)
+    values["plot_xpids"] = tuple(values["plot_xpids"] or ())
+    config = Config(**values)
+    problems = config.validate()
+    if problems:
+        raise UserError("; ".join(problems))
+    return config
+
+
+def config_from_dict(values: dict[str, Any]) -> Config:
+    """Rebuild a Config from `Config.to_dict()` output (e.g. stored in a checkpoint), ignoring unknown keys."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    kept = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
+    return Config(**kept)

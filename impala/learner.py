@@ -1,0 +1,123 @@
+"""One learner update: assemble a batch of slots, V-trace targets, the IMPALA loss, an RMSprop step.
+
+Nothing here starts a thread or touches a queue: `training.py` calls these from its learner threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Sequence
+
+import torch
+
+from impala import losses, vtrace
+from impala.buffers import Buffers
+from impala.config import Config
+from impala.model import CoreState, Net
+
+# The fields the learner reads, time-major in a batch: [T + 1, B, ...].
+BATCH_KEYS = ("obs", "done", "reward", "action", "policy_logits")
+
+
+class BatchStaging:
+    """Reusable host tensors one learner thread stacks slots into ([T + 1, B, ...]), pinned for CUDA."""
+
+    def __init__(self, buffers: Buffers, batch_size: int, pin: bool) -> None:
+        self.tensors = {}
+        for key in BATCH_KEYS:
+            per_slot = buffers[key].shape[1:]  # [T + 1, ...]
+            shape = (per_slot[0], batch_size, *per_slot[1:])
+            tensor = torch.empty(shape, dtype=buffers[key].dtype)
+            self.tensors[key] = tensor.pin_memory() if pin else tensor
+        self.core_state = [torch.empty((buffers[k].shape[1], batch_size, buffers[k].shape[2]))
+                           for k in sorted(buffers) if k.startswith("core_state_")]
+        if pin:
+            self.core_state = [s.pin_memory() for s in self.core_state]
+
+    def fill(self, buffers: Buffers, slots: Sequence[int]) -> None:
+        """Copy `slots` out of shared memory; the slots may be reused as soon as this returns."""
+        for key, out in self.tensors.items():
+            torch.stack([buffers[key][i] for i in slots], dim=1, out=out)
+        for i, out in enumerate(self.core_state):
+            torch.stack([buffers[f"core_state_{i}"][s] for s in slots], dim=1, out=out)
+
+    def to(self, device: torch.device) -> tuple[dict[str, torch.Tensor], CoreState]:
+        non_blocking = device.type == "cuda"
+        batch = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}
+        core_state = tuple(s.to(device, non_blocking=non_blocking) for s in self.core_state)
+        return batch, core_state
+
+
+def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The IMPALA loss of one batch ([T + 1, B, ...], see `buffers.py` for the row alignment)."""
+    output, _ = model(batch["obs"], batch["done"], core_state)
+    logits = output.policy_logits.float()
+    values = output.baseline.float()
+    bootstrap_value = values[-1]  # the value of obs T, after the last action
+
+    # Action t was chosen at obs t and produced reward t + 1 and done t + 1.
+    rewards = batch["reward"][1:]
+    if config.reward_clipping == "abs_one":
+        rewards = rewards.clamp(-1, 1)
+    discounts = (~batch["done"][1:]).float() * config.discounting
+    returns = vtrace.from_logits(
+        behaviour_policy_logits=batch["policy_logits"][:-1],
+        target_policy_logits=logits[:-1],
+        actions=batch["action"][:-1],
+        discounts=discounts,
+        rewards=rewards,
+        values=values[:-1],
+        bootstrap_value=bootstrap_value,
+    )
+    pg_loss = losses.policy_gradient_loss(logits[:-1], batch["action"][:-1], returns.pg_advantages)
+    baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1])
+    entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1])
+    total_loss = pg_loss + baseline_loss + entropy_loss
+    rhos = returns.log_rhos.detach().exp()
+    stats = {
+        "total_loss": total_loss.detach(),
+        "pg_loss": pg_loss.detach(),
+        "baseline_loss": baseline_loss.detach(),
+        "entropy_loss": entropy_loss.detach(),
+        "rho_mean": rhos.mean(),
+        "rho_clipped_fraction": (rhos > 1.0).float().mean(),
+    }
+    return total_loss, stats
+
+
+def make_optimizer(model: Net, config: Config) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """RMSprop and a schedule that decays the learning rate linearly to 0 over `total_steps`."""
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=config.learning_rate, alpha=config.alpha,
+                                    momentum=config.momentum, eps=config.epsilon)
+
+    def remaining_fraction(update: int) -> float:
+        return 1.0 - min(update * config.steps_per_update, config.total_steps) / config.total_steps
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, remaining_fraction)
+
+
+def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+           batch: dict[str, torch.Tensor], core_state: CoreState, config: Config, amp: bool = False
+           ) -> dict[str, float]:
+    """One gradient step. A non-finite loss or gradient is not applied: `stats["skipped"]` is 1.
+
+    Returns the stats as Python floats (this synchronises with the device once).
+    """
+    device_type = batch["obs"].device.type
+    autocast = torch.autocast(device_type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+    with autocast:
+        loss, stats = compute_loss(model, batch, core_state, config)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_norm_clipping)
+    stats["grad_norm"] = grad_norm.detach()
+    stats["learning_rate"] = torch.tensor(scheduler.get_last_lr()[0])
+    values = {k: float(v) for k, v in stats.items()}
+    finite = math.isfinite(values["total_loss"]) and math.isfinite(values["grad_norm"])
+    if finite:
+        optimizer.step()
+    values["skipped"] = 0.0 if finite else 1.0
+    scheduler.step()
+    return values

@@ -1,0 +1,24 @@
+"""The three IMPALA losses, summed over time and batch as in the paper. Inputs are [T, B]."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+
+def policy_gradient_loss(logits: torch.Tensor, actions: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """-sum_t,b log pi(a_t|x_t) * A_t, with the advantages treated as constants. logits [T, B, A]."""
+    cross_entropy = F.cross_entropy(logits.flatten(0, 1), actions.flatten(), reduction="none")
+    return (cross_entropy.view_as(advantages) * advantages.detach()).sum()
+
+
+def baseline_loss(vs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """0.5 * sum (vs - V)^2 with the V-trace targets vs treated as constants."""
+    return 0.5 * ((vs.detach() - values) ** 2).sum()
+
+
+def entropy_loss(logits: torch.Tensor) -> torch.Tensor:
+    """sum pi log pi: the negative entropy, so adding it (times a positive cost) rewards exploration."""
+    policy = F.softmax(logits, dim=-1)
+    log_policy = F.log_softmax(logits, dim=-1)
+    return (policy * log_policy).sum()

@@ -1,0 +1,162 @@
+"""Policy/value networks: a torso (shallow Atari net, deep IMPALA ResNet or MLP), an optional LSTM
+core reset at episode starts, and the policy and baseline heads.
+
+Every network takes time-major inputs `[T, B, ...]` so that the learner (T = unroll length + 1) and
+the actors (T = 1) share one forward.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+CoreState = tuple[torch.Tensor, ...]
+
+
+class AgentOutput(NamedTuple):
+    policy_logits: torch.Tensor  # [T, B, A]
+    baseline: torch.Tensor  # [T, B]
+
+
+class ShallowTorso(nn.Module):
+    """The IMPALA/TorchBeast Atari net: three convolutions and a 512-unit layer."""
+
+    def __init__(self, in_channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 32, kernel_size=8, stride=4)
+        self.conv2 = nn.Conv2d(32, 64, kernel_size=4, stride=2)
+        self.conv3 = nn.Conv2d(64, 64, kernel_size=3, stride=1)
+        self.fc = nn.Linear(64 * 7 * 7, 512)
+        self.out_size = 512
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = F.relu(self.conv3(x))
+        return F.relu(self.fc(x.flatten(1)))
+
+
+class ResidualBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(F.relu(self.conv1(F.relu(x))))
+
+
+class ResNetTorso(nn.Module):
+    """The deep IMPALA net: stages of 16/32/32 channels, each conv + max-pool + two residual blocks."""
+
+    def __init__(self, in_channels: int, height: int = 84, width: int = 84) -> None:
+        super().__init__()
+        stages = []
+        channels = in_channels
+        for out_channels in (16, 32, 32):
+            stages += [
+                nn.Conv2d(channels, out_channels, kernel_size=3, padding=1),
+                nn.MaxPool2d(kernel_size=3, stride=2, padding=1),
+                ResidualBlock(out_channels),
+                ResidualBlock(out_channels),
+            ]
+            channels = out_channels
+            height, width = (height + 1) // 2, (width + 1) // 2
+        self.stages = nn.Sequential(*stages)
+        self.fc = nn.Linear(channels * height * width, 256)
+        self.out_size = 256
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.stages(x))
+        return F.relu(self.fc(x.flatten(1)))
+
+
+class MLPTorso(nn.Module):
+    def __init__(self, in_features: int, hidden_size: int) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(in_features, hidden_size), nn.Tanh(), nn.Linear(hidden_size, hidden_size), nn.Tanh()
+        )
+        self.out_size = hidden_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x.flatten(1))
+
+
+class Net(nn.Module):
+    """torso -> (LSTM) -> policy logits and baseline.
+
+    `forward(obs [T, B, *obs_shape], done [T, B], core_state)`: `done[t]` says obs t starts a new
+    episode, so the LSTM state is zeroed before it. uint8 observations are scaled to [0, 1] here.
+    """
+
+    def __init__(self, observation_shape: tuple[int, ...], num_actions: int, model: str = "auto",
+                 use_lstm: bool = False, hidden_size: int = 256) -> None:
+        super().__init__()
+        self.observation_shape = tuple(observation_shape)
+        self.num_actions = num_actions
+        if model == "auto":
+            model = "shallow" if len(observation_shape) == 3 else "mlp"
+        if model in ("shallow", "resnet") and len(observation_shape) != 3:
+            raise ValueError(f"--model {model} needs image observations [C, H, W], got shape {observation_shape}")
+        if model == "shallow":
+            self.torso = ShallowTorso(observation_shape[0])
+        elif model == "resnet":
+            self.torso = ResNetTorso(*observation_shape)
+        else:
+            in_features = 1
+            for size in observation_shape:
+                in_features *= size
+            self.torso = MLPTorso(in_features, hidden_size)
+        self.model = model
+        core_size = self.torso.out_size
+        self.core = nn.LSTM(core_size, hidden_size, num_layers=1) if use_lstm else None
+        if self.core is not None:
+            core_size = hidden_size
+        self.policy = nn.Linear(core_size, num_actions)
+        self.baseline = nn.Linear(core_size, 1)
+
+    @property
+    def use_lstm(self) -> bool:
+        return self.core is not None
+
+    def initial_state(self, batch_size: int) -> CoreState:
+        """Zero core state for `batch_size` envs: `(h, c)` each [layers, B, H], or `()` without LSTM."""
+        if self.core is None:
+            return ()
+        shape = (self.core.num_layers, batch_size, self.core.hidden_size)
+        return torch.zeros(shape), torch.zeros(shape)
+
+    def forward(self, obs: torch.Tensor, done: torch.Tensor, core_state: CoreState = ()
+                ) -> tuple[AgentOutput, CoreState]:
+        T, B = obs.shape[:2]
+        x = obs.flatten(0, 1)
+        x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+        features = self.torso(x)
+        if self.core is not None:
+            features, core_state = self._unroll_core(features.view(T, B, -1), done, core_state)
+            features = features.flatten(0, 1)
+        logits = self.policy(features).view(T, B, self.num_actions)
+        baseline = self.baseline(features).view(T, B)
+        return AgentOutput(logits, baseline), core_state
+
+    def _unroll_core(self, features: torch.Tensor, done: torch.Tensor, core_state: CoreState
+                     ) -> tuple[torch.Tensor, CoreState]:
+        outputs = []
+        not_done = (~done.bool()).float()
+        for t in range(features.shape[0]):
+            # Zero the state where obs t begins a new episode.
+            mask = not_done[t].view(1, -1, 1)
+            core_state = tuple(mask * s for s in core_state)
+            output, core_state = self.core(features[t : t + 1], core_state)
+            outputs.append(output)
+        return torch.cat(outputs), core_state
+
+
+def sample_actions(policy_logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One action per row of `policy_logits` [N, A], sampled from the softmax policy: int64 [N]."""
+    probs = F.softmax(policy_logits.float(), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

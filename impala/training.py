@@ -1,0 +1,510 @@
+"""A training run: build, start, monitor, shut down. The only module that creates processes,
+threads, locks and queues.
+
+    main thread: build() -> start_actors() -> start_learners() -> monitor() -> shutdown()
+    actor processes: actor.run_actor(), filling slots from free_queue into full_queue
+    learner threads: take batch_size full slots, update, publish weights to the shared actor model
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import platform
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from impala import learner
+from impala.actor import ActorChannels, run_actor
+from impala.buffers import Buffers, BufferSpec, create_buffers
+from impala.checkpoint import (
+    CHECKPOINT_NAME,
+    check_compatible,
+    load_checkpoint,
+    save_checkpoint,
+)
+from impala.config import Config, UserError
+from impala.environment import EnvBatch
+from impala.metrics import RunLog, close_console, setup_console
+from impala.model import Net
+
+log = logging.getLogger("impala")
+
+# Actor processes come from a fork server: a clean process started before any learner thread or CUDA
+# context exists, so (unlike plain fork) a restarted actor never inherits a held lock or a CUDA
+# state, and (unlike spawn) it does not re-import torch for every actor.
+START_METHOD = "forkserver"
+ACTOR_JOIN_TIMEOUT_S = 5.0
+RESTART_WINDOW_S = 600.0
+
+
+class TrainingError(RuntimeError):
+    """The run stopped because of a fault in the run itself (actors crashing, numerical failure)."""
+
+
+@dataclass
+class Run:
+    """Everything the stages of a run share. Mutable fields change under `update_lock`."""
+
+    config: Config
+    run_dir: Path
+    device: torch.device
+    model: Net  # the learner's, on `device`
+    actor_model: Net  # shared CPU copy the actors act with
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    buffers: Buffers
+    channels: ActorChannels
+    ctx: Any
+    runlog: RunLog
+    step: int = 0
+    updates: int = 0
+    start_step: int = 0
+    bad_updates_in_a_row: int = 0
+    skipped_updates: int = 0
+    actors: list = field(default_factory=list)
+    actor_restarts: list = field(default_factory=list)  # restart times, for the crash-rate limit
+    learner_threads: list = field(default_factory=list)
+    learner_errors: list = field(default_factory=list)
+    update_lock: threading.Lock = field(default_factory=threading.Lock)
+    stop_learning: threading.Event = field(default_factory=threading.Event)
+    last_stats: dict = field(default_factory=dict)
+    stats_sum: dict = field(default_factory=lambda: collections.defaultdict(float))
+    stats_count: int = 0
+    episode_returns: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
+    episodes: int = 0
+    policy_lag_sum: float = 0.0
+
+
+# ----------------------------------------------------------------------------------------- build
+
+
+def run_directory(config: Config) -> tuple[Path, bool]:
+    """The run's directory and whether it resumes an existing run (checked before anything is written)."""
+    xpid = config.xpid or f"{config.env.replace('/', '_')}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    savedir = Path(config.savedir).expanduser()
+    run_dir = savedir / xpid
+    resuming = (run_dir / CHECKPOINT_NAME).is_file()
+    if config.resume and not resuming:
+        raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}") from None
+    return run_dir, resuming
+
+
+def select_device(config: Config) -> torch.device:
+    if not config.disable_cuda and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def build(config: Config) -> Run:
+    run_dir, resuming = run_directory(config)
+    checkpoint = load_checkpoint(run_dir / CHECKPOINT_NAME) if resuming else None
+    probe = EnvBatch(config.env, 1, config.seed)  # shapes, and an early error for a bad env id
+    observation_shape, num_actions = probe.observation_shape, probe.num_actions
+    probe.close()
+    torch.manual_seed(config.seed)
+    try:
+        model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if checkpoint is not None:
+        check_compatible(checkpoint, env=config.env, model=model.model, use_lstm=config.use_lstm,
+                         hidden_size=config.hidden_size, observation_shape=observation_shape,
+                         num_actions=num_actions, path=run_dir / CHECKPOINT_NAME)
+        model.load_state_dict(checkpoint["model_state_dict"])
+    actor_model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
+    actor_model.load_state_dict(model.state_dict())
+    actor_model.share_memory()
+    actor_model.eval()
+
+    device = select_device(config)
+    model = model.to(device)
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    step = 0
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
+        scheduler.load_state_dict(checkpoint["scheduler_state_dict"])
+        step = int(checkpoint["step"])
+
+    core_shapes = tuple((s.shape[0], s.shape[2]) for s in model.initial_state(1))
+    spec = BufferSpec(config.resolved_num_buffers, config.unroll_length, observation_shape,
+                      torch.uint8 if probe.observation_dtype.kind == "u" else torch.float32,
+                      num_actions, core_shapes)
+    buffers = create_buffers(spec)
+
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(["impala.actor"])
+    channels = ActorChannels(
+        free_queue=ctx.Queue(), full_queue=ctx.Queue(), episode_queue=ctx.Queue(), error_queue=ctx.Queue(),
+        stop_event=ctx.Event(), policy_version=ctx.Value("q", 0, lock=False),
+    )
+    for slot in range(spec.num_buffers):
+        channels.free_queue.put(slot)
+    write_run_files(config, run_dir, resuming)
+    runlog = RunLog(run_dir, purge_step=step if resuming else None)
+    run = Run(config, run_dir, device, model, actor_model, optimizer, scheduler, buffers, channels, ctx, runlog,
+              step=step, start_step=step)
+    if checkpoint is not None:
+        run.updates = int(checkpoint.get("updates", 0))
+        channels.policy_version.value = run.updates
+        log.info("Resuming %s from step %d", run_dir, step)
+    return run
+
+
+def write_run_files(config: Config, run_dir: Path, resuming: bool) -> None:
+    """flags.json, meta.json (versions, commit, start time) and the `latest` link beside the run."""
+    (run_dir / "flags.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    meta_path = run_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if resuming and meta_path.exists() else {}
+    meta.setdefault("starts", []).append(datetime.now(UTC).isoformat(timespec="seconds"))
+    meta.update(versions(), command=" ".join(sys.argv), git_commit=git_commit(), ended=None, end_reason=None)
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    latest = run_dir.parent / "latest"
+    try:
+        if latest.is_symlink() or not latest.exists():
+            tmp = run_dir.parent / f".latest-{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(run_dir.name)
+            os.replace(tmp, latest)
+    except OSError:
+        pass  # a file system without symlinks: the link is a convenience only
+
+
+def finish_run_files(run_dir: Path, reason: str, step: int) -> None:
+    meta_path = run_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta.update(ended=datetime.now(UTC).isoformat(timespec="seconds"), end_reason=reason, final_step=step)
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def versions() -> dict[str, str]:
+    import ale_py
+    import gymnasium
+    import numpy
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "gymnasium": gymnasium.__version__,
+            "ale_py": ale_py.__version__, "numpy": numpy.__version__}
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+# ----------------------------------------------------------------------------------------- start
+
+
+def start_actor(run: Run, actor_index: int, restart: int = 0) -> Any:
+    process = run.ctx.Process(
+        target=run_actor, name=f"actor-{actor_index}",
+        args=(actor_index, run.config, run.buffers, run.actor_model, run.channels, restart),
+    )
+    process.start()
+    return process
+
+
+def start_actors(run: Run) -> None:
+    run.actors = [start_actor(run, i) for i in range(run.config.num_actors)]
+
+
+def start_learners(run: Run) -> None:
+    for i in range(run.config.num_learner_threads):
+        thread = threading.Thread(target=_learner_thread, args=(run,), name=f"learner-{i}", daemon=True)
+        thread.start()
+        run.learner_threads.append(thread)
+
+
+def _take_full_slots(run: Run) -> list[int] | None:
+    slots = []
+    while len(slots) < run.config.batch_size:
+        try:
+            slots.append(run.channels.full_queue.get(timeout=0.2))
+        except queue.Empty:
+            if run.stop_learning.is_set():
+                for slot in slots:  # give them back so a later run of this process could use them
+                    run.channels.free_queue.put(slot)
+                return None
+    return slots
+
+
+def _learner_thread(run: Run) -> None:
+    try:
+        _learn(run)
+    except Exception as exc:  # noqa: BLE001 - reported by the monitor, which stops the run
+        run.learner_errors.append(exc)
+        run.stop_learning.set()
+
+
+def _learn(run: Run) -> None:
+    config = run.config
+    staging = learner.BatchStaging(run.buffers, config.batch_size, pin=run.device.type == "cuda")
+    while not run.stop_learning.is_set():
+        slots = _take_full_slots(run)
+        if slots is None:
+            return
+        staging.fill(run.buffers, slots)
+        versions = run.buffers["policy_version"][slots].clone()
+        for slot in slots:
+            run.channels.free_queue.put(slot)
+        batch, core_state = staging.to(run.device)
+        with run.update_lock:
+            if run.step >= config.total_steps or run.stop_learning.is_set():
+                return
+            stats = learner.update(run.model, run.optimizer, run.scheduler, batch, core_state, config, config.amp)
+            _publish(run)
+            run.step += config.steps_per_update
+            run.updates += 1
+            _record(run, stats, float((run.updates - 1 - versions).float().mean()))
+
+
+def _publish(run: Run) -> None:
+    """Copy the learner's weights into the actors' shared model."""
+    with torch.no_grad():
+        for target, source in zip(run.actor_model.parameters(), run.model.parameters()):
+            target.copy_(source, non_blocking=False)
+    run.channels.policy_version.value = run.updates + 1
+
+
+def _record(run: Run, stats: dict[str, float], policy_lag: float) -> None:
+    if stats["skipped"]:
+        run.skipped_updates += 1
+        run.bad_updates_in_a_row += 1
+        log.warning("Skipped a non-finite update at step %d (loss %s, grad norm %s)",
+                    run.step, stats["total_loss"], stats["grad_norm"])
+        if run.bad_updates_in_a_row >= run.config.max_bad_updates:
+            run.learner_errors.append(TrainingError(
+                f"{run.bad_updates_in_a_row} non-finite updates in a row; stopping with the last good "
+                "checkpoint (try a lower --learning_rate or --grad_norm_clipping)"))
+            run.stop_learning.set()
+        return
+    run.bad_updates_in_a_row = 0
+    for key, value in stats.items():
+        run.stats_sum[key] += value
+    run.stats_count += 1
+    run.policy_lag_sum += policy_lag
+    run.last_stats = stats
+
+
+# --------------------------------------------------------------------------------------- monitor
+
+
+def monitor(run: Run) -> str:
+    """Watch the run until it is done; returns why it ended. Raises TrainingError on a fault."""
+    config = run.config
+    last_log_time = last_checkpoint_time = start_time = time.monotonic()
+    last_log_step = run.step
+    while True:
+        if run.learner_errors:
+            error = run.learner_errors[0]
+            if isinstance(error, TrainingError):
+                raise error
+            raise TrainingError(f"learner thread failed: {error!r}") from error
+        if run.step >= config.total_steps:
+            return "finished"
+        _drain_episodes(run)
+        _check_actors(run)
+        now = time.monotonic()
+        if now - last_log_time >= config.log_interval_s:
+            _log_progress(run, now - last_log_time, run.step - last_log_step, now - start_time)
+            last_log_time, last_log_step = now, run.step
+        if now - last_checkpoint_time >= config.checkpoint_interval_s:
+            checkpoint(run)
+            last_checkpoint_time = now
+        time.sleep(0.05)
+
+
+def _drain_episodes(run: Run) -> None:
+    while True:
+        try:
+            _, episode_return, episode_length = run.channels.episode_queue.get_nowait()
+        except queue.Empty:
+            return
+        run.episode_returns.append(episode_return)
+        run.episodes += 1
+        run.runlog.scalar("charts/episodic_return", episode_return, run.step)
+        run.runlog.scalar("charts/episodic_length", episode_length, run.step)
+
+
+def _check_actors(run: Run) -> None:
+    """Restart an actor that died, returning its slots; too many deaths stop the run."""
+    tracebacks = {}
+    while True:
+        try:
+            index, text = run.channels.error_queue.get_nowait()
+        except queue.Empty:
+            break
+        tracebacks[index] = text
+    for index, process in enumerate(run.actors):
+        if process.is_alive():
+            continue
+        process.join()
+        detail = tracebacks.get(index, "").strip()
+        log.error("Actor %d died (exit code %s)%s", index, process.exitcode, f":\n{detail}" if detail else "")
+        now = time.monotonic()
+        run.actor_restarts = [t for t in run.actor_restarts if now - t < RESTART_WINDOW_S] + [now]
+        if len(run.actor_restarts) > run.config.max_actor_restarts:
+            raise TrainingError(
+                f"actors died {len(run.actor_restarts)} times within {RESTART_WINDOW_S:.0f} s "
+                f"(--max_actor_restarts {run.config.max_actor_restarts}); last: actor {index}, exit code "
+                f"{process.exitcode}" + (f"\n{detail}" if detail else ""))
+        owned = (run.buffers["slot_owner"] == index).nonzero().flatten().tolist()
+        for slot in owned:
+            run.buffers["slot_owner"][slot] = -1
+            run.channels.free_queue.put(slot)
+        run.actors[index] = start_actor(run, index, restart=len(run.actor_restarts))
+        log.info("Restarted actor %d (%d slots returned)", index, len(owned))
+
+
+def _log_progress(run: Run, interval_s: float, interval_steps: int, elapsed_s: float) -> None:
+    config = run.config
+    sps = interval_steps / interval_s
+    mean_return = sum(run.episode_returns) / len(run.episode_returns) if run.episode_returns else float("nan")
+    scalars = {"charts/SPS": sps, "charts/episodes": run.episodes}
+    if run.episode_returns:
+        scalars["charts/mean_return_100"] = mean_return
+    with run.update_lock:
+        count = run.stats_count
+        sums = dict(run.stats_sum)
+        lag = run.policy_lag_sum
+        run.stats_sum.clear()
+        run.stats_count = 0
+        run.policy_lag_sum = 0.0
+    if count:
+        for key in ("total_loss", "pg_loss", "baseline_loss", "entropy_loss"):
+            scalars[f"losses/{key}"] = sums[key] / count
+        scalars["charts/learning_rate"] = sums["learning_rate"] / count
+        scalars["stats/grad_norm"] = sums["grad_norm"] / count
+        scalars["stats/rho_mean"] = sums["rho_mean"] / count
+        scalars["stats/rho_clipped_fraction"] = sums["rho_clipped_fraction"] / count
+        scalars["stats/policy_lag"] = lag / count
+    scalars["stats/skipped_updates"] = run.skipped_updates
+    run.runlog.scalars(run.step, scalars)
+    percent = 100.0 * run.step / config.total_steps
+    remaining = (config.total_steps - run.step) / sps if sps > 0 else float("inf")
+    log.info("step %d/%d (%.1f%%)  SPS %.0f  elapsed %s  left %s  episodes %d  mean return %.2f",
+             run.step, config.total_steps, percent, sps, _duration(elapsed_s), _duration(remaining),
+             run.episodes, mean_return)
+
+
+def _duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def checkpoint(run: Run) -> None:
+    """Save model, optimiser, schedule and counters; the copy is taken between two updates."""
+    with run.update_lock:
+        state = {
+            "model_state_dict": {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()},
+            "optimizer_state_dict": _to_cpu(run.optimizer.state_dict()),
+            "scheduler_state_dict": run.scheduler.state_dict(),
+            "step": run.step,
+            "updates": run.updates,
+        }
+    state.update(flags=run.config.to_dict(), model=run.model.model, observation_shape=list(run.model.observation_shape),
+                 num_actions=run.model.num_actions)
+    save_checkpoint(run.run_dir / CHECKPOINT_NAME, state)
+    log.info("Saved checkpoint at step %d to %s", state["step"], run.run_dir / CHECKPOINT_NAME)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+# -------------------------------------------------------------------------------------- shutdown
+
+
+def shutdown(run: Run, save: bool) -> None:
+    """Stop acting, stop learning, save, close: the one ordered path for every way a run ends."""
+    run.channels.stop_event.set()
+    run.stop_learning.set()
+    for thread in run.learner_threads:
+        thread.join(timeout=30)
+    deadline = time.monotonic() + ACTOR_JOIN_TIMEOUT_S
+    for process in run.actors:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in run.actors:
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=2)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    if save and run.updates > 0:
+        checkpoint(run)
+    for q in (run.channels.free_queue, run.channels.full_queue, run.channels.episode_queue,
+              run.channels.error_queue):
+        q.cancel_join_thread()
+        q.close()
+    run.runlog.close()
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+def train(config: Config) -> Path:
+    """Train until `total_steps`, Ctrl-C or SIGTERM; always ends through `shutdown`. Returns the run dir."""
+    run = build(config)
+    setup_console(run.run_dir / "out.log")
+    previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
+    reason = "error"
+    try:
+        log.info("Run %s: %s, %d actors x %d envs, T=%d, B=%d, device %s", run.run_dir, config.env,
+                 config.num_actors, config.envs_per_actor, config.unroll_length, config.batch_size, run.device)
+        start_actors(run)
+        start_learners(run)
+        reason = monitor(run)
+    except KeyboardInterrupt:
+        reason = "interrupted"
+        log.info("Interrupted: stopping")
+    except _Terminated:
+        reason = "terminated"
+        log.info("SIGTERM: stopping")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the shutdown short
+        try:
+            shutdown(run, save=reason != "error" or not run.learner_errors)
+            finish_run_files(run.run_dir, reason, run.step)
+            log.info("Run ended (%s) at step %d; checkpoint in %s", reason, run.step, run.run_dir)
+        finally:
+            signal.signal(signal.SIGTERM, previous_handler)
+            close_console()
+    return run.run_dir
