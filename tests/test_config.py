@@ -1,0 +1,169 @@
+"""Tests for impala/config.py: defaults, the command line, validation and the dict round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from impala.config import Config, UserError, build_parser, config_from_dict, parse_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_follow_torchbeast() -> None:
+    config = Config()
+    assert config.mode == "train"
+    assert config.env == "PongNoFrameskip-v4"
+    assert (config.unroll_length, config.batch_size) == (80, 8)
+    assert config.learning_rate == pytest.approx(0.00048)
+    assert (config.alpha, config.momentum, config.epsilon) == (0.99, 0.0, 0.01)
+    assert config.entropy_cost == pytest.approx(0.0006)
+    assert (config.baseline_cost, config.discounting, config.grad_norm_clipping) == (0.5, 0.99, 40.0)
+    assert config.reward_clipping == "abs_one"
+    assert config.episodic_life is True
+    assert config.use_lstm is False
+    assert config.validate() == []
+
+
+def test_derived_values() -> None:
+    config = Config(num_actors=3, envs_per_actor=5, num_learner_threads=2, batch_size=4, unroll_length=20)
+    assert config.slots_needed == 3 * 5 + 2 * 4
+    assert config.resolved_num_buffers == 2 * 3 * 5 + 2 * 4
+    assert Config(num_buffers=100).resolved_num_buffers == 100
+    assert config.steps_per_update == 20 * 4
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().batch_size = 3  # type: ignore[misc]
+
+
+def test_parse_config_without_flags_gives_defaults() -> None:
+    assert parse_config([]) == Config()
+
+
+def test_parse_config_reads_every_kind_of_flag() -> None:
+    config = parse_config([
+        "--env", "CartPole-v1", "--num_actors", "2", "--learning_rate", "0.001", "--use_lstm",
+        "--no-episodic_life", "--model", "mlp", "--num_buffers", "40", "--plot_xpids", "a", "b",
+        "--xpid", "run-1",
+    ])
+    assert config.env == "CartPole-v1"
+    assert config.num_actors == 2
+    assert config.learning_rate == 0.001
+    assert config.use_lstm is True
+    assert config.episodic_life is False
+    assert config.model == "mlp"
+    assert config.num_buffers == 40
+    assert config.plot_xpids == ("a", "b")
+    assert config.xpid == "run-1"
+
+
+def test_help_lists_every_field_with_its_default() -> None:
+    env = {**os.environ, "COLUMNS": "400"}  # one line per flag, so a default is never wrapped away
+    result = subprocess.run([sys.executable, "run.py", "--help"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    for f in dataclasses.fields(Config):
+        assert f"--{f.name}" in text, f"--{f.name} missing from --help"
+        assert f.metadata["help"].split()[0] in text
+        default = f.default
+        if isinstance(default, bool) and f.metadata.get("negatable"):
+            assert f"--no-{f.name}" in text
+        # argparse writes the default after the flag's help text.
+        help_words = " ".join(f.metadata["help"].split())
+        assert f"{help_words} (default: {default})" in text, f"--{f.name}: default {default} not shown after its help"
+
+
+def test_validate_reports_non_positive_sizes_with_numbers() -> None:
+    problems = Config(num_actors=0, unroll_length=-3, hidden_size=0, learning_rate=0.0).validate()
+    text = "\n".join(problems)
+    assert "--num_actors must be >= 1, got 0" in text
+    assert "--unroll_length must be >= 1, got -3" in text
+    assert "--hidden_size must be >= 1, got 0" in text
+    assert "--learning_rate must be > 0, got 0.0" in text
+    assert len(problems) == 4
+
+
+@pytest.mark.parametrize("name", ["num_actors", "envs_per_actor", "unroll_length", "total_steps", "batch_size",
+                                  "num_learner_threads", "hidden_size", "test_episodes"])
+def test_validate_rejects_each_non_positive_size(name: str) -> None:
+    problems = Config(**{name: 0}).validate()
+    assert any(f"--{name}" in p and "0" in p for p in problems), problems
+
+
+def test_validate_reports_ranges() -> None:
+    text = "\n".join(Config(discounting=1.5, alpha=1.0, entropy_cost=-0.1).validate())
+    assert "--discounting must be in [0, 1], got 1.5" in text
+    assert "--alpha must be in [0, 1), got 1.0" in text
+    assert "--entropy_cost must be >= 0, got -0.1" in text
+
+
+def test_validate_reports_too_few_buffers_with_the_arithmetic() -> None:
+    config = Config(num_actors=3, envs_per_actor=4, num_learner_threads=2, batch_size=5, num_buffers=21)
+    problems = config.validate()
+    assert len(problems) == 1
+    (problem,) = problems
+    # 3 x 4 + 2 x 5 = 22 slots can be held at once.
+    for number in ("21", "3 actors", "4 envs", "2 learner threads", "batch 5", "22"):
+        assert number in problem, (number, problem)
+    assert Config(num_actors=3, envs_per_actor=4, num_learner_threads=2, batch_size=5, num_buffers=22).validate() == []
+
+
+def test_validate_reports_contradictory_flags() -> None:
+    assert any("--mode test needs --xpid" in p for p in Config(mode="test").validate())
+    assert any("--resume needs --xpid" in p for p in Config(resume=True).validate())
+    assert any("--use_lstm" in p and "central" in p for p in Config(use_lstm=True, inference="central").validate())
+    assert Config(mode="test", xpid="x").validate() == []
+    assert Config(use_lstm=True, inference="actor").validate() == []
+
+
+def test_validate_reports_every_problem_at_once() -> None:
+    config = Config(num_actors=0, batch_size=0, discounting=2.0, mode="test", use_lstm=True, inference="central")
+    problems = config.validate()
+    assert len(problems) == 5, problems
+    assert any("--xpid 'bad name!'" in p for p in Config(xpid="bad name!").validate())
+
+
+def test_parse_config_raises_user_error_naming_every_problem() -> None:
+    with pytest.raises(UserError) as info:
+        parse_config(["--num_actors", "0", "--batch_size", "-2"])
+    message = str(info.value)
+    assert "--num_actors must be >= 1, got 0" in message
+    assert "--batch_size must be >= 1, got -2" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("argv", [["--bogus"], ["--num_actors", "two"], ["--model", "transformer"]])
+def test_parse_config_raises_user_error_for_bad_flags(argv: list[str]) -> None:
+    with pytest.raises(UserError):
+        parse_config(argv)
+
+
+def test_run_py_reports_a_bad_flag_in_one_line_with_exit_code_2() -> None:
+    result = subprocess.run([sys.executable, "run.py", "--num_actors", "0"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == ["run.py: error: --num_actors must be >= 1, got 0"]
+    assert "Traceback" not in result.stderr
+
+
+def test_dict_round_trip() -> None:
+    for config in (Config(), Config(env="CartPole-v1", num_buffers=30, plot_xpids=("a", "b"), use_lstm=True)):
+        values = config.to_dict()
+        assert config_from_dict(values) == config
+        assert isinstance(values["plot_xpids"], list)  # JSON-friendly
+    values = {**Config().to_dict(), "a_flag_from_an_older_version": 1}
+    assert config_from_dict(values) == Config()
+
+
+def test_parser_has_one_flag_per_field() -> None:
+    parser = build_parser()
+    dests = {action.dest for action in parser._actions} - {"help"}
+    assert dests == {f.name for f in dataclasses.fields(Config)}
