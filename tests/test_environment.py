@@ -1,0 +1,188 @@
+"""Tests for impala/environment.py: shapes, same-step resets, episodic life and unclipped returns."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+
+from impala.config import UserError
+from impala.environment import EnvBatch, is_atari
+
+
+def test_cartpole_shapes_and_dtypes() -> None:
+    env = EnvBatch("CartPole-v1", 3, seed=0)
+    try:
+        assert env.num_envs == 3
+        assert env.observation_shape == (4,)
+        assert env.observation_dtype == np.float32
+        assert env.num_actions == 2
+        obs = env.reset()
+        assert obs.shape == (3, 4) and obs.dtype == np.float32
+        step = env.step(np.array([0, 1, 0], dtype=np.int64))
+        assert step.obs.shape == (3, 4) and step.obs.dtype == np.float32
+        for name in ("reward", "done", "game_over", "episode_return", "episode_step"):
+            assert getattr(step, name).shape == (3,), name
+        assert step.done.dtype == np.bool_ and step.game_over.dtype == np.bool_
+        np.testing.assert_array_equal(step.reward, [1.0, 1.0, 1.0])
+        np.testing.assert_array_equal(step.episode_step, [1, 1, 1])
+    finally:
+        env.close()
+
+
+def test_cartpole_same_step_reset() -> None:
+    """After an end the obs is the next episode's first, and the stats are the finished game's totals."""
+    num_envs, seed = 2, 7
+    env = EnvBatch("CartPole-v1", num_envs, seed=seed)
+    # Single envs seeded as the vector env seeds its members (seed + i), reset on end: the reference.
+    references = [gym.make("CartPole-v1") for _ in range(num_envs)]
+    try:
+        obs = env.reset()
+        for i, reference in enumerate(references):
+            reference_obs, _ = reference.reset(seed=seed + i)
+            np.testing.assert_allclose(obs[i], reference_obs)
+        rng = np.random.default_rng(0)
+        lengths = np.zeros(num_envs, np.int64)
+        ends = 0
+        for _ in range(400):
+            actions = rng.integers(0, 2, num_envs)
+            step = env.step(actions)
+            lengths += 1
+            for i, reference in enumerate(references):
+                reference_obs, reward, terminated, truncated, _ = reference.step(int(actions[i]))
+                assert step.reward[i] == reward
+                assert step.done[i] == (terminated or truncated) == step.game_over[i]
+                assert step.episode_step[i] == lengths[i]
+                assert step.episode_return[i] == lengths[i]  # CartPole pays 1 per step
+                if step.done[i]:
+                    ends += 1
+                    assert not np.allclose(step.obs[i], reference_obs)  # not the terminal obs...
+                    reference_obs, _ = reference.reset()
+                    assert np.all(np.abs(step.obs[i]) <= 0.05)  # ...but a fresh start
+                    lengths[i] = 0
+                np.testing.assert_allclose(step.obs[i], reference_obs)
+            if ends >= 4:
+                break
+        assert ends >= 4
+        # The step after an end starts counting again.
+        step = env.step(np.zeros(num_envs, np.int64))
+        np.testing.assert_array_equal(step.episode_step, lengths + 1)
+    finally:
+        env.close()
+        for reference in references:
+            reference.close()
+
+
+def test_unknown_env_id_is_a_user_error_with_a_suggestion() -> None:
+    with pytest.raises(UserError, match="CartPol.*Did you mean.*CartPole"):
+        EnvBatch("CartPol-v1", 1, seed=0)
+    with pytest.raises(UserError, match="PongNoFrameskp.*Did you mean.*PongNoFrameskip"):
+        EnvBatch("PongNoFrameskp-v4", 1, seed=0)
+
+
+def test_continuous_actions_are_a_user_error() -> None:
+    with pytest.raises(UserError, match="Discrete"):
+        EnvBatch("Pendulum-v1", 1, seed=0)
+
+
+def test_is_atari() -> None:
+    assert is_atari("PongNoFrameskip-v4")
+    assert is_atari("ALE/Breakout-v5")
+    assert not is_atari("CartPole-v1")
+
+
+def test_pong_shapes_and_unclipped_rewards() -> None:
+    env = EnvBatch("PongNoFrameskip-v4", 2, seed=0)
+    try:
+        assert env.observation_shape == (4, 84, 84)
+        assert env.observation_dtype == np.uint8
+        assert env.num_actions == 6
+        obs = env.reset()
+        assert obs.shape == (2, 4, 84, 84) and obs.dtype == np.uint8
+        assert obs.max() > 0  # a real frame, not a blank buffer
+        rng = np.random.default_rng(0)
+        total = np.zeros(2)
+        for _ in range(150):
+            step = env.step(rng.integers(0, 6, 2))
+            assert step.obs.shape == (2, 4, 84, 84) and step.obs.dtype == np.uint8
+            assert step.reward.dtype == np.float32
+            assert set(np.unique(step.reward)) <= {-1.0, 0.0, 1.0}
+            total += step.reward
+            np.testing.assert_array_equal(step.episode_return, total)
+        assert np.any(total != 0)  # points were scored in 150 agent steps (600 frames)
+        np.testing.assert_array_equal(step.episode_step, [150, 150])
+    finally:
+        env.close()
+
+
+def test_atari_rewards_are_not_clipped() -> None:
+    """Space Invaders pays 5 to 30 points per invader: the env must report them as they are."""
+    env = EnvBatch("SpaceInvadersNoFrameskip-v4", 1, seed=0)
+    try:
+        env.reset()
+        rng = np.random.default_rng(0)
+        total = 0.0
+        for _ in range(1000):
+            step = env.step(rng.integers(0, env.num_actions, 1))
+            total += float(step.reward[0])
+            if step.reward[0] > 1:
+                break
+        assert step.reward[0] > 1
+        assert step.episode_return[0] == total
+    finally:
+        env.close()
+
+
+def test_breakout_episodic_life() -> None:
+    """A lost life ends the learner's episode (`done`) but not the game: the full-game totals keep growing."""
+    num_envs = 2
+    env = EnvBatch("BreakoutNoFrameskip-v4", num_envs, seed=0, episodic_life=True)
+    try:
+        env.reset()
+        rng = np.random.default_rng(0)
+        fire = 1  # Breakout's minimal action set: NOOP, FIRE, RIGHT, LEFT
+        returns = np.zeros(num_envs)
+        lengths = np.zeros(num_envs, np.int64)
+        life_losses = game_overs = 0
+        points_before_a_life_loss = False
+        for _ in range(5000):
+            actions = np.where(rng.random(num_envs) < 0.3, fire, rng.integers(0, 4, num_envs))
+            step = env.step(actions)
+            returns += step.reward
+            lengths += 1
+            np.testing.assert_array_equal(step.episode_return, returns)
+            np.testing.assert_array_equal(step.episode_step, lengths)
+            assert np.all(step.done[step.game_over])  # a game over is always an episode end
+            life_lost = step.done & ~step.game_over
+            life_losses += int(np.sum(life_lost))
+            if np.any(life_lost & (returns > 0)):
+                points_before_a_life_loss = True
+            game_overs += int(np.sum(step.game_over))
+            returns[step.game_over] = 0
+            lengths[step.game_over] = 0
+            if game_overs >= 1 and life_losses >= 4 and points_before_a_life_loss:
+                break
+        assert points_before_a_life_loss  # so the totals above were checked carrying points over a life loss
+        assert life_losses >= 4  # Breakout has 5 lives: 4 losses before the game ends
+        assert game_overs >= 1
+    finally:
+        env.close()
+
+
+def test_breakout_without_episodic_life_ends_only_at_game_over() -> None:
+    env = EnvBatch("BreakoutNoFrameskip-v4", 2, seed=0, episodic_life=False)
+    try:
+        env.reset()
+        rng = np.random.default_rng(0)
+        game_overs = 0
+        for _ in range(5000):
+            step = env.step(rng.integers(0, 4, 2))
+            np.testing.assert_array_equal(step.done, step.game_over)
+            game_overs += int(np.sum(step.game_over))
+            if game_overs:
+                break
+        assert game_overs >= 1
+        # A full game of Breakout lasts all five lives: far longer than one life.
+        assert step.episode_step[step.game_over].min() > 50
+    finally:
+        env.close()
