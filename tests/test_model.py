@@ -1,0 +1,141 @@
+"""Tests for impala/model.py: output shapes, the LSTM reset at episode starts, the initial state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from impala.model import Net, sample_actions
+
+ATARI_SHAPE = (4, 84, 84)
+NUM_ACTIONS = 6
+
+
+def _obs(shape: tuple[int, ...], T: int, B: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    if len(shape) == 3:
+        return torch.randint(0, 256, (T, B, *shape), dtype=torch.uint8, generator=generator)
+    return torch.randn((T, B, *shape), generator=generator)
+
+
+@pytest.mark.parametrize("use_lstm", [False, True])
+@pytest.mark.parametrize(("model", "shape"), [("shallow", ATARI_SHAPE), ("resnet", ATARI_SHAPE), ("mlp", (4,))])
+@pytest.mark.parametrize("T", [1, 3])
+def test_output_shapes(model: str, shape: tuple[int, ...], use_lstm: bool, T: int) -> None:
+    torch.manual_seed(0)
+    B = 2
+    net = Net(shape, NUM_ACTIONS, model=model, use_lstm=use_lstm, hidden_size=32)
+    assert net.model == model and net.use_lstm == use_lstm
+    with torch.no_grad():
+        output, core_state = net(_obs(shape, T, B), torch.zeros(T, B, dtype=torch.bool), net.initial_state(B))
+    assert output.policy_logits.shape == (T, B, NUM_ACTIONS)
+    assert output.baseline.shape == (T, B)
+    assert output.policy_logits.dtype == torch.float32
+    assert torch.isfinite(output.policy_logits).all() and torch.isfinite(output.baseline).all()
+    if use_lstm:
+        assert [s.shape for s in core_state] == [(1, B, 32), (1, B, 32)]
+    else:
+        assert core_state == ()
+
+
+def test_auto_model_picks_by_observation_shape() -> None:
+    assert Net(ATARI_SHAPE, NUM_ACTIONS).model == "shallow"
+    assert Net((4,), 2).model == "mlp"
+
+
+def test_image_models_refuse_vector_observations() -> None:
+    with pytest.raises(ValueError, match="image observations"):
+        Net((4,), 2, model="shallow")
+
+
+def test_uint8_observations_are_scaled_to_unit_range() -> None:
+    torch.manual_seed(0)
+    net = Net(ATARI_SHAPE, NUM_ACTIONS, model="shallow")
+    obs = _obs(ATARI_SHAPE, 1, 2)
+    done = torch.zeros(1, 2, dtype=torch.bool)
+    with torch.no_grad():
+        from_bytes, _ = net(obs, done)
+        from_floats, _ = net(obs.float() / 255.0, done)
+    torch.testing.assert_close(from_bytes.policy_logits, from_floats.policy_logits)
+    torch.testing.assert_close(from_bytes.baseline, from_floats.baseline)
+
+
+def test_initial_state() -> None:
+    net = Net((4,), 2, use_lstm=True, hidden_size=16)
+    h, c = net.initial_state(5)
+    assert h.shape == c.shape == (1, 5, 16)
+    assert not h.any() and not c.any()
+    assert Net((4,), 2, use_lstm=False).initial_state(5) == ()
+
+
+def _random_state(net: Net, batch_size: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(1)
+    return tuple(torch.randn(s.shape, generator=generator) for s in net.initial_state(batch_size))
+
+
+def test_lstm_state_is_reset_where_done() -> None:
+    """The output at a done step (and after it) equals the output of a run started from a zero state."""
+    torch.manual_seed(0)
+    net = Net((4,), 3, model="mlp", use_lstm=True, hidden_size=16)
+    T, B = 5, 2
+    obs = _obs((4,), T, B)
+    done = torch.zeros(T, B, dtype=torch.bool)
+    done[2, 0] = True  # env 0 starts a new episode at t=2; env 1 does not
+    state = _random_state(net, B)
+    with torch.no_grad():
+        output, _ = net(obs, done, state)
+        fresh, _ = net(obs[2:, :1], done[2:, :1], net.initial_state(1))
+        continued, _ = net(obs[2:, 1:], done[2:, 1:], net.initial_state(1))
+    torch.testing.assert_close(output.policy_logits[2:, 0], fresh.policy_logits[:, 0])
+    torch.testing.assert_close(output.baseline[2:, 0], fresh.baseline[:, 0])
+    # Where no episode began, the past still matters: env 1's outputs differ from a zero-state run.
+    assert not torch.allclose(output.policy_logits[2:, 1], continued.policy_logits[:, 0])
+    # And env 0 before its reset depended on the state it was given.
+    with torch.no_grad():
+        from_zero, _ = net(obs[:2, :1], done[:2, :1], net.initial_state(1))
+    assert not torch.allclose(output.policy_logits[:2, 0], from_zero.policy_logits[:, 0])
+
+
+def test_lstm_unroll_equals_one_step_at_a_time() -> None:
+    """The learner's [T, B] forward must see what the actor saw stepping with T=1."""
+    torch.manual_seed(0)
+    net = Net((4,), 3, model="mlp", use_lstm=True, hidden_size=16)
+    T, B = 6, 3
+    obs = _obs((4,), T, B)
+    done = torch.zeros(T, B, dtype=torch.bool)
+    done[0, :] = True
+    done[3, 1] = True
+    done[4, 2] = True
+    initial = _random_state(net, B)
+    with torch.no_grad():
+        unrolled, final_state = net(obs, done, initial)
+        state = initial
+        stepped = []
+        for t in range(T):
+            output, state = net(obs[t : t + 1], done[t : t + 1], state)
+            stepped.append(output.policy_logits)
+    torch.testing.assert_close(unrolled.policy_logits, torch.cat(stepped))
+    for a, b in zip(final_state, state):
+        torch.testing.assert_close(a, b)
+
+
+def test_feed_forward_outputs_do_not_depend_on_done() -> None:
+    torch.manual_seed(0)
+    net = Net((4,), 3, model="mlp")
+    obs = _obs((4,), 3, 2)
+    with torch.no_grad():
+        a, _ = net(obs, torch.zeros(3, 2, dtype=torch.bool))
+        b, _ = net(obs, torch.ones(3, 2, dtype=torch.bool))
+        c, _ = net(obs.flatten(0, 1)[None], torch.zeros(1, 6, dtype=torch.bool))  # time and batch folded
+    torch.testing.assert_close(a.policy_logits, b.policy_logits)
+    torch.testing.assert_close(a.policy_logits.flatten(0, 1), c.policy_logits[0])
+
+
+def test_sample_actions_follow_the_policy() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.9, 0.0], [1.0, 0.0, 0.0]]).clamp_min(1e-30))
+    generator = torch.Generator().manual_seed(0)
+    actions = torch.stack([sample_actions(logits, generator) for _ in range(2000)])
+    assert actions.shape == (2000, 2) and actions.dtype == torch.int64
+    assert (actions[:, 1] == 0).all()
+    assert (actions[:, 0] != 2).all()
+    assert 0.85 < (actions[:, 0] == 1).float().mean() < 0.95
