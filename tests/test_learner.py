@@ -1,0 +1,360 @@
+"""Tests for impala/learner.py and impala/losses.py: one update under SGD, the loss against values
+computed by hand, reward clipping, episode ends, the learning-rate schedule and non-finite batches."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from impala import learner, vtrace
+from impala.buffers import BufferSpec, create_buffers
+from impala.config import Config
+from impala.model import Net
+
+OBS_SHAPE = (4,)
+NUM_ACTIONS = 3
+
+
+def _config(**overrides: object) -> Config:
+    values = {"env": "CartPole-v1", "unroll_length": 3, "batch_size": 1, "discounting": 0.9, "entropy_cost": 0.01,
+              "baseline_cost": 0.5, "reward_clipping": "none", "grad_norm_clipping": 1e9, "learning_rate": 0.1}
+    values.update(overrides)
+    return Config(**values)
+
+
+def _model(use_lstm: bool = False) -> Net:
+    torch.manual_seed(0)
+    return Net(OBS_SHAPE, NUM_ACTIONS, model="mlp", use_lstm=use_lstm, hidden_size=8)
+
+
+def _batch(model: Net, rewards: list[list[float]], dones: list[list[bool]], actions: list[list[int]],
+           off_policy: bool = False) -> dict[str, torch.Tensor]:
+    """A batch [T + 1, B, ...] laid out as the actors write it.
+
+    `rewards`/`dones` are rows 1..T (row 0 belongs to the previous unroll and must not be used);
+    `actions` are rows 0..T-1 (row T's action is chosen in the next unroll). Unused entries hold poison.
+    """
+    T, B = len(rewards), len(rewards[0])
+    generator = torch.Generator().manual_seed(1)
+    obs = torch.randn((T + 1, B, *OBS_SHAPE), generator=generator)
+    done = torch.tensor([[False] * B] + dones)
+    reward = torch.tensor([[math.nan] * B] + rewards)
+    action = torch.tensor(actions + [[-1] * B])
+    with torch.no_grad():
+        output, _ = model(obs, done, model.initial_state(B))
+    behaviour_logits = output.policy_logits.clone()
+    if off_policy:  # large enough to push pi/mu above and below 1
+        behaviour_logits += 1.5 * torch.randn(behaviour_logits.shape, generator=generator)
+    behaviour_logits[-1] = math.nan
+    return {"obs": obs, "done": done, "reward": reward, "action": action, "policy_logits": behaviour_logits}
+
+
+def _reference_vtrace(values: list[float], rewards: list[float], discounts: list[float], rhos: list[float]
+                      ) -> tuple[list[float], list[float]]:
+    """V-trace for one env as the paper writes it: v_s - V(x_s) = delta_s + gamma_s c_s (v_{s+1} - V(x_{s+1}))."""
+    T = len(rewards)
+    vs = [0.0] * T
+    correction = 0.0  # v_{s+1} - V(x_{s+1}); zero past the last step (v_T = V(x_T))
+    for s in reversed(range(T)):
+        rho = min(1.0, rhos[s])
+        c = min(1.0, rhos[s])
+        delta = rho * (rewards[s] + discounts[s] * values[s + 1] - values[s])
+        correction = delta + discounts[s] * c * correction
+        vs[s] = values[s] + correction
+    vs_next = vs[1:] + [values[T]]
+    advantages = [min(1.0, rhos[s]) * (rewards[s] + discounts[s] * vs_next[s] - values[s]) for s in range(T)]
+    return vs, advantages
+
+
+def _expected_losses(model: Net, batch: dict[str, torch.Tensor], config: Config) -> dict[str, float]:
+    """pg, baseline and entropy losses computed from the model's outputs with plain Python floats."""
+    with torch.no_grad():
+        output, _ = model(batch["obs"], batch["done"], model.initial_state(batch["obs"].shape[1]))
+    T = batch["obs"].shape[0] - 1
+    B = batch["obs"].shape[1]
+    log_pi = F.log_softmax(output.policy_logits.double(), -1)
+    log_mu = F.log_softmax(batch["policy_logits"].double(), -1)
+    totals = {"pg_loss": 0.0, "baseline_loss": 0.0, "entropy_loss": 0.0}
+    for b in range(B):
+        values = [float(v) for v in output.baseline[:, b]]
+        actions = [int(a) for a in batch["action"][:T, b]]
+        # Action t was taken at obs t; its reward and done are in row t + 1.
+        rewards = [float(r) for r in batch["reward"][1:, b]]
+        if config.reward_clipping == "abs_one":
+            rewards = [max(-1.0, min(1.0, r)) for r in rewards]
+        discounts = [0.0 if bool(d) else config.discounting for d in batch["done"][1:, b]]
+        rhos = [math.exp(float(log_pi[t, b, actions[t]] - log_mu[t, b, actions[t]])) for t in range(T)]
+        vs, advantages = _reference_vtrace(values, rewards, discounts, rhos)
+        for t in range(T):
+            totals["pg_loss"] += -float(log_pi[t, b, actions[t]]) * advantages[t]
+            totals["baseline_loss"] += config.baseline_cost * 0.5 * (vs[t] - values[t]) ** 2
+            p = log_pi[t, b].exp()
+            totals["entropy_loss"] += config.entropy_cost * float((p * log_pi[t, b]).sum())
+    totals["total_loss"] = sum(totals.values())
+    return totals
+
+
+def _assert_losses(stats: dict[str, torch.Tensor], expected: dict[str, float]) -> None:
+    for key, value in expected.items():
+        assert float(stats[key]) == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_losses_on_policy_match_a_hand_computation() -> None:
+    """On-policy (rho = 1) with an episode end inside the unroll."""
+    model = _model()
+    config = _config()
+    batch = _batch(model, rewards=[[1.0], [2.0], [-0.5]], dones=[[False], [True], [False]], actions=[[0], [2], [1]])
+    _, stats = learner.compute_loss(model, batch, (), config)
+    assert float(stats["rho_mean"]) == pytest.approx(1.0, abs=1e-6)
+    assert float(stats["rho_clipped_fraction"]) == 0.0
+    _assert_losses(stats, _expected_losses(model, batch, config))
+
+
+def test_on_policy_targets_are_discounted_returns_cut_at_the_episode_end() -> None:
+    """With rho = 1, vs_t is the n-step return: r_{t+1} + gamma r_{t+2} + ... bootstrapped from V(obs T)."""
+    model = _model()
+    config = _config()
+    batch = _batch(model, rewards=[[1.0], [2.0], [-0.5]], dones=[[False], [True], [False]], actions=[[0], [2], [1]])
+    captured = _capture_vtrace(model, batch, config)
+    with torch.no_grad():
+        values = model(batch["obs"], batch["done"])[0].baseline[:, 0].tolist()
+    gamma = config.discounting
+    expected_vs = [1.0 + gamma * 2.0,  # the episode ends with action 1: nothing after it counts
+                   2.0,
+                   -0.5 + gamma * values[3]]
+    torch.testing.assert_close(captured.vs[:, 0].double(), torch.tensor(expected_vs, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_losses_off_policy_match_a_hand_computation() -> None:
+    model = _model()
+    config = _config()
+    batch = _batch(model, rewards=[[0.5, -1.0], [1.0, 0.0], [0.0, 2.0]], dones=[[False, False], [False, True],
+                   [True, False]], actions=[[0, 1], [2, 2], [1, 0]], off_policy=True)
+    _, stats = learner.compute_loss(model, batch, (), config)
+    assert 0.0 < float(stats["rho_clipped_fraction"]) < 1.0  # the clipping threshold is crossed both ways
+    _assert_losses(stats, _expected_losses(model, batch, config))
+
+
+def _capture_vtrace(model: Net, batch: dict[str, torch.Tensor], config: Config) -> vtrace.VTraceFromLogitsReturns:
+    captured = []
+    original = vtrace.from_logits
+
+    def recording(**kwargs: torch.Tensor) -> vtrace.VTraceFromLogitsReturns:
+        captured.append(original(**kwargs))
+        return captured[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vtrace, "from_logits", recording)
+        learner.compute_loss(model, batch, (), config)
+    assert len(captured) == 1
+    return captured[0]
+
+
+def test_a_reward_after_an_episode_end_does_not_reach_earlier_targets() -> None:
+    model = _model()
+    config = _config()
+    dones = [[False], [True], [False]]
+    actions = [[0], [1], [2]]
+    first = _capture_vtrace(model, _batch(model, [[1.0], [1.0], [1.0]], dones, actions), config)
+    second = _capture_vtrace(model, _batch(model, [[1.0], [1.0], [-7.0]], dones, actions), config)
+    torch.testing.assert_close(first.vs[:2], second.vs[:2], rtol=0, atol=0)
+    torch.testing.assert_close(first.pg_advantages[:2], second.pg_advantages[:2], rtol=0, atol=0)
+    assert not torch.allclose(first.vs[2], second.vs[2])
+    # Without the episode end the same change does reach back.
+    no_end = [[False], [False], [False]]
+    third = _capture_vtrace(model, _batch(model, [[1.0], [1.0], [1.0]], no_end, actions), config)
+    fourth = _capture_vtrace(model, _batch(model, [[1.0], [1.0], [-7.0]], no_end, actions), config)
+    assert not torch.allclose(third.vs[0], fourth.vs[0])
+
+
+def test_reward_clipping() -> None:
+    model = _model()
+    dones = [[False], [False], [False]]
+    actions = [[0], [1], [2]]
+    large = _batch(model, [[5.0], [-3.0], [0.25]], dones, actions)
+    unit = _batch(model, [[1.0], [-1.0], [0.25]], dones, actions)
+    clipped = _config(reward_clipping="abs_one")
+    _, stats_large = learner.compute_loss(model, large, (), clipped)
+    _, stats_unit = learner.compute_loss(model, unit, (), clipped)
+    for key in ("pg_loss", "baseline_loss", "total_loss"):
+        assert float(stats_large[key]) == float(stats_unit[key]), key
+    _assert_losses(stats_large, _expected_losses(model, large, clipped))
+    unclipped = _config(reward_clipping="none")
+    _, stats_raw = learner.compute_loss(model, large, (), unclipped)
+    assert float(stats_raw["baseline_loss"]) != pytest.approx(float(stats_unit["baseline_loss"]))
+    _assert_losses(stats_raw, _expected_losses(model, large, unclipped))
+
+
+def _sgd(model: Net, lr: float) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+
+def _batch_for_update(model: Net) -> dict[str, torch.Tensor]:
+    return _batch(model, rewards=[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dones=[[False, False], [True, False],
+                  [False, False]], actions=[[0, 1], [1, 2], [2, 0]], off_policy=True)
+
+
+def test_sgd_update_moves_each_parameter_by_minus_lr_times_grad() -> None:
+    model = _model()
+    config = _config(batch_size=2)
+    batch = _batch_for_update(model)
+    reference = copy.deepcopy(model)
+    loss, _ = learner.compute_loss(reference, batch, (), config)
+    loss.backward()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.clone() for name, p in reference.named_parameters()}
+    assert all(g.abs().sum() > 0 for g in grads.values())  # every parameter takes part
+
+    optimizer, scheduler = _sgd(model, config.learning_rate)
+    stats = learner.update(model, optimizer, scheduler, batch, (), config)
+    assert stats["skipped"] == 0.0
+    assert stats["learning_rate"] == pytest.approx(config.learning_rate)
+    assert stats["total_loss"] == pytest.approx(loss.item())
+    grad_norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
+    assert stats["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    for name, p in model.named_parameters():
+        # p + (-lr) * grad, rounded once as SGD's fused add rounds it: bit for bit, no tolerance.
+        expected = before[name].add(grads[name], alpha=-config.learning_rate)
+        assert torch.equal(p.detach(), expected), name
+        torch.testing.assert_close(p.detach() - before[name], -config.learning_rate * grads[name], rtol=1e-5, atol=1e-8)
+
+
+def test_sgd_update_follows_an_independent_gradient_of_the_hand_written_loss() -> None:
+    """The same step, with the gradient taken through losses written out here rather than compute_loss."""
+    model = _model()
+    config = _config(batch_size=2)
+    batch = _batch_for_update(model)
+    reference = copy.deepcopy(model)
+    output, _ = reference(batch["obs"], batch["done"])
+    expected = _expected_losses(reference, batch, config)  # checks the forward values on the way
+    log_pi = F.log_softmax(output.policy_logits[:-1], -1)
+    T = batch["obs"].shape[0] - 1
+    with torch.no_grad():
+        captured = _capture_vtrace(reference, batch, config)
+    taken = log_pi.gather(-1, batch["action"][:T, :, None]).squeeze(-1)
+    loss = (-(taken * captured.pg_advantages).sum()
+            + config.baseline_cost * 0.5 * ((captured.vs - output.baseline[:-1]) ** 2).sum()
+            + config.entropy_cost * (log_pi.exp() * log_pi).sum())
+    assert loss.item() == pytest.approx(expected["total_loss"], rel=1e-5)
+    loss.backward()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer, scheduler = _sgd(model, config.learning_rate)
+    learner.update(model, optimizer, scheduler, batch, (), config)
+    for name, p in reference.named_parameters():
+        moved = dict(model.named_parameters())[name].detach() - before[name]
+        torch.testing.assert_close(moved, -config.learning_rate * p.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_gradient_norm_is_clipped() -> None:
+    model = _model()
+    batch = _batch_for_update(model)
+    reference = copy.deepcopy(model)
+    loss, _ = learner.compute_loss(reference, batch, (), _config(batch_size=2))
+    loss.backward()
+    norm = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in reference.parameters()))
+    clip = norm / 4
+    config = _config(batch_size=2, grad_norm_clipping=clip)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer, scheduler = _sgd(model, config.learning_rate)
+    learner.update(model, optimizer, scheduler, batch, (), config)
+    for p, p0, ref in zip(model.parameters(), before, reference.parameters()):
+        torch.testing.assert_close(p.detach() - p0, -config.learning_rate * ref.grad * (clip / norm),
+                                   rtol=1e-4, atol=1e-7)
+
+
+def test_learning_rate_decays_linearly_to_zero_at_total_steps() -> None:
+    config = _config(learning_rate=0.01, unroll_length=5, batch_size=2, total_steps=100)  # 10 steps per update
+    model = _model()
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    assert isinstance(optimizer, torch.optim.RMSprop)
+    group = optimizer.param_groups[0]
+    assert (group["alpha"], group["eps"], group["momentum"]) == (config.alpha, config.epsilon, config.momentum)
+    rates = []
+    for _ in range(13):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    expected = [0.01 * max(0.0, 1 - 10 * k / 100) for k in range(13)]
+    assert rates == pytest.approx(expected, abs=1e-12)
+    assert rates[10:] == [0.0, 0.0, 0.0]
+
+
+def test_update_reports_the_scheduled_learning_rate() -> None:
+    config = _config(batch_size=2, learning_rate=0.01, total_steps=24)  # T*B = 6: four updates
+    model = _model()
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    batch = _batch_for_update(model)
+    rates = [learner.update(model, optimizer, scheduler, batch, (), config)["learning_rate"] for _ in range(4)]
+    assert rates == pytest.approx([0.01, 0.0075, 0.005, 0.0025])
+
+
+@pytest.mark.parametrize("where", ["reward", "obs"])
+def test_a_non_finite_batch_is_skipped(where: str) -> None:
+    model = _model()
+    config = _config(batch_size=2, reward_clipping="abs_one")
+    batch = _batch_for_update(model)
+    batch[where][1, 0] = math.nan
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    stats = learner.update(model, optimizer, scheduler, batch, (), config)
+    assert stats["skipped"] == 1.0
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+    # A good batch afterwards is applied normally.
+    stats = learner.update(model, optimizer, scheduler, _batch_for_update(model), (), config)
+    assert stats["skipped"] == 0.0
+    assert any(not torch.equal(p.detach(), before[name]) for name, p in model.named_parameters())
+
+
+def test_unused_rows_are_never_read() -> None:
+    """Row 0's reward, row T's action and behaviour logits hold poison; the loss must stay finite."""
+    model = _model()
+    batch = _batch_for_update(model)
+    assert torch.isnan(batch["reward"][0]).all() and (batch["action"][-1] == -1).all()
+    loss, stats = learner.compute_loss(model, batch, (), _config(batch_size=2))
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(v) for v in stats.values())
+
+
+def test_batch_staging_stacks_slots_time_major() -> None:
+    T, num_buffers = 3, 4
+    spec = BufferSpec(num_buffers, T, OBS_SHAPE, torch.float32, NUM_ACTIONS, core_state_shapes=((1, 8), (1, 8)))
+    buffers = create_buffers(spec)
+    for slot in range(num_buffers):
+        buffers["obs"][slot] = slot
+        buffers["done"][slot] = False
+        buffers["reward"][slot] = torch.arange(T + 1) + 10 * slot
+        buffers["action"][slot] = slot
+        buffers["policy_logits"][slot] = -slot
+        buffers["core_state_0"][slot] = slot
+        buffers["core_state_1"][slot] = -slot
+    staging = learner.BatchStaging(buffers, batch_size=2, pin=False)
+    staging.fill(buffers, [3, 1])
+    batch, core_state = staging.to(torch.device("cpu"))
+    assert batch["obs"].shape == (T + 1, 2, *OBS_SHAPE)
+    assert batch["policy_logits"].shape == (T + 1, 2, NUM_ACTIONS)
+    torch.testing.assert_close(batch["reward"][:, 0], torch.arange(T + 1.0) + 30)
+    torch.testing.assert_close(batch["reward"][:, 1], torch.arange(T + 1.0) + 10)
+    assert (batch["action"][:, 0] == 3).all() and (batch["action"][:, 1] == 1).all()
+    assert [s.shape for s in core_state] == [(1, 2, 8), (1, 2, 8)]
+    assert (core_state[0][:, 0] == 3).all() and (core_state[1][:, 1] == -1).all()
+    # The staged copy no longer depends on the slots.
+    buffers["reward"][3] = math.nan
+    assert torch.isfinite(staging.tensors["reward"]).all()
+
+
+def test_lstm_loss_starts_from_the_stored_core_state() -> None:
+    model = _model(use_lstm=True)
+    config = _config(use_lstm=True)
+    batch = _batch(model, [[1.0], [0.0], [1.0]], [[False], [False], [False]], [[0], [1], [2]])
+    zero = model.initial_state(1)
+    other = tuple(torch.full_like(s, 0.5) for s in zero)
+    _, from_zero = learner.compute_loss(model, batch, zero, config)
+    _, from_other = learner.compute_loss(model, batch, other, config)
+    assert float(from_zero["total_loss"]) != pytest.approx(float(from_other["total_loss"]))
