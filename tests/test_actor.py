@@ -1,0 +1,228 @@
+"""Tests for impala/actor.py, run inline: what lands in which row of which slot.
+
+The alignment under test (see buffers.py): obs[t], done[t] and the action chosen there share row t;
+the reward and done that action produced are in row t + 1; row 0 of a slot repeats row T of the
+env's previous slot.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from impala.actor import ActorChannels, actor_seed, run_actor
+from impala.buffers import Buffers, BufferSpec, create_buffers
+from impala.config import Config
+from impala.environment import EnvBatch
+from impala.model import Net
+
+POLICY_VERSION = 7
+
+
+def _channels(num_buffers: int) -> ActorChannels:
+    free_queue: queue.Queue = queue.Queue()
+    for slot in range(num_buffers):
+        free_queue.put(slot)
+    return ActorChannels(free_queue=free_queue, full_queue=queue.Queue(), episode_queue=queue.Queue(),
+                         error_queue=queue.Queue(), stop_event=threading.Event(),
+                         policy_version=types.SimpleNamespace(value=POLICY_VERSION))
+
+
+def _drain(q: queue.Queue) -> list:
+    items = []
+    while not q.empty():
+        items.append(q.get_nowait())
+    return items
+
+
+class Rollout:
+    """Two unrolls of one actor, run inline, and everything they produced."""
+
+    def __init__(self, env: str = "CartPole-v1", envs_per_actor: int = 2, unroll_length: int = 20,
+                 use_lstm: bool = False, model: str = "auto", max_unrolls: int = 2, extra_buffers: int = 1) -> None:
+        self.config = Config(env=env, num_actors=1, envs_per_actor=envs_per_actor, unroll_length=unroll_length,
+                             use_lstm=use_lstm, hidden_size=16, model=model, seed=3)
+        probe = EnvBatch(env, 1, 0)
+        torch.manual_seed(0)
+        self.model = Net(probe.observation_shape, probe.num_actions, model, use_lstm, 16)
+        self.model.eval()
+        self.num_actions = probe.num_actions
+        probe.close()
+        core_shapes = tuple((s.shape[0], s.shape[2]) for s in self.model.initial_state(1))
+        num_buffers = envs_per_actor * max_unrolls + extra_buffers
+        obs_dtype = torch.uint8 if len(self.model.observation_shape) == 3 else torch.float32
+        spec = BufferSpec(num_buffers, unroll_length, self.model.observation_shape, obs_dtype, self.num_actions,
+                          core_shapes)
+        self.buffers: Buffers = create_buffers(spec)
+        self.channels = _channels(num_buffers)
+        run_actor(0, self.config, self.buffers, self.model, self.channels, max_unrolls=max_unrolls)
+        self.full = _drain(self.channels.full_queue)
+        self.episodes = _drain(self.channels.episode_queue)
+        self.errors = _drain(self.channels.error_queue)
+        n = envs_per_actor
+        # Slots are taken in queue order, envs_per_actor per unroll: env i of unroll u is slot u * n + i.
+        self.slots = [self.full[u * n:(u + 1) * n] for u in range(max_unrolls)]
+
+    def field(self, unroll: int, env: int, name: str) -> torch.Tensor:
+        return self.buffers[name][self.slots[unroll][env]]
+
+
+@pytest.fixture(scope="module")
+def rollout() -> Rollout:
+    return Rollout()
+
+
+def test_slots_are_handed_to_the_learner(rollout: Rollout) -> None:
+    assert rollout.errors == []
+    assert rollout.full == [0, 1, 2, 3]  # one slot per env per unroll, in the order they were taken
+    assert rollout.channels.free_queue.qsize() == 1  # the spare slot was never taken
+    for slot in rollout.full:
+        assert rollout.buffers["slot_owner"][slot] == -1
+        assert rollout.buffers["policy_version"][slot] == POLICY_VERSION
+    spare = 4
+    assert rollout.buffers["slot_owner"][spare] == -1  # poison: never written
+    assert torch.isnan(rollout.buffers["reward"][spare]).all()
+
+
+def test_row_zero_repeats_the_previous_row_t(rollout: Rollout) -> None:
+    T = rollout.config.unroll_length
+    for env in range(rollout.config.envs_per_actor):
+        for name in ("obs", "done", "reward", "episode_return", "episode_step", "game_over"):
+            first = rollout.field(0, env, name)[T]
+            second = rollout.field(1, env, name)[0]
+            assert torch.equal(first, second), (env, name)
+
+
+def test_first_row_of_all_starts_an_episode(rollout: Rollout) -> None:
+    for env in range(rollout.config.envs_per_actor):
+        assert rollout.field(0, env, "done")[0]
+        assert rollout.field(0, env, "reward")[0] == 0
+        assert rollout.field(0, env, "episode_return")[0] == 0
+        assert rollout.field(0, env, "episode_step")[0] == 0
+
+
+def test_actions_and_logits_belong_to_the_row_they_were_chosen_at(rollout: Rollout) -> None:
+    T = rollout.config.unroll_length
+    for unroll in range(2):
+        for env in range(rollout.config.envs_per_actor):
+            action = rollout.field(unroll, env, "action")
+            assert ((action[:T] >= 0) & (action[:T] < rollout.num_actions)).all()
+            obs = rollout.field(unroll, env, "obs")
+            done = rollout.field(unroll, env, "done")
+            with torch.no_grad():
+                output, _ = rollout.model(obs[:T, None], done[:T, None])
+            torch.testing.assert_close(rollout.field(unroll, env, "policy_logits")[:T], output.policy_logits[:, 0])
+            torch.testing.assert_close(rollout.field(unroll, env, "baseline")[:T], output.baseline[:, 0])
+
+
+def test_row_t_action_fields_are_left_unwritten(rollout: Rollout) -> None:
+    """Row T's action is chosen in the next unroll (as its row 0), so a fresh slot keeps poison there."""
+    T = rollout.config.unroll_length
+    for unroll in range(2):
+        for env in range(rollout.config.envs_per_actor):
+            assert rollout.field(unroll, env, "action")[T] == -1
+            assert torch.isnan(rollout.field(unroll, env, "policy_logits")[T]).all()
+            assert torch.isnan(rollout.field(unroll, env, "baseline")[T])
+
+
+def test_rows_replay_against_the_env(rollout: Rollout) -> None:
+    """Stepping a fresh copy of the actor's envs with the recorded actions reproduces every row t + 1."""
+    config = rollout.config
+    T, n = config.unroll_length, config.envs_per_actor
+    env = EnvBatch(config.env, n, actor_seed(config, 0), episodic_life=config.episodic_life)
+    try:
+        obs = env.reset()
+        for i in range(n):
+            np.testing.assert_array_equal(rollout.field(0, i, "obs")[0].numpy(), obs[i])
+        for unroll in range(2):
+            for t in range(T):
+                actions = np.array([int(rollout.field(unroll, i, "action")[t]) for i in range(n)])
+                step = env.step(actions)
+                for i in range(n):
+                    row = {name: rollout.field(unroll, i, name)[t + 1] for name in
+                           ("obs", "reward", "done", "game_over", "episode_return", "episode_step")}
+                    np.testing.assert_array_equal(row["obs"].numpy(), step.obs[i])
+                    assert row["reward"] == step.reward[i] == 1.0  # CartPole pays 1 for every step
+                    assert bool(row["done"]) == bool(step.done[i])
+                    assert bool(row["game_over"]) == bool(step.game_over[i])
+                    assert row["episode_return"] == step.episode_return[i]
+                    assert row["episode_step"] == step.episode_step[i]
+    finally:
+        env.close()
+
+
+def test_episode_stats_count_up_and_end_at_done_rows(rollout: Rollout) -> None:
+    T = rollout.config.unroll_length
+    ended = []
+    for env in range(rollout.config.envs_per_actor):
+        steps = torch.cat([rollout.field(0, env, "episode_step"), rollout.field(1, env, "episode_step")[1:]])
+        returns = torch.cat([rollout.field(0, env, "episode_return"), rollout.field(1, env, "episode_return")[1:]])
+        done = torch.cat([rollout.field(0, env, "done"), rollout.field(1, env, "done")[1:]])
+        assert len(steps) == 2 * T + 1
+        for t in range(1, len(steps)):
+            # After an end the count restarts: the done row itself holds the finished game's totals.
+            assert steps[t] == (1 if done[t - 1] else steps[t - 1] + 1)
+            assert returns[t] == steps[t]
+            if done[t]:
+                ended.append((0, float(returns[t]), int(steps[t])))
+    assert len(ended) >= 2  # random CartPole episodes last about 22 steps: 80 steps see several end
+    assert sorted(rollout.episodes) == sorted(ended)
+
+
+def test_a_set_stop_event_stops_before_writing() -> None:
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=4)
+    model = Net((4,), 2, "mlp", hidden_size=16)
+    buffers = create_buffers(BufferSpec(4, 4, (4,), torch.float32, 2))
+    channels = _channels(4)
+    channels.stop_event.set()
+    run_actor(0, config, buffers, model, channels, max_unrolls=1)
+    assert channels.full_queue.empty()
+    assert torch.isnan(buffers["reward"]).all()
+
+
+def test_a_sentinel_on_the_free_queue_stops_the_actor() -> None:
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=4)
+    model = Net((4,), 2, "mlp", hidden_size=16)
+    buffers = create_buffers(BufferSpec(4, 4, (4,), torch.float32, 2))
+    channels = ActorChannels(queue.Queue(), queue.Queue(), queue.Queue(), queue.Queue(), threading.Event(),
+                             types.SimpleNamespace(value=0))
+    channels.free_queue.put(0)
+    channels.free_queue.put(None)
+    run_actor(0, config, buffers, model, channels)
+    assert channels.full_queue.empty()
+    assert channels.error_queue.empty()
+
+
+def test_lstm_core_state_lets_the_learner_reproduce_the_behaviour_logits() -> None:
+    """The state stored with a slot, unrolled over its rows, gives the logits the actor acted with."""
+    rollout = Rollout(envs_per_actor=2, unroll_length=12, use_lstm=True)
+    assert rollout.errors == []
+    T = rollout.config.unroll_length
+    for unroll in range(2):
+        for env in range(2):
+            state = tuple(rollout.field(unroll, env, f"core_state_{i}").unsqueeze(1) for i in range(2))  # [L, 1, H]
+            if unroll == 0:
+                assert all(not s.any() for s in state)
+            obs = rollout.field(unroll, env, "obs")
+            done = rollout.field(unroll, env, "done")
+            with torch.no_grad():
+                output, _ = rollout.model(obs[:, None], done[:, None], state)
+            torch.testing.assert_close(output.policy_logits[:T, 0], rollout.field(unroll, env, "policy_logits")[:T])
+    # The second unroll's state carries the first unroll's history.
+    assert rollout.field(1, 0, "core_state_0").abs().sum() > 0
+
+
+def test_atari_actor_writes_uint8_frames() -> None:
+    rollout = Rollout(env="PongNoFrameskip-v4", envs_per_actor=1, unroll_length=3, max_unrolls=1, extra_buffers=0)
+    assert rollout.errors == []
+    assert rollout.full == [0]
+    obs = rollout.buffers["obs"][0]
+    assert obs.dtype == torch.uint8 and obs.shape == (4, 4, 84, 84)
+    assert obs.max() > 0 and obs.max() < 255  # real frames, not the poison value
+    action = rollout.buffers["action"][0]
+    assert ((action[:3] >= 0) & (action[:3] < 6)).all() and action[3] == -1
