@@ -32,7 +32,8 @@ class Config:
                       choices=("train", "test", "plot"))
     env: str = _flag("PongNoFrameskip-v4", "gymnasium env id: Atari (e.g. PongNoFrameskip-v4, ALE/Breakout-v5) "
                      "or a vector-observation env with discrete actions (e.g. CartPole-v1)")
-    xpid: str | None = _flag(None, "run name; the run lives in SAVEDIR/XPID (default: ENV-date-time)")
+    xpid: str | None = _flag(None, "run name; the run lives in SAVEDIR/XPID (default: ENV-date-time); "
+                             "plot mode takes several", nargs="+", metavar="XPID")
     savedir: str = _flag("runs", "directory that holds one subdirectory per run")
     resume: bool = _flag(False, "continue the run XPID from its last checkpoint (same as re-running its xpid)")
     seed: int = _flag(0, "seed for envs, weights and action sampling")
@@ -86,6 +87,8 @@ class Config:
     plot_out: str | None = _flag(None, "plot mode: PNG path (default: SAVEDIR/returns.png)")
     plot_xpids: tuple[str, ...] = _flag((), "plot mode: runs to plot (default: XPID, or every run in SAVEDIR)",
                                         nargs="*", metavar="XPID")
+    video: bool = _flag(False, "test mode: also write the first episode to TensorBoard in SAVEDIR/XPID as an "
+                        "animated GIF (IMAGES tab, tag eval/video)")
 
     @property
     def slots_needed(self) -> int:
@@ -129,6 +132,9 @@ class Config:
                 f"hold up to {self.slots_needed} slots at once")
         if self.xpid is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.xpid):
             problems.append(f"--xpid {self.xpid!r} must be a plain name (letters, digits, '.', '_', '-')")
+        for name in self.plot_xpids if self.mode == "plot" else ():
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+                problems.append(f"--xpid {name!r} must be a plain name (letters, digits, '.', '_', '-')")
         if self.mode == "test" and self.xpid is None:
             problems.append("--mode test needs --xpid NAME of a trained run")
         if self.resume and self.xpid is None:
@@ -181,8 +187,17 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     args = parser.parse_args(argv)
     values = vars(args)
     values["plot_xpids"] = tuple(values["plot_xpids"] or ())
+    problems = []
+    names = values["xpid"] or []  # a list: plot mode compares several runs, every other mode takes one
+    if values["mode"] == "plot":
+        values["xpid"], values["plot_xpids"] = None, (*names, *values["plot_xpids"])
+    else:
+        values["xpid"] = names[0] if names else None
+        if len(names) > 1:
+            problems.append(f"--xpid takes one name in --mode {values['mode']}, got {len(names)} "
+                            f"({' '.join(names)}); several only with --mode plot")
     config = Config(**values)
-    problems = config.validate()
+    problems += config.validate()
     if problems:
         raise UserError("; ".join(problems))
     return config

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -10,7 +11,8 @@ import torch
 
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import Config, UserError
-from impala.environment import EnvBatch
+from impala.environment import EnvBatch, is_atari
+from impala.metrics import RunLog
 from impala.model import Net
 
 log = logging.getLogger("impala")
@@ -32,8 +34,13 @@ def load_agent(config: Config) -> tuple[Net, dict]:
     return model, state
 
 
-def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True) -> list[float]:
-    """Full-game returns of `episodes` games, the first game of each of `episodes` parallel envs."""
+def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True,
+         on_step: Callable[[np.ndarray, np.ndarray], None] | None = None) -> list[float]:
+    """Full-game returns of `episodes` games, the first game of each of `episodes` parallel envs.
+
+    `on_step(obs, game_over)`, when given, sees every observation the agent acts on ([episodes, ...]) and
+    which games ended on that action ([episodes] bool): `EpisodeRecorder.add` keeps env 0's frames.
+    """
     env = EnvBatch(env_id, episodes, seed, episodic_life=False)
     check_compatible_env(model, env)
     returns: list[float | None] = [None] * episodes
@@ -51,6 +58,8 @@ def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True)
             else:
                 action = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(-1)
             step = env.step(action.numpy())
+            if on_step is not None:
+                on_step(obs.numpy(), step.game_over)
             for i in np.flatnonzero(step.game_over):
                 if returns[i] is None:
                     returns[i] = float(step.episode_return[i])
@@ -70,8 +79,85 @@ def test(config: Config) -> float:
     """Play `config.test_episodes` games greedily and print their mean return."""
     torch.set_num_threads(1)
     model, state = load_agent(config)
-    returns = play(model, config.env, config.test_episodes, config.seed + 12345)
+    recorder = EpisodeRecorder() if config.video else None
+    returns = play(model, config.env, config.test_episodes, config.seed + 12345,
+                   on_step=recorder.add if recorder is not None else None)
     mean = float(np.mean(returns))
     print(f"Mean return over {len(returns)} episodes: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
           f"checkpoint at step {state['step']})")
+    if recorder is not None:
+        run_dir = Path(config.savedir).expanduser() / str(config.xpid)
+        write_evaluation(run_dir, int(state["step"]), returns, recorder.frames(), VIDEO_FPS_ATARI
+                         if is_atari(config.env) else VIDEO_FPS_OTHER)
+        print(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {run_dir} "
+              "(IMAGES tab, eval/video)")
     return mean
+
+
+# Atari plays at 60 frames/s and an agent step is 4 frames; other envs have no common clock.
+VIDEO_FPS_ATARI = 15.0
+VIDEO_FPS_OTHER = 30.0
+VIDEO_MAX_FRAMES = 2000  # a long game would make a GIF of tens of MB: keep its start
+VIDEO_SCALE = 2  # 84x84 Atari frames are small on screen
+
+
+class EpisodeRecorder:
+    """Keeps env 0's observations until its first game ends, and turns them into video frames.
+
+    Frames show what the agent sees, so no renderer is needed (gymnasium's classic-control renderer
+    needs pygame): for image observations [C, H, W] the newest frame of the stack, in grey; for vector
+    observations [D] one bar per dimension (up: positive, down: negative, each scaled to its largest
+    magnitude in the episode).
+    """
+
+    def __init__(self, max_frames: int = VIDEO_MAX_FRAMES) -> None:
+        self.max_frames = max_frames
+        self.observations: list[np.ndarray] = []
+        self.finished = False
+
+    def add(self, obs: np.ndarray, game_over: np.ndarray) -> None:
+        """`on_step` for `play`: `obs` [N, ...] was acted on; `game_over` [N] ended on that action."""
+        if self.finished:
+            return
+        if len(self.observations) < self.max_frames:
+            self.observations.append(np.array(obs[0]))
+        self.finished = bool(game_over[0])
+
+    def frames(self) -> np.ndarray:
+        """[T, H, W, 3] uint8."""
+        if not self.observations:
+            raise ValueError("no observation recorded")
+        stacked = np.stack(self.observations)
+        if stacked.ndim == 4:  # [T, C, H, W] image stacks
+            grey = stacked[:, -1].astype(np.uint8)
+            grey = grey.repeat(VIDEO_SCALE, axis=1).repeat(VIDEO_SCALE, axis=2)
+            return np.repeat(grey[..., None], 3, axis=-1)
+        return _bar_frames(stacked.reshape(len(stacked), -1).astype(np.float64))
+
+
+def _bar_frames(values: np.ndarray, height: int = 96, bar_width: int = 24, gap: int = 8) -> np.ndarray:
+    """[T, D] values -> [T, height, D * (bar_width + gap) + gap, 3] uint8 bar charts around a zero line."""
+    steps, dims = values.shape
+    scale = np.abs(values).max(axis=0)
+    scale[scale == 0] = 1.0
+    heights = np.rint(values / scale * (height // 2 - 4)).astype(np.int64)  # [T, D], 4 px margin
+    frames = np.full((steps, height, dims * (bar_width + gap) + gap, 3), 255, np.uint8)
+    middle = height // 2
+    frames[:, middle, :] = 160  # the zero line
+    for t in range(steps):
+        for d in range(dims):
+            left = gap + d * (bar_width + gap)
+            top, bottom = sorted((middle, middle - heights[t, d]))
+            color = (40, 120, 200) if heights[t, d] >= 0 else (220, 90, 60)
+            frames[t, top:bottom + 1, left:left + bar_width] = color
+    return frames
+
+
+def write_evaluation(run_dir: Path, step: int, returns: list[float], frames: np.ndarray, fps: float) -> None:
+    """The test returns (eval/episodic_return_mean) and one episode's video (eval/video) at the checkpoint's step."""
+    runlog = RunLog(run_dir)
+    try:
+        runlog.scalar("eval/episodic_return_mean", float(np.mean(returns)), step)
+        runlog.video("eval/video", frames, step, fps)
+    finally:
+        runlog.close()

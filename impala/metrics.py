@@ -1,29 +1,51 @@
 """What a run reports: TensorBoard scalars, a CSV of the same scalars, and the console.
 
-Tags follow the CleanRL / Stable-Baselines3 grouping: `charts/`, `losses/`, `stats/`, `timing/`,
-always against agent steps.
+Tags follow the CleanRL / Stable-Baselines3 grouping, always against agent steps:
+
+    charts/   episodic_return, episodic_length, SPS, learning_rate, frames, episodes, mean_return_100
+    losses/   total_loss, pg_loss, baseline_loss, entropy_loss
+    stats/    grad_norm, policy_lag, rho_mean, rho_clipped_fraction, full_queue_size, free_queue_size, ...
+    timing/   wait_batch_ms, host_to_device_ms, update_lock_wait_ms, forward_backward_ms, publish_ms
+    eval/     episodic_return_mean and video (test mode)
+    flags     the run's flags as a markdown table (TEXT tab) and as hparams (HPARAMS tab)
+
+The console gets one progress line per log interval: redrawn in place on a terminal, a plain log line
+anywhere else (a pipe, a file, CI, `docker logs`); `out.log` always gets plain lines.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import logging
+import math
 import os
+import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import Summary, hparams
 
 log = logging.getLogger("impala")
+
+# Pass as `extra=STATUS` to log a progress line: a terminal redraws it in place instead of scrolling.
+STATUS = {"status": True}
+
+# The scalar tags the HPARAMS tab shows beside each run's flags (TensorBoard reads their values from
+# the scalars of the same run, so nothing extra is written for them).
+HPARAM_METRICS = ("charts/episodic_return", "charts/mean_return_100", "charts/SPS")
 
 
 class RunLog:
     """TensorBoard event files and `logs.csv` in the run directory.
 
     `purge_step` (when resuming) drops events a killed run wrote after its last checkpoint, so the
-    resumed curve continues the old one instead of overlapping it.
+    resumed curve continues the old one instead of overlapping it. Not thread-safe: one thread (the
+    monitor) writes.
     """
 
     def __init__(self, run_dir: str | os.PathLike, purge_step: int | None = None) -> None:
@@ -43,12 +65,29 @@ class RunLog:
         """One TensorBoard scalar, not in the CSV (e.g. one per finished episode)."""
         self.writer.add_scalar(tag, value, step)
 
-    def text(self, tag: str, text: str) -> None:
-        self.writer.add_text(tag, text, 0)
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        """Markdown text in TensorBoard's TEXT tab."""
+        self.writer.add_text(tag, text, step)
 
-    def hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
-        clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in hparams.items()}
-        self.writer.add_hparams(clean, dict(metrics), run_name=".")
+    def flags(self, flags: Mapping[str, Any], step: int = 0) -> None:
+        """The run's flags as a markdown table (tag `flags`) and as hparams, at the start of a run.
+
+        Unlike `SummaryWriter.add_hparams`, this writes into the run's own event file and adds no scalars:
+        the HPARAMS tab reads the metrics in `HPARAM_METRICS` from the run's scalars.
+        """
+        self.text("flags", flags_markdown(flags), step)
+        clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flags.items()}
+        file_writer = self.writer._get_file_writer()
+        for summary in hparams(clean, {tag: 0.0 for tag in HPARAM_METRICS}):
+            file_writer.add_summary(summary, step)
+
+    def video(self, tag: str, frames: np.ndarray, step: int, fps: float) -> None:
+        """An animated GIF of `frames` ([T, H, W, 3] or [T, H, W] uint8) in TensorBoard's IMAGES tab.
+
+        This is what `SummaryWriter.add_video` writes, encoded with Pillow (already installed with
+        matplotlib) because add_video needs moviepy, a dependency we would add for this one call.
+        """
+        self.writer._get_file_writer().add_summary(video_summary(tag, frames, fps), step)
 
     def _write_csv(self, row: dict[str, float]) -> None:
         if self._csv is None:
@@ -56,14 +95,34 @@ class RunLog:
             if self._csv_path.exists() and self._csv_path.stat().st_size > 0:
                 with open(self._csv_path, newline="") as f:
                     fieldnames = next(csv.reader(f), fieldnames)  # appending to a resumed run
-                self._csv_file = open(self._csv_path, "a", newline="")  # noqa: SIM115 - open for the whole run
-                self._csv = csv.DictWriter(self._csv_file, fieldnames, extrasaction="ignore")
+                self._open_csv(fieldnames, append=True)
             else:
-                self._csv_file = open(self._csv_path, "w", newline="")  # noqa: SIM115 - open for the whole run
-                self._csv = csv.DictWriter(self._csv_file, fieldnames, extrasaction="ignore")
-                self._csv.writeheader()
+                self._open_csv(fieldnames, append=False)
+        assert self._csv is not None
+        if any(key not in self._csv.fieldnames for key in row):
+            # A tag first seen now (no episode or update finished before the first row): widen the
+            # header rather than drop the column for the rest of the run.
+            self._widen_csv([*self._csv.fieldnames, *(k for k in row if k not in self._csv.fieldnames)])
         self._csv.writerow(row)
         self._csv_file.flush()
+
+    def _open_csv(self, fieldnames: Sequence[str], append: bool) -> None:
+        self._csv_file = open(self._csv_path, "a" if append else "w", newline="")  # noqa: SIM115 - open for the run
+        self._csv = csv.DictWriter(self._csv_file, list(fieldnames), extrasaction="ignore")
+        if not append:
+            self._csv.writeheader()
+
+    def _widen_csv(self, fieldnames: list[str]) -> None:
+        self._csv_file.close()
+        with open(self._csv_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        tmp = self._csv_path.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, self._csv_path)
+        self._open_csv(fieldnames, append=True)
 
     def flush(self) -> None:
         self.writer.flush()
@@ -72,18 +131,119 @@ class RunLog:
         self.writer.close()
         if self._csv_file is not None:
             self._csv_file.close()
+            self._csv_file = self._csv = None
+
+
+def flags_markdown(flags: Mapping[str, Any]) -> str:
+    """`| flag | value |` markdown table, one row per flag, in the given order."""
+    rows = ["| flag | value |", "|---|---|"]
+    for name, value in flags.items():
+        shown = str(value).replace("|", "\\|")
+        rows.append(f"| {name} | `{shown}` |")
+    return "\n".join(rows)
+
+
+def video_summary(tag: str, frames: np.ndarray, fps: float) -> Summary:
+    """A TensorBoard image summary holding `frames` ([T, H, W, 3] or [T, H, W] uint8) as an animated GIF."""
+    from PIL import Image
+
+    frames = np.asarray(frames)
+    if frames.ndim == 3:
+        frames = np.repeat(frames[..., None], 3, axis=-1)
+    if frames.ndim != 4 or frames.shape[-1] != 3 or len(frames) == 0:
+        raise ValueError(f"video frames must be [T, H, W, 3] or [T, H, W] with T >= 1, got {frames.shape}")
+    images = [Image.fromarray(frame.astype(np.uint8), "RGB") for frame in frames]
+    buffer = io.BytesIO()
+    images[0].save(buffer, format="GIF", save_all=True, append_images=images[1:],
+                   duration=max(20, round(1000 / fps)), loop=0)
+    _, height, width, channels = frames.shape
+    image = Summary.Image(height=height, width=width, colorspace=channels, encoded_image_string=buffer.getvalue())
+    return Summary(value=[Summary.Value(tag=tag, image=image)])
+
+
+# --------------------------------------------------------------------------------------- console
+
+
+def progress_line(step: int, total_steps: int, sps: float, elapsed_s: float, mean_return: float,
+                  episodes: int) -> str:
+    """One human-readable progress line, e.g.
+    `[#####---------------]  25.0%  step 25,000/100,000  SPS 3,120  elapsed 0:00:08  left 0:00:24  return 41.3 (212 ep)`.
+    """
+    fraction = min(1.0, step / total_steps) if total_steps > 0 else 1.0
+    filled = round(20 * fraction)
+    remaining_s = (total_steps - step) / sps if sps > 0 else math.inf
+    shown_return = f"{mean_return:.1f}" if math.isfinite(mean_return) else "-"
+    return (f"[{'#' * filled}{'-' * (20 - filled)}] {100 * fraction:5.1f}%  step {step:,}/{total_steps:,}  "
+            f"SPS {sps:,.0f}  elapsed {duration(elapsed_s)}  left {duration(max(0.0, remaining_s))}  "
+            f"return {shown_return} ({episodes:,} ep)")
+
+
+def duration(seconds: float) -> str:
+    """`H:MM:SS`, or `?` when unknown (infinite or NaN)."""
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+class ConsoleHandler(logging.Handler):
+    """Writes records to the current `sys.stdout` (looked up per record, so a redirected stdout is honoured).
+
+    On a terminal a record logged with `extra=STATUS` replaces the previous status line in place
+    (carriage return, clear to end of line, cut to the terminal width); other records are printed
+    above it and the status line is redrawn. Anywhere else every record is a plain line, so logs that
+    are piped or collected (CI, Docker) hold no carriage returns or escape codes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._status: str | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stdout
+            text = self.format(record)
+            if not _is_terminal(stream):
+                stream.write(text + "\n")
+            elif getattr(record, "status", False):
+                width = shutil.get_terminal_size().columns - 1  # a wrapped line could not be redrawn
+                self._status = text[:width]
+                stream.write("\r" + self._status + "\x1b[K")
+            else:
+                if self._status is not None:
+                    stream.write("\r\x1b[K")
+                stream.write(text + "\n")
+                if self._status is not None:
+                    stream.write(self._status)
+            stream.flush()
+        except Exception:  # noqa: BLE001 - logging's contract: report through handleError, never raise
+            self.handleError(record)
+
+    def end_status(self) -> None:
+        """Leave the last status line on screen and move below it."""
+        with self.lock:
+            if self._status is not None and _is_terminal(sys.stdout):
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            self._status = None
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # a closed or file-like stream without isatty
+        return False
 
 
 def setup_console(log_file: str | os.PathLike | None = None) -> None:
-    """Log `impala` messages to stdout and, when given, to `log_file` (appending)."""
+    """Log `impala` messages to stdout and, when given, to `log_file` (appending, always plain lines)."""
     log.setLevel(logging.INFO)
     log.propagate = False
     formatter = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
-    if not any(isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)
-               for h in log.handlers):
-        stream = logging.StreamHandler(sys.stdout)
-        stream.setFormatter(formatter)
-        log.addHandler(stream)
+    if not any(isinstance(h, ConsoleHandler) for h in log.handlers):
+        console = ConsoleHandler()
+        console.setFormatter(formatter)
+        log.addHandler(console)
     if log_file is not None:
         file_handler = logging.FileHandler(log_file, mode="a")
         file_handler.setFormatter(formatter)
@@ -91,7 +251,10 @@ def setup_console(log_file: str | os.PathLike | None = None) -> None:
 
 
 def close_console() -> None:
+    """End the status line and close the log files; the stdout handler stays for later runs."""
     for handler in list(log.handlers):
-        if isinstance(handler, logging.FileHandler):
+        if isinstance(handler, ConsoleHandler):
+            handler.end_status()
+        elif isinstance(handler, logging.FileHandler):
             handler.close()
             log.removeHandler(handler)

@@ -9,6 +9,7 @@ threads, locks and queues.
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -37,8 +38,8 @@ from impala.checkpoint import (
     save_checkpoint,
 )
 from impala.config import Config, UserError
-from impala.environment import EnvBatch
-from impala.metrics import RunLog, close_console, setup_console
+from impala.environment import EnvBatch, is_atari
+from impala.metrics import STATUS, RunLog, close_console, progress_line, setup_console
 from impala.model import Net
 
 log = logging.getLogger("impala")
@@ -87,6 +88,8 @@ class Run:
     episode_returns: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
     episodes: int = 0
     policy_lag_sum: float = 0.0
+    timing_sum_s: dict = field(default_factory=lambda: collections.defaultdict(float))  # per learner phase
+    timing_count: int = 0
 
 
 # ----------------------------------------------------------------------------------------- build
@@ -163,6 +166,7 @@ def build(config: Config) -> Run:
         channels.free_queue.put(slot)
     write_run_files(config, run_dir, resuming)
     runlog = RunLog(run_dir, purge_step=step if resuming else None)
+    runlog.flags(config.to_dict(), step)
     run = Run(config, run_dir, device, model, actor_model, optimizer, scheduler, buffers, channels, ctx, runlog,
               step=step, start_step=step)
     if checkpoint is not None:
@@ -264,22 +268,33 @@ def _learn(run: Run) -> None:
     config = run.config
     staging = learner.BatchStaging(run.buffers, config.batch_size, pin=run.device.type == "cuda")
     while not run.stop_learning.is_set():
+        wait_start = time.perf_counter()
         slots = _take_full_slots(run)
         if slots is None:
             return
+        copy_start = time.perf_counter()
         staging.fill(run.buffers, slots)
         versions = run.buffers["policy_version"][slots].clone()
         for slot in slots:
             run.channels.free_queue.put(slot)
         batch, core_state = staging.to(run.device)
+        copy_end = time.perf_counter()
         with run.update_lock:
             if run.step >= config.total_steps or run.stop_learning.is_set():
                 return
+            update_start = time.perf_counter()
             stats = learner.update(run.model, run.optimizer, run.scheduler, batch, core_state, config, config.amp)
+            # update() ends by reading its stats as floats, which waits for the device: on CUDA this phase
+            # also holds the tail of the non-blocking host-to-device copy.
+            publish_start = time.perf_counter()
             _publish(run)
+            publish_end = time.perf_counter()
             run.step += config.steps_per_update
             run.updates += 1
-            _record(run, stats, float((run.updates - 1 - versions).float().mean()))
+            timings_s = {"wait_batch": copy_start - wait_start, "host_to_device": copy_end - copy_start,
+                         "update_lock_wait": update_start - copy_end,
+                         "forward_backward": publish_start - update_start, "publish": publish_end - publish_start}
+            _record(run, stats, float((run.updates - 1 - versions).float().mean()), timings_s)
 
 
 def _publish(run: Run) -> None:
@@ -290,7 +305,11 @@ def _publish(run: Run) -> None:
     run.channels.policy_version.value = run.updates + 1
 
 
-def _record(run: Run, stats: dict[str, float], policy_lag: float) -> None:
+def _record(run: Run, stats: dict[str, float], policy_lag: float, timings_s: dict[str, float] | None = None) -> None:
+    """Add one update's stats and phase times to the sums `_log_progress` averages. Caller holds `update_lock`."""
+    for phase, seconds in (timings_s or {}).items():  # skipped updates took time too
+        run.timing_sum_s[phase] += seconds
+    run.timing_count += 1 if timings_s else 0
     if stats["skipped"]:
         run.skipped_updates += 1
         run.bad_updates_in_a_row += 1
@@ -381,19 +400,26 @@ def _check_actors(run: Run) -> None:
 
 
 def _log_progress(run: Run, interval_s: float, interval_steps: int, elapsed_s: float) -> None:
+    """Average what the learners recorded since the last call, write it against agent steps, print progress.
+
+    Called by the monitor every `log_interval_s`; the sums are taken and reset under `update_lock`.
+    """
     config = run.config
+    step = run.step  # learners keep stepping while this runs: one value for every scalar below
     sps = interval_steps / interval_s
     mean_return = sum(run.episode_returns) / len(run.episode_returns) if run.episode_returns else float("nan")
-    scalars = {"charts/SPS": sps, "charts/episodes": run.episodes}
+    scalars = {"charts/SPS": sps, "charts/frames": step * _frames_per_step(config.env),
+               "charts/episodes": run.episodes}
     if run.episode_returns:
         scalars["charts/mean_return_100"] = mean_return
     with run.update_lock:
-        count = run.stats_count
-        sums = dict(run.stats_sum)
-        lag = run.policy_lag_sum
+        count, sums, lag = run.stats_count, dict(run.stats_sum), run.policy_lag_sum
+        timing_count, timing_sums = run.timing_count, dict(run.timing_sum_s)
         run.stats_sum.clear()
         run.stats_count = 0
         run.policy_lag_sum = 0.0
+        run.timing_sum_s.clear()
+        run.timing_count = 0
     if count:
         for key in ("total_loss", "pg_loss", "baseline_loss", "entropy_loss"):
             scalars[f"losses/{key}"] = sums[key] / count
@@ -401,21 +427,28 @@ def _log_progress(run: Run, interval_s: float, interval_steps: int, elapsed_s: f
         scalars["stats/grad_norm"] = sums["grad_norm"] / count
         scalars["stats/rho_mean"] = sums["rho_mean"] / count
         scalars["stats/rho_clipped_fraction"] = sums["rho_clipped_fraction"] / count
-        scalars["stats/policy_lag"] = lag / count
+        scalars["stats/policy_lag"] = lag / count  # in learner updates
     scalars["stats/skipped_updates"] = run.skipped_updates
-    run.runlog.scalars(run.step, scalars)
-    percent = 100.0 * run.step / config.total_steps
-    remaining = (config.total_steps - run.step) / sps if sps > 0 else float("inf")
-    log.info("step %d/%d (%.1f%%)  SPS %.0f  elapsed %s  left %s  episodes %d  mean return %.2f",
-             run.step, config.total_steps, percent, sps, _duration(elapsed_s), _duration(remaining),
-             run.episodes, mean_return)
+    scalars.update(_queue_sizes(run))
+    for phase, seconds in timing_sums.items():
+        scalars[f"timing/{phase}_ms"] = 1000.0 * seconds / timing_count  # mean per update
+    run.runlog.scalars(step, scalars)
+    log.info(progress_line(step, config.total_steps, sps, elapsed_s, mean_return, run.episodes), extra=STATUS)
 
 
-def _duration(seconds: float) -> str:
-    if seconds == float("inf"):
-        return "?"
-    seconds = int(seconds)
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+@functools.cache
+def _frames_per_step(env_id: str) -> int:
+    """Env frames per agent step: the frame skip, 4 for Atari (see `environment.EnvBatch`), 1 otherwise."""
+    return 4 if is_atari(env_id) else 1
+
+
+def _queue_sizes(run: Run) -> dict[str, float]:
+    """Slots waiting for a learner (full) and for an actor (free): which side is the bottleneck."""
+    try:
+        return {"stats/full_queue_size": run.channels.full_queue.qsize(),
+                "stats/free_queue_size": run.channels.free_queue.qsize()}
+    except NotImplementedError:  # macOS has no sem_getvalue
+        return {}
 
 
 def checkpoint(run: Run) -> None:

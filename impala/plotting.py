@@ -1,0 +1,168 @@
+"""Plot mode: episodic return against agent steps for one or several runs, to a PNG.
+
+    python run.py --mode plot --savedir runs --xpid A B        # or: python -m impala.plotting --xpid A B
+    python run.py --mode plot --savedir runs --plot_out cmp.png  # every run in SAVEDIR
+
+Returns come from each run's TensorBoard event files (`charts/episodic_return`, one point per finished
+episode), or, for a run without them, from `logs.csv` (`charts/mean_return_100`). Each run is drawn
+faintly as recorded and boldly as a rolling mean, so that runs can be compared without TensorBoard.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter
+
+from impala.config import Config, UserError, parse_config
+
+RETURN_TAG = "charts/episodic_return"
+CSV_RETURN_COLUMN = "charts/mean_return_100"
+MAX_SMOOTHING_EPISODES = 100  # the usual "mean of the last 100 episodes"
+
+
+@dataclass
+class Curve:
+    """One run's returns: `steps` and `returns` are [N] arrays sorted by agent step."""
+
+    name: str
+    steps: np.ndarray
+    returns: np.ndarray
+    env: str | None = None
+
+
+def plot(config: Config) -> Path:
+    """Write the returns of `config.plot_xpids` (else XPID, else every run in SAVEDIR) to a PNG; returns its path.
+
+    Raises UserError for a run that does not exist or has no finished episode yet.
+    """
+    savedir = Path(config.savedir).expanduser()
+    names = list(config.plot_xpids) or ([config.xpid] if config.xpid else []) or find_runs(savedir)
+    if not names:
+        raise UserError(f"no runs to plot in {savedir}; train one first or pass --savedir DIR")
+    curves = [load_curve(savedir, name) for name in names]
+    out = Path(config.plot_out).expanduser() if config.plot_out else savedir / "returns.png"
+    figure = returns_figure(curves)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        figure.savefig(out, dpi=120)
+    except OSError as exc:
+        raise UserError(f"cannot write the plot {out}: {exc.strerror or exc}") from None
+    print(f"Wrote {out}: episodic return of {', '.join(names)}")
+    return out
+
+
+def find_runs(savedir: Path) -> list[str]:
+    """Names of the runs in `savedir` (directories with event files or logs.csv), `latest` excepted."""
+    if not savedir.is_dir():
+        return []
+    return sorted(p.name for p in savedir.iterdir()
+                  if p.is_dir() and not p.is_symlink() and (any(p.glob("events.out.tfevents.*"))
+                                                             or (p / "logs.csv").is_file()))
+
+
+def load_curve(savedir: Path, name: str) -> Curve:
+    """The returns of run `name`; UserError naming the runs that do exist when it is missing or empty."""
+    run_dir = savedir / name
+    if not run_dir.is_dir():
+        existing = find_runs(savedir)
+        raise UserError(f"no run {name!r} in {savedir} (runs there: {', '.join(existing) or 'none'})")
+    steps, returns = _returns_from_events(run_dir)
+    if len(steps) == 0:
+        steps, returns = _returns_from_csv(run_dir / "logs.csv")
+    if len(steps) == 0:
+        raise UserError(f"run {name!r} in {savedir} has no finished episode to plot yet")
+    order = np.argsort(steps, kind="stable")
+    return Curve(name, steps[order], returns[order], _env_of(run_dir))
+
+
+def _returns_from_events(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    # size_guidance 0 keeps every point: the default reservoir would keep a random 10,000.
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 1, "tensors": 1})
+    accumulator.Reload()
+    if RETURN_TAG not in accumulator.Tags()["scalars"]:
+        return np.empty(0), np.empty(0)
+    events = accumulator.Scalars(RETURN_TAG)
+    return np.array([e.step for e in events], np.int64), np.array([e.value for e in events], np.float64)
+
+
+def _returns_from_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    steps, returns = [], []
+    if path.is_file():
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                value = row.get(CSV_RETURN_COLUMN) or ""
+                if value and math.isfinite(float(value)):
+                    steps.append(int(float(row["step"])))
+                    returns.append(float(value))
+    return np.array(steps, np.int64), np.array(returns, np.float64)
+
+
+def _env_of(run_dir: Path) -> str | None:
+    try:
+        return json.loads((run_dir / "flags.json").read_text()).get("env")
+    except (OSError, ValueError):
+        return None
+
+
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Rolling mean over the last `window` values ([N] -> [N]); the first points average what exists so far."""
+    if window <= 1 or len(values) == 0:
+        return values.astype(np.float64)
+    cumulative = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
+    index = np.arange(1, len(values) + 1)
+    start = np.maximum(0, index - window)
+    return (cumulative[index] - cumulative[start]) / (index - start)
+
+
+def smoothing_window(num_points: int) -> int:
+    """A tenth of the points, at most 100 episodes: smooth enough to read, short runs keep their shape."""
+    return max(1, min(MAX_SMOOTHING_EPISODES, num_points // 10))
+
+
+def returns_figure(curves: Sequence[Curve], colors: Mapping[str, str] | None = None) -> Figure:
+    """A figure of every curve, raw and smoothed, with the run names in the legend.
+
+    Uses matplotlib's object API with the Agg canvas, so no display and no global backend change are needed.
+    """
+    figure = Figure(figsize=(8, 5), layout="constrained")
+    axes = figure.add_subplot()
+    envs = {c.env for c in curves}
+    for i, curve in enumerate(curves):
+        color = (colors or {}).get(curve.name, f"C{i % 10}")
+        window = smoothing_window(len(curve.returns))
+        axes.plot(curve.steps, curve.returns, color=color, alpha=0.2, linewidth=0.8)
+        label = curve.name if len(envs) == 1 or curve.env is None else f"{curve.name} ({curve.env})"
+        axes.plot(curve.steps, smooth(curve.returns, window), color=color, linewidth=2, label=label)
+    single_env = next(iter(envs)) if len(envs) == 1 else None
+    axes.set_title("Episodic return" + (f": {single_env}" if single_env else ""))
+    axes.set_xlabel("agent steps")
+    axes.set_ylabel("episodic return (bold: rolling mean)")
+    axes.xaxis.set_major_formatter(EngFormatter())
+    axes.grid(alpha=0.3)
+    axes.legend(loc="best")
+    return figure
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m impala.plotting [--savedir DIR] [--xpid A B ...] [--plot_out PNG]`."""
+    try:
+        plot(parse_config(["--mode", "plot", *(sys.argv[1:] if argv is None else argv)]))
+    except UserError as exc:
+        print(f"impala.plotting: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
