@@ -17,7 +17,7 @@ import torch
 from impala.buffers import Buffers
 from impala.config import Config
 from impala.environment import EnvBatch
-from impala.model import Net, sample_actions
+from impala.model import Net, sample_actions, use_amp
 
 
 class ActorChannels(NamedTuple):
@@ -35,17 +35,29 @@ def actor_seed(config: Config, actor_index: int, restart: int = 0) -> int:
     return config.seed * 1_000_003 + actor_index * 10_007 + restart * 101
 
 
-def _take_slots(free_queue: Any, count: int, stop_event: Any) -> list[int] | None:
+def _take_slots(free_queue: Any, count: int, stop_event: Any, slot_owner: torch.Tensor | None = None,
+                actor_index: int = -1) -> list[int] | None:
+    """`count` slot numbers, each marked in `slot_owner` as soon as it is taken; None when stopped.
+
+    A multiprocessing queue's `get(timeout)` holds the queue's cross-process lock while it waits: an
+    actor killed there (kill -9) would keep it forever and starve every other actor. So wait on the
+    pipe without the lock (`_poll`) and take the lock only for the instant of `get_nowait`.
+    """
+    wait_for_data = getattr(free_queue, "_poll", None)  # absent on a queue.Queue (inline use)
     slots = []
     while len(slots) < count:
         try:
-            slot = free_queue.get(timeout=0.2)
+            slot = free_queue.get_nowait() if wait_for_data else free_queue.get(timeout=0.2)
         except queue.Empty:
             if stop_event.is_set():
                 return None
+            if wait_for_data:
+                wait_for_data(0.2)
             continue
         if slot is None:  # sentinel from the main process
             return None
+        if slot_owner is not None:  # the monitor returns these to the free queue if this actor dies
+            slot_owner[slot] = actor_index
         slots.append(slot)
     return slots
 
@@ -82,10 +94,12 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
         "game_over": torch.zeros(n, dtype=torch.bool),
     }
     core_state = model.initial_state(n)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_amp(config.amp, torch.device("cpu"),
+                                                                           model.model))
     unrolls = 0
     try:
         while not channels.stop_event.is_set() and (max_unrolls is None or unrolls < max_unrolls):
-            slots = _take_slots(channels.free_queue, n, channels.stop_event)
+            slots = _take_slots(channels.free_queue, n, channels.stop_event, buffers["slot_owner"], actor_index)
             if slots is None:
                 return
             index = torch.tensor(slots)
@@ -98,7 +112,7 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
                     buffers[key][index, t] = value
                 if t == T:
                     break
-                with torch.no_grad():
+                with torch.no_grad(), autocast:
                     output, core_state = model(row["obs"][None], row["done"][None], core_state)
                 logits = output.policy_logits[0]
                 action = sample_actions(logits, generator)

@@ -75,7 +75,9 @@ class Config:
 
     # Devices and speed.
     disable_cuda: bool = _flag(False, "learn on the CPU even when a GPU is present")
-    amp: bool = _flag(False, "GPU only: learner forward/backward in bfloat16 autocast")
+    amp: bool | None = _flag(None, "bfloat16 autocast for the learner and actor inference (weights stay float32); "
+                             "default: on where the device computes bfloat16 natively (recent GPUs, CPUs with "
+                             "AVX512-BF16 or AMX), --no-amp to turn it off", negatable=True)
     compile: bool = _flag(False, "torch.compile the learner's model")
 
     # Outputs.
@@ -160,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
         meta = dict(f.metadata)
         help_text = meta.pop("help")
         negatable = meta.pop("negatable", False)
-        if f.type in ("bool", bool):
+        if f.type in ("bool", "bool | None"):
             action = argparse.BooleanOptionalAction if negatable else "store_true"
             parser.add_argument(f"--{f.name}", action=action, default=f.default, help=help_text)
             continue

@@ -139,8 +139,12 @@ class Net(nn.Module):
         if self.core is not None:
             features, core_state = self._unroll_core(features.view(T, B, -1), done, core_state)
             features = features.flatten(0, 1)
-        logits = self.policy(features).view(T, B, self.num_actions)
-        baseline = self.baseline(features).view(T, B)
+        # The heads stay in float32 under autocast: bfloat16's 8-bit mantissa is too coarse for values
+        # and logits that V-trace compares across learner and actors.
+        with torch.autocast(features.device.type, enabled=False):
+            features = features.float()
+            logits = self.policy(features).view(T, B, self.num_actions)
+            baseline = self.baseline(features).view(T, B)
         return AgentOutput(logits, baseline), core_state
 
     def _unroll_core(self, features: torch.Tensor, done: torch.Tensor, core_state: CoreState
@@ -154,6 +158,24 @@ class Net(nn.Module):
             output, core_state = self.core(features[t : t + 1], core_state)
             outputs.append(output)
         return torch.cat(outputs), core_state
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """Whether `device` computes bfloat16 natively, so that autocast speeds it up rather than slows it."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def use_amp(amp: bool | None, device: torch.device, model: str) -> bool:
+    """Resolve the `--amp` flag: explicit True/False, or None for "where it pays": convolutional nets on a
+    device with native bfloat16 (an MLP is too small to gain and its values need the precision)."""
+    if amp is None:
+        return model != "mlp" and bf16_is_fast(device)
+    return amp
 
 
 def sample_actions(policy_logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -40,7 +40,7 @@ from impala.checkpoint import (
 from impala.config import Config, UserError
 from impala.environment import EnvBatch, is_atari
 from impala.metrics import STATUS, RunLog, close_console, progress_line, setup_console
-from impala.model import Net
+from impala.model import Net, use_amp
 
 log = logging.getLogger("impala")
 
@@ -71,6 +71,7 @@ class Run:
     channels: ActorChannels
     ctx: Any
     runlog: RunLog
+    amp: bool = False  # bfloat16 autocast in the learner
     step: int = 0
     updates: int = 0
     start_step: int = 0
@@ -169,6 +170,7 @@ def build(config: Config) -> Run:
     runlog.flags(config.to_dict(), step)
     run = Run(config, run_dir, device, model, actor_model, optimizer, scheduler, buffers, channels, ctx, runlog,
               step=step, start_step=step)
+    run.amp = use_amp(config.amp, device, model.model)
     if checkpoint is not None:
         run.updates = int(checkpoint.get("updates", 0))
         channels.policy_version.value = run.updates
@@ -283,7 +285,7 @@ def _learn(run: Run) -> None:
             if run.step >= config.total_steps or run.stop_learning.is_set():
                 return
             update_start = time.perf_counter()
-            stats = learner.update(run.model, run.optimizer, run.scheduler, batch, core_state, config, config.amp)
+            stats = learner.update(run.model, run.optimizer, run.scheduler, batch, core_state, config, run.amp)
             # update() ends by reading its stats as floats, which waits for the device: on CUDA this phase
             # also holds the tail of the non-blocking host-to-device copy.
             publish_start = time.perf_counter()
@@ -520,8 +522,9 @@ def train(config: Config) -> Path:
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
     reason = "error"
     try:
-        log.info("Run %s: %s, %d actors x %d envs, T=%d, B=%d, device %s", run.run_dir, config.env,
-                 config.num_actors, config.envs_per_actor, config.unroll_length, config.batch_size, run.device)
+        log.info("Run %s: %s, %d actors x %d envs, T=%d, B=%d, device %s%s", run.run_dir, config.env,
+                 config.num_actors, config.envs_per_actor, config.unroll_length, config.batch_size, run.device,
+                 ", bfloat16 autocast" if run.amp else "")
         start_actors(run)
         start_learners(run)
         reason = monitor(run)
