@@ -1,0 +1,180 @@
+"""Reporting without a training run: the CSV, event files read back by TensorBoard's own reader, the GIF
+video summary, the progress line, and the console on a terminal versus a pipe."""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
+
+from impala import metrics
+from impala.metrics import STATUS, ConsoleHandler, RunLog, duration, flags_markdown, progress_line, video_summary
+
+
+def _read(run_dir: Path) -> EventAccumulator:
+    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def test_scalars_go_to_tensorboard_and_csv_and_a_late_tag_widens_the_csv(tmp_path: Path) -> None:
+    runlog = RunLog(tmp_path)
+    runlog.scalars(40, {"charts/SPS": 100.0})
+    runlog.scalars(80, {"charts/SPS": 200.0, "losses/total_loss": 1.5})  # first update finished late
+    runlog.scalar("charts/episodic_return", 9.0, 80)
+    runlog.close()
+
+    with open(tmp_path / "logs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["step"] for r in rows] == ["40", "80"]
+    assert rows[0]["losses/total_loss"] == ""
+    assert float(rows[1]["losses/total_loss"]) == 1.5
+    assert all("charts/episodic_return" not in r for r in rows)  # per-episode values stay out of the CSV
+
+    accumulator = _read(tmp_path)
+    assert [(e.step, e.value) for e in accumulator.Scalars("charts/SPS")] == [(40, 100.0), (80, 200.0)]
+    assert [(e.step, e.value) for e in accumulator.Scalars("charts/episodic_return")] == [(80, 9.0)]
+
+
+def test_csv_of_a_resumed_run_keeps_its_header_and_appends(tmp_path: Path) -> None:
+    first = RunLog(tmp_path)
+    first.scalars(40, {"a": 1.0, "b": 2.0})
+    first.close()
+    second = RunLog(tmp_path, purge_step=40)
+    second.scalars(80, {"b": 3.0, "a": 4.0})
+    second.close()
+    with open(tmp_path / "logs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows == [{"step": "40", "a": "1.0", "b": "2.0"}, {"step": "80", "a": "4.0", "b": "3.0"}]
+
+
+def test_flags_are_written_as_a_markdown_table_and_as_hparams(tmp_path: Path) -> None:
+    runlog = RunLog(tmp_path)
+    runlog.flags({"env": "CartPole-v1", "learning_rate": 0.001, "xpid": None, "plot_xpids": ["a|b"]})
+    runlog.close()
+    accumulator = _read(tmp_path)
+
+    text = accumulator.Tensors("flags/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert text.splitlines()[:3] == ["| flag | value |", "|---|---|", "| env | `CartPole-v1` |"]
+    assert "| plot_xpids | `['a\\|b']` |" in text  # a pipe would split the cell
+
+    content = accumulator.PluginTagToContent("hparams")
+    start = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/session_start_info"])
+    assert start.session_start_info.hparams["learning_rate"].number_value == 0.001
+    assert start.session_start_info.hparams["env"].string_value == "CartPole-v1"
+    assert start.session_start_info.hparams["xpid"].string_value == "None"
+    experiment = plugin_data_pb2.HParamsPluginData.FromString(content["_hparams_/experiment"])
+    assert {m.name.tag for m in experiment.experiment.metric_infos} == set(metrics.HPARAM_METRICS)
+    assert "charts/episodic_return" not in accumulator.Tags()["scalars"]  # no placeholder metric values
+
+
+def test_flags_markdown_has_one_row_per_flag() -> None:
+    table = flags_markdown({"a": 1, "b": "x"})
+    assert table == "| flag | value |\n|---|---|\n| a | `1` |\n| b | `x` |"
+
+
+def test_video_is_an_animated_gif_image_summary(tmp_path: Path) -> None:
+    frames = np.zeros((5, 6, 8, 3), np.uint8)
+    for t in range(5):
+        frames[t, :, t] = 255  # a white column moving right
+    runlog = RunLog(tmp_path)
+    runlog.video("eval/video", frames, step=123, fps=10)
+    runlog.close()
+
+    (image,) = _read(tmp_path).Images("eval/video")
+    assert (image.step, image.width, image.height) == (123, 8, 6)
+    gif = Image.open(io.BytesIO(image.encoded_image_string))
+    assert gif.format == "GIF" and gif.n_frames == 5
+    gif.seek(3)
+    assert np.asarray(gif.convert("RGB"))[0, 3].tolist() == [255, 255, 255]
+
+
+def test_video_summary_accepts_grey_frames_and_rejects_empty_ones() -> None:
+    summary = video_summary("v", np.zeros((2, 4, 4), np.uint8), fps=15)
+    assert summary.value[0].image.colorspace == 3
+    with pytest.raises(ValueError):
+        video_summary("v", np.zeros((0, 4, 4, 3), np.uint8), fps=15)
+
+
+def test_progress_line_shows_percentage_speed_times_and_return() -> None:
+    line = progress_line(step=25_000, total_steps=100_000, sps=1000.0, elapsed_s=25.0, mean_return=41.26, episodes=212)
+    assert line == ("[#####---------------]  25.0%  step 25,000/100,000  SPS 1,000  elapsed 0:00:25  "
+                    "left 0:01:15  return 41.3 (212 ep)")
+    early = progress_line(step=0, total_steps=10, sps=0.0, elapsed_s=0.0, mean_return=math.nan, episodes=0)
+    assert "left ?" in early and "return -" in early and "  0.0%" in early
+    done = progress_line(step=12, total_steps=10, sps=5.0, elapsed_s=3661.0, mean_return=1.0, episodes=1)
+    assert done.startswith("[" + "#" * 20 + "] 100.0%") and "elapsed 1:01:01" in done and "left 0:00:00" in done
+
+
+def test_duration_formats_hours_minutes_seconds() -> None:
+    assert duration(0) == "0:00:00"
+    assert duration(3725.9) == "1:02:05"
+    assert duration(math.inf) == "?" and duration(math.nan) == "?"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _logger_with(handler: logging.Handler) -> logging.Logger:
+    logger = logging.getLogger(f"impala-test-{id(handler)}")
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    return logger
+
+
+def test_console_on_a_terminal_redraws_one_status_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stdout", terminal)
+    handler = ConsoleHandler()
+    logger = _logger_with(handler)
+    logger.info("10%", extra=STATUS)
+    logger.info("20%", extra=STATUS)
+    logger.info("saved a checkpoint")
+    logger.info("30%", extra=STATUS)
+    handler.end_status()
+    assert terminal.getvalue() == ("\r10%\x1b[K" "\r20%\x1b[K"  # redrawn in place
+                                   "\r\x1b[Ksaved a checkpoint\n20%"  # a message scrolls above the status
+                                   "\r30%\x1b[K" "\n")  # the last status stays on screen
+
+
+def test_console_piped_gets_plain_lines_and_the_log_file_too(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    pipe = io.StringIO()
+    monkeypatch.setattr("sys.stdout", pipe)
+    handler = ConsoleHandler()
+    logger = _logger_with(handler)
+    file_handler = logging.FileHandler(tmp_path / "out.log")
+    file_handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(file_handler)
+    logger.info("10%", extra=STATUS)
+    logger.info("saved")
+    logger.info("20%", extra=STATUS)
+    handler.end_status()
+    file_handler.close()
+    assert pipe.getvalue() == "10%\nsaved\n20%\n"
+    assert (tmp_path / "out.log").read_text() == "10%\nsaved\n20%\n"
+
+
+def test_console_on_a_terminal_still_writes_plain_lines_to_the_log_file(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr("sys.stdout", _Terminal())
+    metrics.setup_console(tmp_path / "out.log")
+    try:
+        metrics.log.info("step 1", extra=STATUS)
+        metrics.log.info("step 2", extra=STATUS)
+    finally:
+        metrics.close_console()
+    lines = (tmp_path / "out.log").read_text().splitlines()
+    assert [line.split("] ", 1)[1] for line in lines] == ["step 1", "step 2"]
+    assert "\r" not in (tmp_path / "out.log").read_text()

@@ -1,0 +1,110 @@
+"""Plot mode on runs whose returns are known: written with SummaryWriter (or only a logs.csv), then read
+back, smoothed, drawn with the run names in the legend, and saved as a PNG from the command line."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from matplotlib.image import imread
+from torch.utils.tensorboard import SummaryWriter
+
+from impala import plotting
+from impala.config import UserError, parse_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _event_run(savedir: Path, name: str, returns: list[float], steps: list[int], env: str = "CartPole-v1") -> None:
+    run_dir = savedir / name
+    run_dir.mkdir(parents=True)
+    (run_dir / "flags.json").write_text(json.dumps({"env": env}))
+    with SummaryWriter(str(run_dir)) as writer:
+        for step, value in zip(steps, returns):
+            writer.add_scalar(plotting.RETURN_TAG, value, step)
+
+
+@pytest.fixture
+def savedir(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(0)
+    steps = list(range(0, 20_000, 40))
+    fast = [min(500.0, 20 + s / 40) + rng.normal(0, 10) for s in steps]
+    slow = [20 + s / 400 + rng.normal(0, 10) for s in steps]
+    _event_run(tmp_path, "fast", fast, steps)
+    _event_run(tmp_path, "slow", slow, steps)
+    csv_only = tmp_path / "csv-only"
+    csv_only.mkdir()
+    with open(csv_only / "logs.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "charts/SPS", plotting.CSV_RETURN_COLUMN])
+        writer.writerows([[80, 1000, ""], [40, 1000, 10.0], [120, 1000, 30.0]])
+    (tmp_path / "latest").symlink_to("fast")
+    return tmp_path
+
+
+def test_smooth_is_a_rolling_mean_over_what_exists_so_far() -> None:
+    assert plotting.smooth(np.array([1.0, 2.0, 3.0, 4.0]), 2).tolist() == [1.0, 1.5, 2.5, 3.5]
+    assert plotting.smooth(np.array([1.0, 3.0]), 1).tolist() == [1.0, 3.0]
+    assert plotting.smoothing_window(5) == 1 and plotting.smoothing_window(500) == 50
+    assert plotting.smoothing_window(100_000) == plotting.MAX_SMOOTHING_EPISODES
+
+
+def test_curves_come_from_event_files_or_the_csv(savedir: Path) -> None:
+    fast = plotting.load_curve(savedir, "fast")
+    assert len(fast.steps) == 500 and fast.steps[0] == 0 and fast.steps[-1] == 19_960
+    assert fast.env == "CartPole-v1"
+    from_csv = plotting.load_curve(savedir, "csv-only")
+    assert from_csv.steps.tolist() == [40, 120] and from_csv.returns.tolist() == [10.0, 30.0]  # sorted, blanks out
+    assert from_csv.env is None
+
+
+def test_every_run_is_found_but_not_the_latest_link(savedir: Path) -> None:
+    assert plotting.find_runs(savedir) == ["csv-only", "fast", "slow"]
+
+
+def test_legend_names_the_runs_and_the_bold_lines_are_smoothed(savedir: Path) -> None:
+    curves = [plotting.load_curve(savedir, name) for name in ("fast", "slow")]
+    axes = plotting.returns_figure(curves).axes[0]
+    assert [t.get_text() for t in axes.get_legend().get_texts()] == ["fast", "slow"]
+    assert axes.get_xlabel() == "agent steps" and "CartPole-v1" in axes.get_title()
+    raw, smoothed = axes.get_lines()[:2]
+    assert np.std(np.diff(smoothed.get_ydata())) < np.std(np.diff(raw.get_ydata()))
+    assert smoothed.get_ydata()[-1] > 400  # the fast run's curve reaches its plateau
+
+
+def test_plot_mode_writes_a_png_of_several_runs(savedir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cmp" / "returns.png"
+    config = parse_config(["--mode", "plot", "--savedir", str(savedir), "--xpid", "fast", "slow",
+                           "--plot_out", str(out)])
+    assert config.plot_xpids == ("fast", "slow") and config.xpid is None
+    assert plotting.plot(config) == out
+    image = imread(out)
+    assert image.shape[0] >= 400 and image.shape[1] >= 600
+
+
+def test_plot_mode_defaults_to_every_run_and_savedir_returns_png(savedir: Path) -> None:
+    assert plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir)])) == savedir / "returns.png"
+    assert (savedir / "returns.png").is_file()
+
+
+def test_a_missing_run_names_the_runs_that_exist(savedir: Path) -> None:
+    with pytest.raises(UserError, match=r"no run 'nope' .*runs there: csv-only, fast, slow"):
+        plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--xpid", "fast", "nope"]))
+
+
+def test_command_line_plots_several_runs_and_other_modes_take_one_xpid(savedir: Path) -> None:
+    out = savedir / "cli.png"
+    done = subprocess.run([sys.executable, "run.py", "--mode", "plot", "--savedir", str(savedir),
+                           "--xpid", "fast", "slow", "--plot_out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes()[:4] == b"\x89PNG" and "fast, slow" in done.stdout
+    refused = subprocess.run([sys.executable, "run.py", "--mode", "test", "--xpid", "fast", "slow"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().count("\n") == 0 and "--xpid takes one name" in refused.stderr

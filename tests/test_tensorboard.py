@@ -1,0 +1,189 @@
+"""One short CartPole run (through `run.py`, stdout piped to a file), then what it left behind: the tag
+groups in its event files, a real TensorBoard server serving them, the run directory, the console log,
+a test-mode video and a plot of the learning curve."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from impala import plotting
+from impala.config import parse_config
+
+REPO = Path(__file__).resolve().parent.parent
+TOTAL_STEPS = 20_000
+STEPS_PER_UPDATE = 5 * 8  # unroll_length x batch_size below
+TRAIN_FLAGS = ["--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
+               "--batch_size", "8", "--learning_rate", "0.001", "--entropy_cost", "0.01",
+               "--total_steps", str(TOTAL_STEPS), "--log_interval_s", "1", "--checkpoint_interval_s", "600"]
+
+EXPECTED_TAGS = {
+    "charts": ["episodic_return", "episodic_length", "SPS", "learning_rate", "frames"],
+    "losses": ["total_loss", "pg_loss", "baseline_loss", "entropy_loss"],
+    "stats": ["grad_norm", "policy_lag", "rho_mean", "rho_clipped_fraction", "full_queue_size", "free_queue_size"],
+    "timing": ["wait_batch_ms", "host_to_device_ms", "forward_backward_ms", "publish_ms"],
+}
+ALL_TAGS = [f"{group}/{name}" for group, names in EXPECTED_TAGS.items() for name in names]
+
+
+@dataclass
+class TrainedRun:
+    savedir: Path
+    run_dir: Path
+    stdout: str
+    events: EventAccumulator
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
+    savedir = tmp_path_factory.mktemp("runs")
+    stdout_path = savedir / "stdout.txt"
+    with open(stdout_path, "w") as stdout:  # a file, not a terminal: plain progress lines expected
+        subprocess.run([sys.executable, "run.py", *TRAIN_FLAGS, "--savedir", str(savedir), "--xpid", "cartpole"],
+                       cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, timeout=180, check=True)
+        subprocess.run([sys.executable, "run.py", "--mode", "test", "--env", "CartPole-v1", "--savedir", str(savedir),
+                        "--xpid", "cartpole", "--test_episodes", "2", "--video"],
+                       cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, timeout=120, check=True)
+    run_dir = savedir / "cartpole"
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
+    events.Reload()
+    return TrainedRun(savedir, run_dir, stdout_path.read_text(), events)
+
+
+def test_every_tag_group_has_values_against_agent_steps(trained: TrainedRun) -> None:
+    scalars = trained.events.Tags()["scalars"]
+    missing = [tag for tag in ALL_TAGS if tag not in scalars]
+    assert not missing, f"missing tags {missing}; present: {scalars}"
+    for tag in ALL_TAGS:
+        events = trained.events.Scalars(tag)
+        steps = [e.step for e in events]
+        assert events, tag
+        assert all(0 < s <= TOTAL_STEPS and s % STEPS_PER_UPDATE == 0 for s in steps), (tag, steps)
+
+
+def test_scalar_values_mean_what_their_names_say(trained: TrainedRun) -> None:
+    def values(tag: str) -> list[float]:
+        return [e.value for e in trained.events.Scalars(tag)]
+
+    assert all(e.value == e.step for e in trained.events.Scalars("charts/frames"))  # frame skip 1 off Atari
+    assert all(0 < v <= 0.001 for v in values("charts/learning_rate"))  # decays linearly from --learning_rate
+    assert all(0 <= v <= 1 for v in values("stats/rho_clipped_fraction"))
+    assert all(v > 0 for v in values("stats/rho_mean"))
+    assert all(v >= 0 for v in values("stats/policy_lag"))
+    assert all(v >= 0 for tag in ALL_TAGS if tag.startswith("timing/") for v in values(tag))
+    slots = 2 * 2 * 4 + 2 * 8  # the default --num_buffers for these flags
+    for tag in ("stats/full_queue_size", "stats/free_queue_size"):
+        assert all(0 <= v <= slots and v == int(v) for v in values(tag)), tag
+    lengths, returns = values("charts/episodic_length"), values("charts/episodic_return")
+    assert len(lengths) == len(returns) > 0
+    assert all(1 <= length <= 500 for length in lengths)
+    assert sorted(lengths) == sorted(returns)  # CartPole pays 1 per step
+
+
+def test_flags_are_in_tensorboard_as_text_and_hparams(trained: TrainedRun) -> None:
+    text = trained.events.Tensors("flags/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "| env | `CartPole-v1` |" in text and f"| total_steps | `{TOTAL_STEPS}` |" in text
+    assert "_hparams_/session_start_info" in trained.events.PluginTagToContent("hparams")
+
+
+def test_test_mode_writes_a_video_and_the_return_at_the_checkpoint_step(trained: TrainedRun) -> None:
+    (video,) = trained.events.Images("eval/video")
+    assert video.step == TOTAL_STEPS
+    gif = Image.open(io.BytesIO(video.encoded_image_string))
+    (mean_return,) = trained.events.Scalars("eval/episodic_return_mean")
+    assert gif.format == "GIF" and gif.n_frames >= 8  # CartPole cannot fall in fewer steps
+    assert mean_return.step == TOTAL_STEPS and mean_return.value >= 8
+    assert "Wrote the first episode" in trained.stdout
+
+
+def test_run_directory_explains_itself(trained: TrainedRun) -> None:
+    run_dir = trained.run_dir
+    assert (trained.savedir / "latest").resolve() == run_dir.resolve()
+    flags = json.loads((run_dir / "flags.json").read_text())
+    assert flags["env"] == "CartPole-v1" and flags["total_steps"] == TOTAL_STEPS
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert {"python", "torch", "gymnasium", "ale_py", "git_commit", "starts"} <= set(meta)
+    assert meta["end_reason"] == "finished" and meta["final_step"] == TOTAL_STEPS and meta["ended"]
+    with open(run_dir / "logs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and {"step", "charts/SPS", "charts/frames", "losses/total_loss", "timing/publish_ms"} <= set(rows[0])
+    assert all(int(r["step"]) % STEPS_PER_UPDATE == 0 for r in rows)
+    assert (run_dir / "model.tar").is_file() and any(run_dir.glob("events.out.tfevents.*"))
+
+
+def test_piped_console_log_is_plain_lines_one_per_interval(trained: TrainedRun) -> None:
+    out_log = (trained.run_dir / "out.log").read_text()
+    for text in (trained.stdout, out_log):
+        assert "\r" not in text and "\x1b" not in text
+    progress = [line for line in out_log.splitlines() if re.search(r"\] +[\d.]+%  step ", line)]
+    assert progress, out_log
+    assert all("SPS" in line and "elapsed" in line and "left" in line and "return" in line for line in progress)
+    assert progress == [line for line in trained.stdout.splitlines() if line in progress]
+    stamps = [line[:10] for line in progress]
+    assert len(stamps) == len(set(stamps))  # --log_interval_s 1: never two progress lines in one second
+
+
+def test_plot_of_the_run_shows_its_learning_curve(trained: TrainedRun) -> None:
+    out = trained.savedir / "returns.png"
+    plotting.plot(parse_config(["--mode", "plot", "--savedir", str(trained.savedir), "--xpid", "cartpole",
+                                "--plot_out", str(out)]))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    curve = plotting.load_curve(trained.savedir, "cartpole")
+    legend = plotting.returns_figure([curve]).axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["cartpole"]
+    smoothed = plotting.smooth(curve.returns, plotting.smoothing_window(len(curve.returns)))
+    assert smoothed[-1] > 2 * smoothed[0]  # it learned: a random CartPole policy averages about 22
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tensorboard_server_serves_every_tag_group(trained: TrainedRun) -> None:
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(trained.run_dir), "--host", "127.0.0.1",
+         "--port", str(port), "--reload_interval", "0"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        url = f"http://127.0.0.1:{port}/data/plugin/scalars/tags"
+        deadline = time.monotonic() + 60
+        tags: dict = {}
+        while time.monotonic() < deadline and not tags:
+            assert server.poll() is None, server.stderr.read().decode() if server.stderr else ""
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    tags = json.load(response)  # {run: {tag: {...}}}; empty until the first load is done
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            time.sleep(0.5)
+        assert tags, "TensorBoard did not answer within 60 s"
+        (run_tags,) = tags.values()  # the run directory itself is the one run
+        missing = [tag for tag in ALL_TAGS if tag not in run_tags]
+        assert not missing, f"served tags lack {missing}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugins_listing", timeout=5) as response:
+            plugins = json.load(response)
+        assert all(plugins[name]["enabled"] for name in ("scalars", "images", "text", "hparams"))
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
