@@ -1,0 +1,94 @@
+"""End-to-end runs of `run.py` as a user runs it: CartPole learns, test mode replays it, Pong starts and saves."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args: list[str], timeout_s: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+
+
+def _csv_column(path: Path, column: str) -> list[float]:
+    with open(path, newline="") as f:
+        return [float(row[column]) for row in csv.DictReader(f) if row.get(column) not in (None, "")]
+
+
+@pytest.fixture(scope="module")
+def cartpole_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A short CartPole run with the small-unroll settings that learn fastest on two cores (see NOTES.md)."""
+    savedir = tmp_path_factory.mktemp("runs")
+    result = _run([
+        "--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
+        "--batch_size", "8", "--learning_rate", "0.001", "--entropy_cost", "0.01", "--total_steps", "60000",
+        "--log_interval_s", "1", "--disable_cuda", "--savedir", str(savedir), "--xpid", "cartpole",
+    ])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return savedir
+
+
+@pytest.mark.slow
+def test_cartpole_learns(cartpole_run: Path) -> None:
+    run_dir = cartpole_run / "cartpole"
+    for name in ("flags.json", "meta.json", "model.tar", "logs.csv", "out.log"):
+        assert (run_dir / name).is_file(), name
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert meta["end_reason"] == "finished"
+    assert meta["final_step"] == 60000
+    assert json.loads((run_dir / "flags.json").read_text())["env"] == "CartPole-v1"
+    returns = _csv_column(run_dir / "logs.csv", "charts/mean_return_100")
+    assert returns, "no episode returns were logged"
+    # Mean of the last 100 episodes, far above what random actions get (about 22).
+    assert returns[-1] >= 100, f"mean return {returns[-1]:.1f} after 60k steps; progression {returns}"
+    assert returns[-1] > returns[0]
+    steps = _csv_column(run_dir / "logs.csv", "step")
+    assert steps == sorted(steps) and steps[-1] <= 60000
+    state = torch.load(run_dir / "model.tar", map_location="cpu", weights_only=True)
+    assert state["step"] == 60000
+    assert state["updates"] == 60000 // (5 * 8)
+
+
+@pytest.mark.slow
+def test_test_mode_plays_the_trained_agent(cartpole_run: Path) -> None:
+    result = _run(["--mode", "test", "--env", "CartPole-v1", "--savedir", str(cartpole_run), "--xpid", "cartpole",
+                   "--test_episodes", "5"], timeout_s=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"Mean return over 5 episodes: ([-\d.]+)", result.stdout)
+    assert match is not None, result.stdout
+    assert float(match.group(1)) >= 100  # greedy play of the agent above: far above random (about 22)
+
+
+def test_test_mode_without_a_run_is_a_one_line_user_error(tmp_path: Path) -> None:
+    result = _run(["--mode", "test", "--env", "CartPole-v1", "--savedir", str(tmp_path), "--xpid", "missing"],
+                  timeout_s=120)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no checkpoint" in lines[0], result.stderr
+
+
+def test_pong_smoke_run(tmp_path: Path) -> None:
+    result = _run([
+        "--env", "PongNoFrameskip-v4", "--num_actors", "1", "--envs_per_actor", "2", "--unroll_length", "20",
+        "--batch_size", "2", "--total_steps", "400", "--disable_cuda", "--savedir", str(tmp_path), "--xpid", "pong",
+    ])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    checkpoint = tmp_path / "pong" / "model.tar"
+    assert checkpoint.is_file()
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    assert state["step"] == 400
+    assert state["updates"] == 400 // (20 * 2)
+    assert state["num_actions"] == 6
+    assert tuple(state["observation_shape"]) == (4, 84, 84)
+    assert state["model"] == "shallow"
