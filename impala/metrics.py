@@ -190,9 +190,10 @@ class ConsoleHandler(logging.Handler):
     """Writes records to the current `sys.stdout` (looked up per record, so a redirected stdout is honoured).
 
     On a terminal a record logged with `extra=STATUS` replaces the previous status line in place
-    (carriage return, clear to end of line, cut to the terminal width); other records are printed
-    above it and the status line is redrawn. Anywhere else every record is a plain line, so logs that
-    are piped or collected (CI, Docker) hold no carriage returns or escape codes.
+    (carriage return, clear to end of line, cut to the terminal width); any other record first leaves
+    the status line as it stands (so the scrollback reads like the log file) and the next status starts
+    a new line. Anywhere else every record is a plain line, so logs that are piped or collected (CI,
+    Docker) hold no carriage returns or escape codes.
     """
 
     def __init__(self) -> None:
@@ -211,10 +212,9 @@ class ConsoleHandler(logging.Handler):
                 stream.write("\r" + self._status + "\x1b[K")
             else:
                 if self._status is not None:
-                    stream.write("\r\x1b[K")
+                    stream.write("\n")
+                    self._status = None
                 stream.write(text + "\n")
-                if self._status is not None:
-                    stream.write(self._status)
             stream.flush()
         except Exception:  # noqa: BLE001 - logging's contract: report through handleError, never raise
             self.handleError(record)

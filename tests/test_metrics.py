@@ -145,7 +145,7 @@ def test_console_on_a_terminal_redraws_one_status_line(monkeypatch: pytest.Monke
     logger.info("30%", extra=STATUS)
     handler.end_status()
     assert terminal.getvalue() == ("\r10%\x1b[K" "\r20%\x1b[K"  # redrawn in place
-                                   "\r\x1b[Ksaved a checkpoint\n20%"  # a message scrolls above the status
+                                   "\nsaved a checkpoint\n"  # a message leaves the status line as it was
                                    "\r30%\x1b[K" "\n")  # the last status stays on screen
 
 
