@@ -52,7 +52,8 @@ MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 SUITE=bookworm
 CONTAINER=impala-docker-check-run
 LOG_DIR="$WORK_DIR/logs"
-# Where the build sees the host's wheels and CA bundle (bind mounts, never part of a layer).
+# Where the build sees the host's wheels and CA bundle: bind mounts, so their contents never enter a
+# layer (buildah leaves only empty mount points behind).
 BUILD_WHEELS=/run/host-wheels
 BUILD_CA=/run/host-ca.crt
 # Mount point for the runs directory in the run check. Not the image's VOLUME (/app/runs):
@@ -105,9 +106,13 @@ apt_install() { # apt_install PKG...: install the missing Debian packages
         dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
     done
     [[ ${#missing[@]} -eq 0 ]] && return 0
-    note "installing ${missing[*]} with apt"
-    as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+    note "installing ${missing[*]} with apt (log: $LOG_DIR/apt.log)"
+    if ! { as_root apt-get update \
+        && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y "${missing[@]}"; } \
+        >"$LOG_DIR/apt.log" 2>&1; then
+        show_log "$LOG_DIR/apt.log"
+        fail "apt-get install ${missing[*]}"
+    fi
 }
 
 mkdir -p "$WORK_DIR" "$LOG_DIR"
@@ -143,14 +148,14 @@ if [[ -z $HADOLINT ]]; then
     fi
 fi
 note "$("$HADOLINT" --version)"
-if "$HADOLINT" --failure-threshold warning "$REPO_ROOT/Dockerfile" >"$LOG_DIR/hadolint.log" 2>&1; then
+if "$HADOLINT" --no-color --failure-threshold warning "$REPO_ROOT/Dockerfile" >"$LOG_DIR/hadolint.log" 2>&1; then
     if [[ -s $LOG_DIR/hadolint.log ]]; then
         note "hadolint notes (info level, allowed):"
         sed 's/^/    /' "$LOG_DIR/hadolint.log"
     fi
     pass "hadolint: nothing above info level"
 else
-    cat "$LOG_DIR/hadolint.log" >&2
+    sed "s/^/    /" "$LOG_DIR/hadolint.log"
     fail "hadolint: findings above info level"
 fi
 
@@ -161,7 +166,6 @@ fi
 
 # 2. Tools and base image --------------------------------------------------------------------
 command -v buildah >/dev/null 2>&1 || apt_install buildah
-command -v debootstrap >/dev/null 2>&1 || apt_install debootstrap
 note "$(buildah --version)"
 
 if buildah inspect --type image "$BASE_IMAGE" >/dev/null 2>&1; then
@@ -171,6 +175,7 @@ else
     BASE_DIR="$WORK_DIR/base"
     mkdir -p "$BASE_DIR"
     if [[ ! -f $BASE_DIR/base.tar.done ]]; then
+        command -v debootstrap >/dev/null 2>&1 || apt_install debootstrap
         note "debootstrap $SUITE (minbase + python3) into $BASE_DIR/rootfs (a few minutes)"
         as_root rm -rf "$BASE_DIR/rootfs" "$BASE_DIR/base.tar"
         as_root debootstrap --variant=minbase \
@@ -281,7 +286,7 @@ buildah rmi "$IMAGE:rebuild" >/dev/null 2>&1 || true
 RUNS_DIR="$WORK_DIR/runs"
 rm -rf "$RUNS_DIR"
 mkdir -p "$RUNS_DIR"
-chown 1000:1000 "$RUNS_DIR"
+as_root chown 1000:1000 "$RUNS_DIR"
 buildah rm "$CONTAINER" >/dev/null 2>&1 || true
 buildah from --name "$CONTAINER" "$IMAGE:latest" >/dev/null
 
