@@ -9,6 +9,9 @@ threads, locks and queues.
 from __future__ import annotations
 
 import collections
+import contextlib
+import ctypes
+import faulthandler
 import functools
 import json
 import logging
@@ -35,6 +38,7 @@ from impala.checkpoint import (
     CHECKPOINT_NAME,
     check_compatible,
     load_checkpoint,
+    remove_stale_temporaries,
     save_checkpoint,
 )
 from impala.config import Config, UserError
@@ -48,12 +52,37 @@ log = logging.getLogger("impala")
 # context exists, so (unlike plain fork) a restarted actor never inherits a held lock or a CUDA
 # state, and (unlike spawn) it does not re-import torch for every actor.
 START_METHOD = "forkserver"
-ACTOR_JOIN_TIMEOUT_S = 5.0
+LEARNER_JOIN_TIMEOUT_S = 10.0  # a learner in the middle of an update finishes it; the checkpoint waits for it
+ACTOR_JOIN_TIMEOUT_S = 5.0  # then terminate, then kill: shutdown is bounded whatever an env does
 RESTART_WINDOW_S = 600.0
+LOCK_PROBE_S = 1.0  # live processes hold a queue lock for microseconds; one held this long belongs to the dead
 
 
 class TrainingError(RuntimeError):
     """The run stopped because of a fault in the run itself (actors crashing, numerical failure)."""
+
+
+class Stopped(Exception):
+    """Raised by `train` after an orderly stop on Ctrl-C or SIGTERM; `exit_code` is the shell convention."""
+
+    def __init__(self, reason: str, signum: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.exit_code = 128 + signum
+
+
+class StopFlag:
+    """Tells actors to finish. Unlike `multiprocessing.Event`, reading it takes no lock, so an actor killed
+    at any instant cannot leave the other actors, or the shutdown, blocked on it."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._value = ctx.Value("b", 0, lock=False)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
 
 
 @dataclass
@@ -97,21 +126,27 @@ class Run:
 
 
 def run_directory(config: Config) -> tuple[Path, bool]:
-    """The run's directory and whether it resumes an existing run (checked before anything is written)."""
+    """The run's directory and whether it resumes an existing run. Writes nothing."""
     xpid = config.xpid or f"{config.env.replace('/', '_')}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    savedir = Path(config.savedir).expanduser()
-    run_dir = savedir / xpid
+    run_dir = Path(config.savedir).expanduser() / xpid
     resuming = (run_dir / CHECKPOINT_NAME).is_file()
     if config.resume and not resuming:
-        raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from")
+        raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from; "
+                        "drop --resume to start a new run")
+    return run_dir, resuming
+
+
+def prepare_run_directory(run_dir: Path) -> None:
+    """Create `run_dir`, prove it writable and remove temporaries of a checkpoint write that was killed."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}") from None
-    return run_dir, resuming
+        raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
+                        "choose another --savedir") from None
+    remove_stale_temporaries(run_dir)
 
 
 def select_device(config: Config) -> torch.device:
@@ -121,50 +156,63 @@ def select_device(config: Config) -> torch.device:
 
 
 def build(config: Config) -> Run:
-    run_dir, resuming = run_directory(config)
-    checkpoint = load_checkpoint(run_dir / CHECKPOINT_NAME) if resuming else None
+    """Everything a run needs, with no process or thread started yet.
+
+    Every check a user can fail (env id, model, checkpoint, shared memory, savedir) comes before the
+    first file is written, so a refused run leaves an existing run directory exactly as it was.
+    """
     probe = EnvBatch(config.env, 1, config.seed)  # shapes, and an early error for a bad env id
     observation_shape, num_actions = probe.observation_shape, probe.num_actions
+    observation_dtype = torch.uint8 if probe.observation_dtype.kind == "u" else torch.float32
     probe.close()
     torch.manual_seed(config.seed)
     try:
         model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
     except ValueError as exc:
         raise UserError(str(exc)) from None
+    run_dir, resuming = run_directory(config)
+    checkpoint_path = run_dir / CHECKPOINT_NAME
+    checkpoint = load_checkpoint(checkpoint_path) if resuming else None
     if checkpoint is not None:
         check_compatible(checkpoint, env=config.env, model=model.model, use_lstm=config.use_lstm,
                          hidden_size=config.hidden_size, observation_shape=observation_shape,
-                         num_actions=num_actions, path=run_dir / CHECKPOINT_NAME)
-        model.load_state_dict(checkpoint["model_state_dict"])
+                         num_actions=num_actions, path=checkpoint_path)
+        if int(checkpoint["step"]) >= config.total_steps:
+            raise UserError(f"run {run_dir} already reached step {checkpoint['step']} of --total_steps "
+                            f"{config.total_steps}; pass a larger --total_steps to train it further")
+        load_state(model, checkpoint["model_state_dict"], checkpoint_path)
     actor_model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
     actor_model.load_state_dict(model.state_dict())
     actor_model.share_memory()
     actor_model.eval()
 
     device = select_device(config)
+    if device.type == "cpu":
+        # The actors keep num_actors cores busy; the learner gets the rest. Extra torch threads on busy
+        # cores cost more CPU per update than they save (measured in BENCHMARKS.md).
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - config.num_actors))
     model = model.to(device)
     optimizer, scheduler = learner.make_optimizer(model, config)
-    step = 0
     if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint["optimizer_state_dict"])
-        scheduler.load_state_dict(checkpoint["scheduler_state_dict"])
-        step = int(checkpoint["step"])
+        load_state(optimizer, checkpoint["optimizer_state_dict"], checkpoint_path)
+        load_state(scheduler, checkpoint["scheduler_state_dict"], checkpoint_path)
 
     core_shapes = tuple((s.shape[0], s.shape[2]) for s in model.initial_state(1))
-    spec = BufferSpec(config.resolved_num_buffers, config.unroll_length, observation_shape,
-                      torch.uint8 if probe.observation_dtype.kind == "u" else torch.float32,
+    spec = BufferSpec(config.resolved_num_buffers, config.unroll_length, observation_shape, observation_dtype,
                       num_actions, core_shapes)
     buffers = create_buffers(spec)
+    prepare_run_directory(run_dir)  # the last check; nothing in the directory changed before it
 
     ctx = mp.get_context(START_METHOD)
     if START_METHOD == "forkserver":
-        ctx.set_forkserver_preload(["impala.actor"])
+        ctx.set_forkserver_preload(["impala.training"])  # what every actor imports, imported once
     channels = ActorChannels(
         free_queue=ctx.Queue(), full_queue=ctx.Queue(), episode_queue=ctx.Queue(), error_queue=ctx.Queue(),
-        stop_event=ctx.Event(), policy_version=ctx.Value("q", 0, lock=False),
+        stop_event=StopFlag(ctx), policy_version=ctx.Value("q", 0, lock=False),
     )
     for slot in range(spec.num_buffers):
         channels.free_queue.put(slot)
+    step = int(checkpoint["step"]) if checkpoint is not None else 0
     write_run_files(config, run_dir, resuming)
     runlog = RunLog(run_dir, purge_step=step if resuming else None)
     runlog.flags(config.to_dict(), step)
@@ -173,9 +221,20 @@ def build(config: Config) -> Run:
     run.amp = use_amp(config.amp, device, model.model)
     if checkpoint is not None:
         run.updates = int(checkpoint.get("updates", 0))
+        run.skipped_updates = int(checkpoint.get("skipped_updates", 0))
+        run.episodes = int(checkpoint.get("episodes", 0))
         channels.policy_version.value = run.updates
-        log.info("Resuming %s from step %d", run_dir, step)
     return run
+
+
+def load_state(target: Any, state: dict[str, Any], path: Path) -> None:
+    """`target.load_state_dict(state)`, where a mismatch is the checkpoint's fault: a UserError naming it."""
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"checkpoint {path} does not fit this run's {type(target).__name__}: "
+                        f"{first_line[:300]}") from None
 
 
 def write_run_files(config: Config, run_dir: Path, resuming: bool) -> None:
@@ -198,9 +257,13 @@ def write_run_files(config: Config, run_dir: Path, resuming: bool) -> None:
 
 
 def finish_run_files(run_dir: Path, reason: str, step: int) -> None:
+    """Record in meta.json when and why the run ended (finished, interrupted, terminated, error) and its step."""
     meta_path = run_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    meta.update(ended=datetime.now(UTC).isoformat(timespec="seconds"), end_reason=reason, final_step=step)
+    ended = datetime.now(UTC)
+    meta.update(ended=ended.isoformat(timespec="seconds"), end_reason=reason, final_step=step)
+    if meta.get("starts"):  # this session's length; a resumed run has one start per session
+        meta["duration_s"] = round((ended - datetime.fromisoformat(meta["starts"][-1])).total_seconds())
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -226,16 +289,47 @@ def git_commit() -> str | None:
 
 
 def start_actor(run: Run, actor_index: int, restart: int = 0) -> Any:
+    """Start actor `actor_index` (its `restart`-th replacement when > 0) and log its pid."""
     process = run.ctx.Process(
-        target=run_actor, name=f"actor-{actor_index}",
-        args=(actor_index, run.config, run.buffers, run.actor_model, run.channels, restart),
+        target=_actor_process, name=f"actor-{actor_index}",
+        args=(os.getpid(), actor_index, run.config, run.buffers, run.actor_model, run.channels, restart),
     )
     process.start()
+    log.info("Actor %d started (pid %d)", actor_index, process.pid)
     return process
 
 
 def start_actors(run: Run) -> None:
     run.actors = [start_actor(run, i) for i in range(run.config.num_actors)]
+
+
+def _actor_process(main_pid: int, *actor_args: Any) -> None:
+    """The body of an actor process: die with the run, report crashes, act (`actor.run_actor`)."""
+    _die_with_parent(main_pid)
+    faulthandler.enable()  # a segfault in an env prints the Python stack to stderr before the process dies
+    run_actor(*actor_args)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(main_pid: int) -> None:
+    """Make this process die when its parent does, so a main process killed with SIGKILL leaves no actor behind.
+
+    The parent of an actor is the fork server, which exits as soon as the main process is gone (its end of
+    a pipe closes); PR_SET_PDEATHSIG turns that exit into a SIGKILL here. Linux only; elsewhere orphans stay
+    until they are killed.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    try:
+        os.kill(main_pid, 0)  # gone before the prctl: nobody would ever stop this actor
+    except ProcessLookupError:
+        os._exit(1)
+    except PermissionError:
+        pass
 
 
 def start_learners(run: Run) -> None:
@@ -261,7 +355,8 @@ def _take_full_slots(run: Run) -> list[int] | None:
 def _learner_thread(run: Run) -> None:
     try:
         _learn(run)
-    except Exception as exc:  # noqa: BLE001 - reported by the monitor, which stops the run
+    except Exception as exc:  # logged here with its traceback; the monitor stops the run
+        log.exception("Learner thread %s failed", threading.current_thread().name)
         run.learner_errors.append(exc)
         run.stop_learning.set()
 
@@ -346,6 +441,9 @@ def monitor(run: Run) -> str:
                 raise error
             raise TrainingError(f"learner thread failed: {error!r}") from error
         if run.step >= config.total_steps:
+            _drain_episodes(run)  # the last games and a 100% progress line, at total_steps
+            now = time.monotonic()
+            _log_progress(run, max(now - last_log_time, 1e-3), run.step - last_log_step, now - start_time)
             return "finished"
         _drain_episodes(run)
         _check_actors(run)
@@ -372,33 +470,71 @@ def _drain_episodes(run: Run) -> None:
 
 
 def _check_actors(run: Run) -> None:
-    """Restart an actor that died, returning its slots; too many deaths stop the run."""
-    tracebacks = {}
-    while True:
-        try:
-            index, text = run.channels.error_queue.get_nowait()
-        except queue.Empty:
-            break
-        tracebacks[index] = text
-    for index, process in enumerate(run.actors):
-        if process.is_alive():
-            continue
+    """Replace every actor that died: report it (with the traceback it sent, if any), free the queue locks
+    and the slots it held, start a new one. Too many deaths raise TrainingError instead."""
+    dead = [(index, process) for index, process in enumerate(run.actors) if not process.is_alive()]
+    if not dead:
+        return
+    for _, process in dead:
         process.join()
+    tracebacks = _actor_tracebacks(run)  # read after the join: an actor flushes its traceback before it exits
+    _release_queue_locks(run.channels)
+    for index, process in dead:
         detail = tracebacks.get(index, "").strip()
-        log.error("Actor %d died (exit code %s)%s", index, process.exitcode, f":\n{detail}" if detail else "")
+        how = _exit_description(process.exitcode)
+        log.error("Actor %d (pid %d) died: %s%s", index, process.pid, how, f"\n{detail}" if detail else "")
         now = time.monotonic()
         run.actor_restarts = [t for t in run.actor_restarts if now - t < RESTART_WINDOW_S] + [now]
         if len(run.actor_restarts) > run.config.max_actor_restarts:
             raise TrainingError(
                 f"actors died {len(run.actor_restarts)} times within {RESTART_WINDOW_S:.0f} s "
-                f"(--max_actor_restarts {run.config.max_actor_restarts}); last: actor {index}, exit code "
-                f"{process.exitcode}" + (f"\n{detail}" if detail else ""))
+                f"(--max_actor_restarts {run.config.max_actor_restarts}); last: actor {index}, {how}"
+                + (f"\n{detail}" if detail else ""))
         owned = (run.buffers["slot_owner"] == index).nonzero().flatten().tolist()
         for slot in owned:
             run.buffers["slot_owner"][slot] = -1
             run.channels.free_queue.put(slot)
         run.actors[index] = start_actor(run, index, restart=len(run.actor_restarts))
-        log.info("Restarted actor %d (%d slots returned)", index, len(owned))
+        log.warning("Restarted actor %d (%d slots returned; %d restarts in the last %.0f s, at most %d)", index,
+                    len(owned), len(run.actor_restarts), RESTART_WINDOW_S, run.config.max_actor_restarts)
+
+
+def _actor_tracebacks(run: Run) -> dict[int, str]:
+    tracebacks = {}
+    while True:
+        try:
+            index, text = run.channels.error_queue.get_nowait()
+        except (queue.Empty, OSError, ValueError):
+            return tracebacks
+        tracebacks[index] = text
+
+
+def _exit_description(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+def _release_queue_locks(channels: ActorChannels) -> None:
+    """Free the cross-process queue locks a killed actor may have been holding.
+
+    Actors hold a queue lock only for an instant (`get_nowait` on the free queue, a feeder thread's write
+    of one small message on the others), so a lock that stays taken for LOCK_PROBE_S was held by the
+    process that just died; left alone it would stall every actor, or the learners, for good.
+    A `multiprocessing.Lock` may be released by any process. (These are private attributes of
+    `multiprocessing.Queue`, stable since Python 3.4.)
+    """
+    locks = {"free_queue read": getattr(channels.free_queue, "_rlock", None),
+             "full_queue write": getattr(channels.full_queue, "_wlock", None),
+             "episode_queue write": getattr(channels.episode_queue, "_wlock", None),
+             "error_queue write": getattr(channels.error_queue, "_wlock", None)}
+    for name, lock in locks.items():
+        if lock is None:
+            continue
+        if not lock.acquire(timeout=LOCK_PROBE_S):
+            log.warning("The dead actor held the %s lock; releasing it", name)
+        lock.release()
 
 
 def _log_progress(run: Run, interval_s: float, interval_steps: int, elapsed_s: float) -> None:
@@ -462,6 +598,8 @@ def checkpoint(run: Run) -> None:
             "scheduler_state_dict": run.scheduler.state_dict(),
             "step": run.step,
             "updates": run.updates,
+            "skipped_updates": run.skipped_updates,
+            "episodes": run.episodes,
         }
     state.update(flags=run.config.to_dict(), model=run.model.model, observation_shape=list(run.model.observation_shape),
                  num_actions=run.model.num_actions)
@@ -483,28 +621,67 @@ def _to_cpu(value: Any) -> Any:
 
 
 def shutdown(run: Run, save: bool) -> None:
-    """Stop acting, stop learning, save, close: the one ordered path for every way a run ends."""
+    """Stop acting and learning, save, close: the one ordered path for every way a run ends.
+
+    Bounded in time (learners LEARNER_JOIN_TIMEOUT_S, actors ACTOR_JOIN_TIMEOUT_S, then terminate and
+    kill); on return no actor process, fork server or queue thread of the run is left.
+    """
     run.channels.stop_event.set()
     run.stop_learning.set()
+    deadline = time.monotonic() + LEARNER_JOIN_TIMEOUT_S
     for thread in run.learner_threads:
-        thread.join(timeout=30)
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    try:
+        _join_actors(run)
+        if save:
+            checkpoint(run)  # waits for a learner still inside an update: it holds update_lock
+    finally:
+        for q in (run.channels.free_queue, run.channels.full_queue, run.channels.episode_queue,
+                  run.channels.error_queue):
+            q.cancel_join_thread()  # nobody reads them any more: never block on flushing them
+            q.close()
+        run.runlog.close()
+        _stop_fork_server()
+
+
+def _join_actors(run: Run) -> None:
+    """Wait for actors to see the stop flag, reading their queues meanwhile (an exiting process first
+    flushes what it put, and would block on a full pipe); then terminate, then kill, the stragglers."""
     deadline = time.monotonic() + ACTOR_JOIN_TIMEOUT_S
-    for process in run.actors:
-        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    while time.monotonic() < deadline and any(process.is_alive() for process in run.actors):
+        _drain_episodes(run)
+        for text in _actor_tracebacks(run).values():
+            log.error("An actor failed while stopping:\n%s", text.strip())
+        with contextlib.suppress(queue.Empty, OSError):
+            while True:
+                run.channels.full_queue.get_nowait()
+        time.sleep(0.02)
     for process in run.actors:
         if process.is_alive():
+            log.warning("Actor %s (pid %d) did not stop in %.0f s; terminating it", process.name, process.pid,
+                        ACTOR_JOIN_TIMEOUT_S)
             process.terminate()
             process.join(timeout=2)
         if process.is_alive():
             process.kill()
-            process.join()
-    if save and run.updates > 0:
-        checkpoint(run)
-    for q in (run.channels.free_queue, run.channels.full_queue, run.channels.episode_queue,
-              run.channels.error_queue):
-        q.cancel_join_thread()
-        q.close()
-    run.runlog.close()
+        process.join()
+
+
+def _stop_fork_server() -> None:
+    """Stop the fork server once every actor is joined.
+
+    It would otherwise live as long as this Python process: harmless for `run.py`, which exits next, but
+    a long-lived caller (a notebook, a test session) would keep an idle, torch-importing process per run.
+    The next run starts a fresh one. `_stop` is the multiprocessing internal its own tests use (Python 3.8+).
+    The resource tracker is left running: the queues' semaphores still unregister with it when they are
+    garbage-collected, and it exits with this process, unlinking whatever is left in /dev/shm.
+    """
+    if START_METHOD != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    with contextlib.suppress(AttributeError, OSError, ChildProcessError):
+        forkserver._forkserver._stop()
 
 
 class _Terminated(Exception):
@@ -515,16 +692,46 @@ def _raise_terminated(signum: int, frame: Any) -> None:
     raise _Terminated()
 
 
+@contextlib.contextmanager
+def _signals_ignored() -> Any:
+    """Ctrl-C and SIGTERM do nothing inside: a second one must not cut the (bounded) shutdown short."""
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def train(config: Config) -> Path:
-    """Train until `total_steps`, Ctrl-C or SIGTERM; always ends through `shutdown`. Returns the run dir."""
-    run = build(config)
-    setup_console(run.run_dir / "out.log")
+    """Train until `total_steps`; every ending goes through `shutdown`. Call from the main thread.
+
+    Returns the run directory when the run finished. Raises `Stopped` after an orderly stop on Ctrl-C or
+    SIGTERM (a final checkpoint written), `TrainingError` when the run itself failed (actors dying too
+    often, non-finite updates; the last good checkpoint kept), and `UserError` for bad input, before
+    anything in the run directory has changed.
+    """
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        try:
+            run = build(config)
+        except _Terminated:
+            raise Stopped("terminated", signal.SIGTERM) from None
+        return _run(run)
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+
+
+def _run(run: Run) -> Path:
+    config = run.config
+    setup_console(run.run_dir / "out.log")
     reason = "error"
     try:
         log.info("Run %s: %s, %d actors x %d envs, T=%d, B=%d, device %s%s", run.run_dir, config.env,
                  config.num_actors, config.envs_per_actor, config.unroll_length, config.batch_size, run.device,
                  ", bfloat16 autocast" if run.amp else "")
+        if run.start_step:
+            log.info("Resuming from step %d (update %d)", run.start_step, run.updates)
         start_actors(run)
         start_learners(run)
         reason = monitor(run)
@@ -534,13 +741,20 @@ def train(config: Config) -> Path:
     except _Terminated:
         reason = "terminated"
         log.info("SIGTERM: stopping")
+    except BaseException as exc:
+        log.error("Stopping: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second signal must not cut the shutdown short
         try:
-            shutdown(run, save=reason != "error" or not run.learner_errors)
-            finish_run_files(run.run_dir, reason, run.step)
-            log.info("Run ended (%s) at step %d; checkpoint in %s", reason, run.step, run.run_dir)
+            with _signals_ignored():
+                # A numerical failure keeps the last good checkpoint; any other ending saves the current state.
+                shutdown(run, save=not run.learner_errors)
+                finish_run_files(run.run_dir, reason, run.step)
+                log.info("Run ended (%s) at step %d in %s", reason, run.step, run.run_dir)
         finally:
-            signal.signal(signal.SIGTERM, previous_handler)
             close_console()
+    if reason == "interrupted":
+        raise Stopped(reason, signal.SIGINT)
+    if reason == "terminated":
+        raise Stopped(reason, signal.SIGTERM)
     return run.run_dir
