@@ -1,0 +1,554 @@
+"""Where the CPU goes: each stage of the data path alone, the whole trainer, and the ceiling they imply.
+
+    python -m impala.bench                      # Pong, shallow net, T=80, B=8, 2 actors x 8 envs
+    python -m impala.bench --only env,inference,learner --seconds 10
+    python -m impala.bench --only e2e --variants "--inference actor" "--inference central"
+
+Components, each timed for `--seconds` after a warm-up, in this process:
+
+    env        one EnvBatch of envs_per_actor envs stepped with random actions (an actor without a model)
+    inference  the actor's batched forward + action sampling (one torch thread, the actor's autocast);
+               with --inference central: all actors' envs in one batch on the learner's device
+    learner    stack B slots, copy to the learner's device, learner.update, on a synthetic [T+1, B] batch
+
+End to end: `python run.py ...` as a subprocess; its whole process tree (main process, fork server,
+actors) is sampled from /proc every POLL_S for CPU time and proportional memory (PSS).
+
+Every rate is in agent steps (one inference sample, one env step of one env, one [t, b] entry of a
+batch). Per CPU-second rates divide by the CPU time of the process(es) doing the work, so they hold
+on a machine that is busy with other work, where rates per wall second do not.
+
+Ceiling: one agent step costs 1/env + 1/inference + 1/learner CPU-seconds (each per CPU-second), so
+no arrangement of processes on this machine does better than 1 / that per CPU-second, or that times the
+usable cores per second. A GPU learner's cost here is its host CPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from impala import learner
+from impala.buffers import BufferSpec
+from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from impala.config import Config, UserError
+from impala.environment import EnvBatch
+from impala.model import Net, sample_actions, use_amp
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+COMPONENTS = ("env", "inference", "learner", "e2e")
+# Config fields the bench takes as flags; every other field keeps its Config default.
+CONFIG_FLAGS = ("env", "model", "num_actors", "envs_per_actor", "unroll_length", "batch_size", "total_steps",
+                "disable_cuda", "amp", "inference", "inference_wait_ms")
+# Where the bench's defaults differ from the trainer's: a short run sized for two cores.
+BENCH_DEFAULTS = {"num_actors": 2, "total_steps": 60_000}
+POLL_S = 0.1
+PSS_POLL_S = 1.0  # reading smaps_rollup costs ~6 ms per torch process; memory changes slowly
+PROVISIONAL_LOAD = 1.5  # a 1-minute load average above this at the start makes wall-clock rates unreliable
+MIN_CALLS = 3  # timed calls per component, however slow one call is
+CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------------------------ micro-benchmarks
+
+
+@dataclass
+class Rate:
+    """Agent steps done in a timed window, with its wall and CPU (process_time: every thread) seconds."""
+
+    steps: int
+    wall_s: float
+    cpu_s: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {"steps": self.steps, "wall_s": self.wall_s, "cpu_s": self.cpu_s,
+                "steps_per_s": self.steps / self.wall_s, "steps_per_cpu_s": self.steps / self.cpu_s,
+                "cpu_ms_per_step": 1000.0 * self.cpu_s / self.steps}
+
+
+def timed_loop(step: Callable[[], int], seconds: float) -> Rate:
+    """Call `step` (returns the agent steps it did) for a warm-up of 10% of `seconds`, then time it for
+    `seconds` and at least MIN_CALLS calls."""
+    warmup_end = time.perf_counter() + 0.1 * seconds
+    step()  # at least once: lazy initialisation, allocator, cuDNN autotuning
+    while time.perf_counter() < warmup_end:
+        step()
+    steps, calls = 0, 0
+    wall_start, cpu_start = time.perf_counter(), time.process_time()
+    while calls < MIN_CALLS or time.perf_counter() - wall_start < seconds:
+        steps += step()
+        calls += 1
+    return Rate(steps, time.perf_counter() - wall_start, time.process_time() - cpu_start)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Any:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def learner_device(config: Config) -> torch.device:
+    return torch.device("cuda" if not config.disable_cuda and torch.cuda.is_available() else "cpu")
+
+
+def learner_threads(config: Config, device: torch.device) -> int:
+    """Torch threads of the learner, as `training.build` sets them: the cores the actors leave, on CPU."""
+    if device.type == "cpu":
+        return max(1, len(os.sched_getaffinity(0)) - config.num_actors)
+    return torch.get_num_threads()
+
+
+@dataclass(frozen=True)
+class EnvShape:
+    observation_shape: tuple[int, ...]
+    observation_dtype: torch.dtype
+    num_actions: int
+    model: str  # the network `--model auto` resolves to
+
+
+def env_shape(config: Config) -> EnvShape:
+    probe = EnvBatch(config.env, 1, config.seed)
+    try:
+        dtype = torch.uint8 if probe.observation_dtype.kind == "u" else torch.float32
+        model = Net(probe.observation_shape, probe.num_actions, config.model, config.use_lstm, config.hidden_size)
+        return EnvShape(probe.observation_shape, dtype, probe.num_actions, model.model)
+    finally:
+        probe.close()
+
+
+def bench_env(config: Config, seconds: float) -> dict[str, Any]:
+    """One actor's envs (an EnvBatch of envs_per_actor) stepped with uniformly random actions."""
+    env = EnvBatch(config.env, config.envs_per_actor, config.seed, episodic_life=config.episodic_life)
+    try:
+        env.reset()
+        actions = np.random.default_rng(config.seed).integers(0, env.num_actions, (1024, env.num_envs))
+        calls = 0
+
+        def step() -> int:
+            nonlocal calls
+            env.step(actions[calls % len(actions)])
+            calls += 1
+            return env.num_envs
+
+        rate = timed_loop(step, seconds)
+    finally:
+        env.close()
+    return {"what": f"EnvBatch of {config.envs_per_actor} envs, random actions, one process",
+            "batch": config.envs_per_actor, "device": "cpu", **rate.to_dict()}
+
+
+def bench_inference(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
+    """The policy forward and action sampling one actor does per step (or the central thread, for all actors)."""
+    if config.inference == "central":
+        device = learner_device(config)
+        batch, threads = config.num_actors * config.envs_per_actor, learner_threads(config, device)
+    else:
+        device, batch, threads = torch.device("cpu"), config.envs_per_actor, 1  # as actor.run_actor
+    amp = use_amp(config.amp, device, shape.model)
+    model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm, config.hidden_size)
+    model = model.to(device).eval()
+    obs = _random_tensor((1, batch, *shape.observation_shape), shape.observation_dtype)
+    done = torch.zeros((1, batch), dtype=torch.bool)
+    core_state = tuple(s.to(device) for s in model.initial_state(batch))
+    generator = torch.Generator(device).manual_seed(config.seed)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
+
+    def step() -> int:
+        with torch.no_grad(), autocast:
+            output, _ = model(obs.to(device), done.to(device), core_state)
+        sample_actions(output.policy_logits[0], generator).cpu()
+        return batch
+
+    with torch_threads(threads):
+        rate = timed_loop(step, seconds)
+    where = "central thread, all actors' envs" if config.inference == "central" else "one actor"
+    return {"what": f"{shape.model} forward + sampling at batch {batch} ({where})", "batch": batch,
+            "device": str(device), "threads": threads, "amp": amp, **rate.to_dict()}
+
+
+def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
+    """What one learner thread does per batch: stack B slots [T+1, B], copy them to the device, update."""
+    device = learner_device(config)
+    threads = learner_threads(config, device)
+    amp = use_amp(config.amp, device, shape.model)
+    with torch_threads(threads):
+        torch.manual_seed(config.seed)
+        model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm,
+                    config.hidden_size).to(device)
+        optimizer, scheduler = learner.make_optimizer(model, config)
+        buffers = _synthetic_slots(config, shape, model)
+        staging = learner.BatchStaging(buffers, config.batch_size, pin=device.type == "cuda")
+        slots = list(range(config.batch_size))
+
+        def step() -> int:
+            staging.fill(buffers, slots)
+            batch, core_state = staging.to(device)
+            learner.update(model, optimizer, scheduler, batch, core_state, config, amp)  # waits for the device
+            return config.steps_per_update
+
+        rate = timed_loop(step, seconds)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"what": f"{shape.model} update on [T+1={config.unroll_length + 1}, B={config.batch_size}] ({name})",
+            "batch": config.batch_size, "device": str(device), "threads": threads, "amp": amp,
+            "cpu_is_host_only": device.type == "cuda", **rate.to_dict()}
+
+
+def _synthetic_slots(config: Config, shape: EnvShape, model: Net) -> dict[str, torch.Tensor]:
+    """B filled slots (plain tensors, not shared memory), laid out as `buffers.BufferSpec` lays them out."""
+    core_shapes = tuple((s.shape[0], s.shape[2]) for s in model.initial_state(1))
+    spec = BufferSpec(config.batch_size, config.unroll_length, shape.observation_shape, shape.observation_dtype,
+                      shape.num_actions, core_shapes)
+    generator = torch.Generator().manual_seed(config.seed)
+    slots = {}
+    for name, (size, dtype) in spec.fields().items():
+        if name == "done":
+            slots[name] = torch.rand(size, generator=generator) < 0.01
+        elif name == "action":
+            slots[name] = torch.randint(0, shape.num_actions, size, generator=generator)
+        elif name.startswith("core_state_"):
+            slots[name] = torch.zeros(size)
+        else:
+            slots[name] = _random_tensor(size, dtype, generator)
+    return slots
+
+
+def _random_tensor(size: Sequence[int], dtype: torch.dtype, generator: torch.Generator | None = None
+                   ) -> torch.Tensor:
+    if dtype == torch.uint8:
+        return torch.randint(0, 256, tuple(size), dtype=dtype, generator=generator)
+    if dtype.is_floating_point:
+        return torch.randn(tuple(size), generator=generator).to(dtype)
+    return torch.zeros(tuple(size), dtype=dtype)
+
+
+# --------------------------------------------------------------------------------- process-tree usage
+
+
+@dataclass
+class TreeUsage:
+    """What a process tree used: `cpu_s` sums, over every process seen, the largest utime + stime read."""
+
+    returncode: int
+    wall_s: float
+    cpu_s: float
+    cpu_s_wait4: float  # the root's rusage at exit: itself plus the descendants it and they reaped
+    peak_pss_bytes: int
+    processes: int  # distinct processes seen in the tree
+    monitor_cpu_s: float  # what the sampling cost this process
+    cpu_s_by_pid: dict[int, float] = field(default_factory=dict)
+
+
+def _proc_stat(pid: int) -> tuple[int, int, str] | None:
+    """(ppid, utime + stime in clock ticks, state) of `pid`, or None once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the name in parentheses may hold spaces
+    # After the name: state is field 3 of proc(5), ppid 4, utime 14, stime 15.
+    return int(fields[1]), int(fields[11]) + int(fields[12]), fields[0]
+
+
+def _pss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _tree(root: int) -> dict[int, tuple[int, int, str]]:
+    """Stats of `root` and all its descendants now, found by walking ppid links through /proc."""
+    stats = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (stat := _proc_stat(int(entry))) is not None:
+            stats[int(entry)] = stat
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    tree, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in stats:
+            tree[pid] = stats[pid]
+            todo += children.get(pid, [])
+    return tree
+
+
+def measure_process_tree(argv: Sequence[str], cwd: str | os.PathLike | None = None,
+                         log_path: str | os.PathLike | None = None, poll_s: float = POLL_S,
+                         pss_poll_s: float = PSS_POLL_S) -> TreeUsage:
+    """Run `argv` to completion, sampling its process tree's CPU times from /proc every `poll_s` seconds and
+    its PSS every `pss_poll_s`.
+
+    A process's CPU after its last sample is missed (at most `poll_s` of it); `cpu_s_wait4` is exact for
+    whatever was reaped inside the tree and serves as a check. Output goes to `log_path` (or nowhere).
+    """
+    cpu_ticks: dict[int, int] = {}
+    peak_pss, next_pss = 0, 0.0
+    monitor_start = time.process_time()
+    with open(log_path or os.devnull, "wb") as out:
+        wall_start = time.perf_counter()
+        process = subprocess.Popen(list(argv), cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                tree = _tree(process.pid)
+                for pid, (_, ticks, _) in tree.items():
+                    cpu_ticks[pid] = max(cpu_ticks.get(pid, 0), ticks)
+                if time.perf_counter() >= next_pss:
+                    peak_pss = max(peak_pss, sum(_pss_bytes(pid) for pid in tree))
+                    next_pss = time.perf_counter() + pss_poll_s
+                if process.pid not in tree or tree[process.pid][2] == "Z":  # exited, its last times read
+                    break
+                time.sleep(poll_s)
+            _, status, rusage = os.wait4(process.pid, 0)
+            wall_s = time.perf_counter() - wall_start
+            process.returncode = os.waitstatus_to_exitcode(status)
+        finally:
+            if process.returncode is None:
+                process.terminate()
+                process.wait()
+    return TreeUsage(
+        returncode=process.returncode, wall_s=wall_s, cpu_s=sum(cpu_ticks.values()) / CLOCK_TICKS_PER_S,
+        cpu_s_wait4=rusage.ru_utime + rusage.ru_stime, peak_pss_bytes=peak_pss, processes=len(cpu_ticks),
+        monitor_cpu_s=time.process_time() - monitor_start,
+        cpu_s_by_pid={pid: ticks / CLOCK_TICKS_PER_S for pid, ticks in cpu_ticks.items()})
+
+
+# -------------------------------------------------------------------------------------- end to end
+
+
+def run_argv(config: Config, savedir: str, extra: Sequence[str] = ()) -> list[str]:
+    """`python run.py ...` for `config`'s bench flags, then `extra` (argparse: a later flag wins)."""
+    argv = [sys.executable, "run.py", "--savedir", savedir, "--xpid", "bench"]
+    for name in CONFIG_FLAGS:
+        value = getattr(config, name)
+        if isinstance(value, bool):
+            argv += [f"--{name}"] if value else ([] if name == "disable_cuda" else [f"--no-{name}"])
+        elif value is not None:
+            argv += [f"--{name}", str(value)]
+    return argv + list(extra)
+
+
+def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "") -> dict[str, Any]:
+    """Train for `config.total_steps` in a fresh temporary savedir; rates use the step count the run reports."""
+    with tempfile.TemporaryDirectory(prefix="impala-bench-") as savedir:
+        argv = run_argv(config, savedir, extra)
+        log_path = Path(savedir) / "run-output.log"
+        usage = measure_process_tree(argv, cwd=REPO_ROOT, log_path=log_path)
+        steps = _final_step(Path(savedir) / "bench")
+        if usage.returncode != 0 or steps is None:
+            tail = log_path.read_text(errors="replace").splitlines()[-20:]
+            print(f"bench: end-to-end run {variant!r} exited with {usage.returncode}:\n" + "\n".join(tail),
+                  file=sys.stderr)
+    steps = steps or 0
+    return {"variant": variant, "command": shlex.join(argv), "cwd": str(REPO_ROOT),
+            "returncode": usage.returncode, "steps": steps, "wall_s": usage.wall_s, "cpu_s": usage.cpu_s,
+            "cpu_s_wait4": usage.cpu_s_wait4, "steps_per_s": steps / usage.wall_s,
+            "steps_per_cpu_s": steps / usage.cpu_s if usage.cpu_s else 0.0,
+            "peak_pss_mib": usage.peak_pss_bytes / 2**20, "processes": usage.processes,
+            "monitor_cpu_s": usage.monitor_cpu_s}
+
+
+def _final_step(run_dir: Path) -> int | None:
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return int(json.loads((run_dir / "meta.json").read_text())["final_step"])
+    with contextlib.suppress(Exception):  # no meta.json: the checkpoint, if one was written
+        return int(load_checkpoint(run_dir / CHECKPOINT_NAME)["step"])
+    return None
+
+
+# ------------------------------------------------------------------------------------------- ceiling
+
+
+def ceiling(components: dict[str, dict[str, Any]], cores: int) -> dict[str, Any]:
+    """CPU per agent step = the sum of each stage's CPU per step; the ceiling is its inverse (x cores)."""
+    cpu_s_per_step = sum(1.0 / components[name]["steps_per_cpu_s"] for name in ("env", "inference", "learner"))
+    per_cpu_s = 1.0 / cpu_s_per_step
+    result = {"cpu_ms_per_step": 1000.0 * cpu_s_per_step, "steps_per_cpu_s": per_cpu_s, "cores": cores,
+              "steps_per_s": per_cpu_s * cores}
+    if components["learner"].get("cpu_is_host_only") or components["inference"]["device"] != "cpu":
+        result["note"] = ("the GPU's own time is not in this ceiling: work on the GPU counts only its host CPU; "
+                          f"the learner alone runs at {components['learner']['steps_per_s']:.0f} steps/s")
+    return result
+
+
+def add_fractions(row: dict[str, Any], limit: dict[str, Any] | None) -> dict[str, Any]:
+    if limit is not None:
+        row["fraction_of_ceiling_cpu"] = row["steps_per_cpu_s"] / limit["steps_per_cpu_s"]
+        row["fraction_of_ceiling_wall"] = row["steps_per_s"] / limit["steps_per_s"]
+    return row
+
+
+# --------------------------------------------------------------------------------------- the machine
+
+
+def machine() -> dict[str, Any]:
+    model_name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model_name = line.split(":", 1)[1].strip()
+                break
+    cuda = torch.cuda.is_available()
+    return {"cpu": model_name, "cores_usable": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA device)",
+            "cpu_bf16_native": bool(use_amp(None, torch.device("cpu"), "shallow")),
+            "hostname": platform.node()}
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ------------------------------------------------------------------------------------------- output
+
+
+def format_table(results: dict[str, Any]) -> str:
+    m, lines = results["machine"], []
+    lines.append(f"machine: {m['cpu']}, {m['cores_usable']} usable cores, torch {m['torch']}, {m['device']}")
+    load = results["load_average_start"]
+    lines.append(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+                 + ("  (busy machine: wall-clock rates are provisional)" if results["wall_provisional"] else ""))
+    components = results["components"]
+    if components:
+        lines += ["", f"{'component':<10} {'steps/s':>10} {'steps/CPU-s':>12} {'CPU ms/step':>12}  what"]
+        for name, c in components.items():
+            detail = c["what"] + (f", {c['threads']} thread(s)" if "threads" in c else "")
+            detail += (", bf16 autocast" if c.get("amp") else "") + (", host CPU only" if c.get("cpu_is_host_only")
+                                                                     else "")
+            lines.append(f"{name:<10} {c['steps_per_s']:>10.0f} {c['steps_per_cpu_s']:>12.0f} "
+                         f"{c['cpu_ms_per_step']:>12.3f}  {detail}")
+    if (limit := results["ceiling"]) is not None:
+        lines.append(f"{'ceiling':<10} {limit['steps_per_s']:>10.0f} {limit['steps_per_cpu_s']:>12.0f} "
+                     f"{limit['cpu_ms_per_step']:>12.3f}  sum of the three per step; x {limit['cores']} cores")
+        if "note" in limit:
+            lines.append(f"           note: {limit['note']}")
+    rows = results["end_to_end"]
+    if rows:
+        header = (f"{'end to end':<36} {'steps':>8} {'wall s':>7} {'steps/s':>8} {'CPU s':>7} "
+                  f"{'steps/CPU-s':>11} {'PSS MiB':>8} {'of ceiling CPU/wall':>20}")
+        lines += ["", header]
+        for r in rows:
+            fraction = (f"{r['fraction_of_ceiling_cpu']:>9.0%} / {r['fraction_of_ceiling_wall']:>4.0%}"
+                        if "fraction_of_ceiling_cpu" in r else "")
+            name = (r["variant"] or "(base flags)") + ("" if r["returncode"] == 0 else f" [exit {r['returncode']}]")
+            lines.append(f"{name:<36} {r['steps']:>8} {r['wall_s']:>7.1f} {r['steps_per_s']:>8.0f} "
+                         f"{r['cpu_s']:>7.1f} {r['steps_per_cpu_s']:>11.0f} {r['peak_pss_mib']:>8.0f} {fraction:>20}")
+        for r in rows:
+            lines.append(f"command: (cd {r['cwd']} && {r['command']})")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- the CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m impala.bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Measure env, inference and learner throughput alone, the trainer end to end, and the "
+                    "ceiling the parts imply, per wall second and per CPU-second.")
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    for name in CONFIG_FLAGS:  # the trainer's flags, help and choices; defaults from Config (or BENCH_DEFAULTS)
+        meta = dict(fields[name].metadata)
+        help_text, negatable = meta.pop("help"), meta.pop("negatable", False)
+        default = BENCH_DEFAULTS.get(name, fields[name].default)
+        if fields[name].type in ("bool", "bool | None"):
+            action = argparse.BooleanOptionalAction if negatable else "store_true"
+            parser.add_argument(f"--{name}", action=action, default=default, help=help_text)
+        else:
+            kind = {"int": int, "float": float, "str": str}[fields[name].type.replace(" | None", "")]
+            parser.add_argument(f"--{name}", type=kind, default=default, help=help_text, **meta)
+    parser.add_argument("--only", default=",".join(COMPONENTS),
+                        help=f"comma-separated subset of {','.join(COMPONENTS)}")
+    parser.add_argument("--seconds", type=float, default=5.0, help="timed seconds per micro-benchmark")
+    parser.add_argument("--extra", default="", help="extra flags for every end-to-end run.py, one quoted string")
+    parser.add_argument("--variants", nargs="+", default=None, metavar="FLAGS",
+                        help="one end-to-end run per quoted string of run.py flags (after --extra)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Config, list[str]]:
+    args = build_parser().parse_args(argv)
+    only = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(only) - set(COMPONENTS))
+    if unknown:
+        raise UserError(f"--only {args.only!r}: unknown {', '.join(unknown)}; choose from {','.join(COMPONENTS)}")
+    config = Config(**{name: getattr(args, name) for name in CONFIG_FLAGS})
+    if problems := config.validate():
+        raise UserError("; ".join(problems))
+    return args, config, only
+
+
+def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> dict[str, Any]:
+    results: dict[str, Any] = {"machine": machine(), "load_average_start": load_average()}
+    results["wall_provisional"] = results["load_average_start"][0] > PROVISIONAL_LOAD
+    results["config"] = {name: getattr(config, name) for name in CONFIG_FLAGS}
+    results["seconds"] = args.seconds
+    components: dict[str, dict[str, Any]] = {}
+    if {"env", "inference", "learner"} & set(only):
+        shape = env_shape(config)
+        results["config"]["model_resolved"] = shape.model
+        for name, bench in (("env", lambda: bench_env(config, args.seconds)),
+                            ("inference", lambda: bench_inference(config, shape, args.seconds)),
+                            ("learner", lambda: bench_learner(config, shape, args.seconds))):
+            if name in only:
+                components[name] = bench()
+                print(f"bench: {name}: {components[name]['steps_per_s']:.0f} steps/s, "
+                      f"{components[name]['steps_per_cpu_s']:.0f} steps/CPU-s", file=sys.stderr)
+    results["components"] = components
+    has_all = all(name in components for name in ("env", "inference", "learner"))
+    limit = ceiling(components, results["machine"]["cores_usable"]) if has_all else None
+    results["ceiling"] = limit
+    rows = []
+    if "e2e" in only:
+        extra = shlex.split(args.extra)
+        for variant in args.variants or [""]:  # one row per variant: the loop a sweep builds on
+            print(f"bench: end to end {variant or '(base flags)'}: {config.total_steps} steps ...", file=sys.stderr)
+            rows.append(add_fractions(bench_end_to_end(config, extra + shlex.split(variant), variant), limit))
+    results["end_to_end"] = rows
+    results["load_average_end"] = load_average()
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args, config, only = parse_args(argv)
+        results = run_bench(args, config, only)
+    except UserError as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(results))
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0 if all(row["returncode"] == 0 for row in results["end_to_end"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
