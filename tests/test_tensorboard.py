@@ -72,7 +72,7 @@ def test_every_tag_group_has_values_against_agent_steps(trained: TrainedRun) -> 
         events = trained.events.Scalars(tag)
         steps = [e.step for e in events]
         assert events, tag
-        assert all(0 < s <= TOTAL_STEPS and s % STEPS_PER_UPDATE == 0 for s in steps), (tag, steps)
+        assert all(0 <= s <= TOTAL_STEPS and s % STEPS_PER_UPDATE == 0 for s in steps), (tag, steps)
 
 
 def test_scalar_values_mean_what_their_names_say(trained: TrainedRun) -> None:
@@ -121,7 +121,7 @@ def test_run_directory_explains_itself(trained: TrainedRun) -> None:
     with open(run_dir / "logs.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert rows and {"step", "charts/SPS", "charts/frames", "losses/total_loss", "timing/publish_ms"} <= set(rows[0])
-    assert all(int(r["step"]) % STEPS_PER_UPDATE == 0 for r in rows)
+    assert all(int(r["step"]) % STEPS_PER_UPDATE == 0 for r in rows) and rows[-1]["step"] == str(TOTAL_STEPS)
     assert (run_dir / "model.tar").is_file() and any(run_dir.glob("events.out.tfevents.*"))
 
 
@@ -133,7 +133,8 @@ def test_piped_console_log_is_plain_lines_one_per_interval(trained: TrainedRun) 
     assert progress, out_log
     assert all("SPS" in line and "elapsed" in line and "left" in line and "return" in line for line in progress)
     assert progress == [line for line in trained.stdout.splitlines() if line in progress]
-    stamps = [line[:10] for line in progress]
+    assert f"100.0%  step {TOTAL_STEPS:,}/{TOTAL_STEPS:,}" in progress[-1]  # the run's end is reported
+    stamps = [line[:10] for line in progress[:-1]]
     assert len(stamps) == len(set(stamps))  # --log_interval_s 1: never two progress lines in one second
 
 
