@@ -1,0 +1,99 @@
+"""The benchmark: its JSON for a tiny config, the ceiling arithmetic, and CPU time of a whole process tree."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from impala import bench
+
+RATE_KEYS = {"steps", "wall_s", "cpu_s", "steps_per_s", "steps_per_cpu_s", "cpu_ms_per_step"}
+
+
+@pytest.fixture(scope="module")
+def micro_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    path = tmp_path_factory.mktemp("bench") / "results.json"
+    threads = torch.get_num_threads()
+    code = bench.main(["--env", "CartPole-v1", "--unroll_length", "5", "--seconds", "0.3",
+                       "--only", "env,inference,learner", "--json", str(path)])
+    assert code == 0
+    assert torch.get_num_threads() == threads  # the bench restores the thread count it changes
+    return json.loads(path.read_text())
+
+
+def test_micro_benchmarks_report_every_component_with_consistent_rates(micro_results: dict) -> None:
+    assert set(micro_results["components"]) == {"env", "inference", "learner"}
+    for name, component in micro_results["components"].items():
+        assert RATE_KEYS <= set(component), name
+        assert component["steps"] > 0 and component["wall_s"] > 0 and component["cpu_s"] > 0, name
+        assert component["steps_per_s"] == pytest.approx(component["steps"] / component["wall_s"])
+        assert component["steps_per_cpu_s"] == pytest.approx(component["steps"] / component["cpu_s"])
+    components = micro_results["components"]
+    assert components["env"]["steps"] % 8 == 0  # whole steps of 8 envs
+    assert components["inference"]["batch"] == 8 and components["inference"]["threads"] == 1
+    assert components["learner"]["steps"] % (5 * 8) == 0  # T * B per update
+    assert micro_results["end_to_end"] == []
+    assert micro_results["config"]["env"] == "CartPole-v1" and micro_results["config"]["num_actors"] == 2
+    machine = micro_results["machine"]
+    assert machine["cores_usable"] >= 1 and machine["cpu"] and machine["torch"] == torch.__version__
+    assert len(micro_results["load_average_start"]) == 3
+
+
+def test_ceiling_is_the_sum_of_cpu_per_step_times_the_cores(micro_results: dict) -> None:
+    rates = [micro_results["components"][name]["steps_per_cpu_s"] for name in ("env", "inference", "learner")]
+    per_cpu_s = 1.0 / sum(1.0 / rate for rate in rates)
+    limit = micro_results["ceiling"]
+    cores = micro_results["machine"]["cores_usable"]
+    assert limit["cores"] == cores
+    assert limit["steps_per_cpu_s"] == pytest.approx(per_cpu_s)
+    assert limit["steps_per_s"] == pytest.approx(per_cpu_s * cores)
+    assert limit["cpu_ms_per_step"] == pytest.approx(1000.0 / per_cpu_s)
+    assert limit["steps_per_cpu_s"] < min(rates)
+
+
+def test_fractions_of_the_ceiling() -> None:
+    limit = {"steps_per_cpu_s": 1000.0, "steps_per_s": 2000.0}
+    row = bench.add_fractions({"steps_per_cpu_s": 250.0, "steps_per_s": 1000.0}, limit)
+    assert row["fraction_of_ceiling_cpu"] == pytest.approx(0.25)
+    assert row["fraction_of_ceiling_wall"] == pytest.approx(0.5)
+
+
+def test_end_to_end_command_passes_the_config_then_extra_flags() -> None:
+    _, config, only = bench.parse_args(["--env", "CartPole-v1", "--no-amp", "--only", "e2e"])
+    argv = bench.run_argv(config, "/tmp/x", ["--inference", "central"])
+    assert only == ["e2e"]
+    assert argv[:2] == [sys.executable, "run.py"]
+    assert argv[argv.index("--savedir") + 1] == "/tmp/x"
+    assert argv[argv.index("--total_steps") + 1] == "60000" and argv[argv.index("--num_actors") + 1] == "2"
+    assert "--no-amp" in argv and "--disable_cuda" not in argv
+    assert argv[-2:] == ["--inference", "central"]  # after the base flags: argparse keeps the last
+
+
+def test_unknown_component_is_a_user_error(capsys: pytest.CaptureFixture) -> None:
+    assert bench.main(["--only", "env,gpu"]) == 2
+    assert "gpu" in capsys.readouterr().err
+
+
+def test_process_tree_cpu_counts_a_grandchild(tmp_path: Path) -> None:
+    """A child that only waits for a busy grandchild: the tree's CPU is the grandchild's."""
+    busy = "import time\nwhile time.process_time() < 1.0:\n    pass\n"
+    child = textwrap.dedent(f"""
+        import subprocess, sys
+        subprocess.run([sys.executable, "-c", {busy!r}], check=True)
+    """)
+    usage = bench.measure_process_tree([sys.executable, "-c", child], log_path=tmp_path / "out.log")
+    assert usage.returncode == 0, (tmp_path / "out.log").read_text()
+    assert usage.processes >= 2
+    assert usage.cpu_s >= 0.5
+    assert usage.cpu_s_wait4 >= 0.9  # the child reaped the grandchild: its rusage includes it
+    assert usage.peak_pss_bytes > 0
+
+
+def test_process_tree_reports_the_exit_code() -> None:
+    usage = bench.measure_process_tree([sys.executable, "-c", "import sys; sys.exit(3)"])
+    assert usage.returncode == 3
