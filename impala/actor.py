@@ -29,6 +29,58 @@ class ActorChannels(NamedTuple):
     error_queue: Any  # (actor_index, traceback text) when the actor dies of an exception
     stop_event: Any  # set by the main process: finish and return
     policy_version: Any  # shared int: learner updates applied to the shared model
+    # --inference central: [num_actors, envs_per_actor + 1] int64, each actor's slots and current row
+    inference_positions: Any = None
+
+
+class StopActing(Exception):
+    """Raised inside the actor loop when the main process asks it to stop while it waits."""
+
+
+class LocalPolicy:
+    """Actions from the actor's own copy of the shared model: one batched forward for all its envs."""
+
+    def __init__(self, model: Net, num_envs: int, amp: bool, generator: torch.Generator) -> None:
+        self.model = model
+        self.core_state = model.initial_state(num_envs)
+        self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp)
+        self.generator = generator
+
+    def __call__(self, buffers: Buffers, index: torch.Tensor, t: int, row: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Choose actions at obs t of the slots `index`, write action/logits/baseline to row t, return actions."""
+        with torch.no_grad(), self.autocast:
+            output, self.core_state = self.model(row["obs"][None], row["done"][None], self.core_state)
+        logits = output.policy_logits[0]
+        action = sample_actions(logits, self.generator)
+        buffers["action"][index, t] = action
+        buffers["policy_logits"][index, t] = logits
+        buffers["baseline"][index, t] = output.baseline[0]
+        return action
+
+
+class RemotePolicy:
+    """Actions from the main process's inference thread (--inference central).
+
+    The actor publishes where its observations are (slots and row) in `positions`, sends one byte on
+    `connection` and waits for one byte back; by then the thread has written the actions into the slots.
+    """
+
+    core_state = ()  # central inference has no recurrent core
+
+    def __init__(self, connection: Any, positions: torch.Tensor, stop_event: Any) -> None:
+        self.connection = connection
+        self.positions = positions
+        self.stop_event = stop_event
+
+    def __call__(self, buffers: Buffers, index: torch.Tensor, t: int, row: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.positions[:-1] = index
+        self.positions[-1] = t
+        self.connection.send_bytes(b"a")
+        while not self.connection.poll(0.2):
+            if self.stop_event.is_set():
+                raise StopActing()
+        self.connection.recv_bytes()
+        return buffers["action"][index, t]
 
 
 def actor_seed(config: Config, actor_index: int, restart: int = 0) -> int:
@@ -37,22 +89,14 @@ def actor_seed(config: Config, actor_index: int, restart: int = 0) -> int:
 
 def _take_slots(free_queue: Any, count: int, stop_event: Any, slot_owner: torch.Tensor | None = None,
                 actor_index: int = -1) -> list[int] | None:
-    """`count` slot numbers, each marked in `slot_owner` as soon as it is taken; None when stopped.
-
-    A multiprocessing queue's `get(timeout)` holds the queue's cross-process lock while it waits: an
-    actor killed there (kill -9) would keep it forever and starve every other actor. So wait on the
-    pipe without the lock (`_poll`) and take the lock only for the instant of `get_nowait`.
-    """
-    wait_for_data = getattr(free_queue, "_poll", None)  # absent on a queue.Queue (inline use)
+    """`count` slot numbers, each marked in `slot_owner` as soon as it is taken; None when stopped."""
     slots = []
     while len(slots) < count:
         try:
-            slot = free_queue.get_nowait() if wait_for_data else free_queue.get(timeout=0.2)
+            slot = free_queue.get(timeout=0.2)
         except queue.Empty:
             if stop_event.is_set():
                 return None
-            if wait_for_data:
-                wait_for_data(0.2)
             continue
         if slot is None:  # sentinel from the main process
             return None
@@ -63,14 +107,14 @@ def _take_slots(free_queue: Any, count: int, stop_event: Any, slot_owner: torch.
 
 
 def run_actor(actor_index: int, config: Config, buffers: Buffers, model: Net, channels: ActorChannels,
-              restart: int = 0, max_unrolls: int | None = None) -> None:
+              restart: int = 0, max_unrolls: int | None = None, inference_connection: Any = None) -> None:
     """Fill slots until `channels.stop_event` is set (or `max_unrolls` unrolls per env are done)."""
     try:
         if max_unrolls is None:  # a child process: the main process handles Ctrl-C for the whole tree
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             torch.set_num_threads(1)  # batch inference is fastest with one thread per actor
-        _act(actor_index, config, buffers, model, channels, restart, max_unrolls)
-    except KeyboardInterrupt:
+        _act(actor_index, config, buffers, model, channels, restart, max_unrolls, inference_connection)
+    except (KeyboardInterrupt, StopActing):
         pass
     except Exception:
         channels.error_queue.put((actor_index, traceback.format_exc()))
@@ -78,7 +122,7 @@ def run_actor(actor_index: int, config: Config, buffers: Buffers, model: Net, ch
 
 
 def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channels: ActorChannels,
-         restart: int, max_unrolls: int | None) -> None:
+         restart: int, max_unrolls: int | None, inference_connection: Any) -> None:
     seed = actor_seed(config, actor_index, restart)
     env = EnvBatch(config.env, config.envs_per_actor, seed, episodic_life=config.episodic_life)
     generator = torch.Generator().manual_seed(seed)
@@ -93,9 +137,10 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
         "episode_step": torch.zeros(n, dtype=torch.int64),
         "game_over": torch.zeros(n, dtype=torch.bool),
     }
-    core_state = model.initial_state(n)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_amp(config.amp, torch.device("cpu"),
-                                                                           model.model))
+    if inference_connection is not None:
+        policy = RemotePolicy(inference_connection, channels.inference_positions[actor_index], channels.stop_event)
+    else:
+        policy = LocalPolicy(model, n, use_amp(config.amp, torch.device("cpu"), model.model), generator)
     unrolls = 0
     try:
         while not channels.stop_event.is_set() and (max_unrolls is None or unrolls < max_unrolls):
@@ -105,20 +150,14 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
             index = torch.tensor(slots)
             buffers["slot_owner"][index] = actor_index  # lets the monitor reclaim them if this actor dies
             buffers["policy_version"][index] = channels.policy_version.value
-            for i, state in enumerate(core_state):
+            for i, state in enumerate(policy.core_state):
                 buffers[f"core_state_{i}"][index] = state.transpose(0, 1)  # [layers, N, H] -> [N, layers, H]
             for t in range(T + 1):
                 for key, value in row.items():
                     buffers[key][index, t] = value
                 if t == T:
                     break
-                with torch.no_grad(), autocast:
-                    output, core_state = model(row["obs"][None], row["done"][None], core_state)
-                logits = output.policy_logits[0]
-                action = sample_actions(logits, generator)
-                buffers["action"][index, t] = action
-                buffers["policy_logits"][index, t] = logits
-                buffers["baseline"][index, t] = output.baseline[0]
+                action = policy(buffers, index, t, row)
                 step = env.step(action.numpy())
                 row = _row_from_step(step)
                 for i in np.flatnonzero(step.game_over):

@@ -12,15 +12,19 @@ import collections
 import contextlib
 import ctypes
 import faulthandler
+import fcntl
 import functools
 import json
 import logging
 import os
 import platform
 import queue
+import select
 import signal
+import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,6 +47,7 @@ from impala.checkpoint import (
 )
 from impala.config import Config, UserError
 from impala.environment import EnvBatch, is_atari
+from impala.inference import InferenceServer
 from impala.metrics import STATUS, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
 
@@ -85,6 +90,72 @@ class StopFlag:
         return bool(self._value.value)
 
 
+class RecordQueue:
+    """A queue of fixed-size records (`struct` format `fmt`) over an OS pipe, for any number of processes,
+    that a process killed at any instant cannot break.
+
+    `multiprocessing.Queue` can: a reader holds a cross-process lock while it waits and reads a message in
+    two system calls, so an actor killed there (kill -9) leaves the lock taken or the stream torn, and every
+    other actor stalls for good. Here every `put` is one `write` of one record and every `get` one `read`
+    of one record on a non-blocking pipe; the kernel makes each atomic (records are far below PIPE_BUF),
+    so there is no lock to keep and no half-read record. Readers wait with `select`, holding nothing.
+    Created by `training.py`; picklable only while starting a process (it carries two pipe ends).
+    The subset of the `queue.Queue` interface that actors and learners use: put, get, get_nowait, qsize.
+    """
+
+    def __init__(self, ctx: Any, fmt: str, capacity: int = 0) -> None:
+        """`capacity`: records the pipe must hold without blocking a writer (the pipe is grown to fit)."""
+        self._fmt = fmt
+        self._size = struct.calcsize(fmt)
+        self._reader, self._writer = ctx.Pipe(duplex=False)
+        os.set_blocking(self._reader.fileno(), False)
+        if capacity * self._size > 65536 and hasattr(fcntl, "F_SETPIPE_SZ"):
+            with contextlib.suppress(OSError):  # above /proc/sys/fs/pipe-max-size: writers may wait
+                fcntl.fcntl(self._writer.fileno(), fcntl.F_SETPIPE_SZ, capacity * self._size)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fmt": self._fmt, "reader": self._reader, "writer": self._writer}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._fmt, self._reader, self._writer = state["fmt"], state["reader"], state["writer"]
+        self._size = struct.calcsize(self._fmt)
+
+    def put(self, item: Any) -> None:
+        """Append one record: a tuple for a several-field format, else one value. Blocks only on a full pipe."""
+        values = item if isinstance(item, tuple) else (item,)
+        os.write(self._writer.fileno(), struct.pack(self._fmt, *values))
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The oldest record; raises queue.Empty when none came within `timeout` (or at once if not `block`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self._reader.fileno()
+        while True:
+            try:
+                data = os.read(fd, self._size)
+            except BlockingIOError:
+                data = None
+            if data:
+                values = struct.unpack(self._fmt, data)
+                return values if len(values) > 1 else values[0]
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if not block or (remaining is not None and remaining <= 0):
+                raise queue.Empty
+            select.select([fd], [], [], remaining)  # another reader may still win the record: loop
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)
+
+    def qsize(self) -> int:
+        """Records waiting (a snapshot)."""
+        available = bytearray(4)
+        fcntl.ioctl(self._reader.fileno(), termios.FIONREAD, available)
+        return int.from_bytes(available, sys.byteorder) // self._size
+
+    def close(self) -> None:
+        self._reader.close()
+        self._writer.close()
+
+
 @dataclass
 class Run:
     """Everything the stages of a run share. Mutable fields change under `update_lock`."""
@@ -101,6 +172,9 @@ class Run:
     ctx: Any
     runlog: RunLog
     amp: bool = False  # bfloat16 autocast in the learner
+    inference: InferenceServer | None = None  # --inference central
+    inference_thread: threading.Thread | None = None
+    stop_inference: threading.Event = field(default_factory=threading.Event)
     step: int = 0
     updates: int = 0
     start_step: int = 0
@@ -206,9 +280,16 @@ def build(config: Config) -> Run:
     ctx = mp.get_context(START_METHOD)
     if START_METHOD == "forkserver":
         ctx.set_forkserver_preload(["impala.training"])  # what every actor imports, imported once
+    # Slot numbers and episodes travel in RecordQueues, which survive an actor killed at any instant. Only
+    # tracebacks, sent by an actor that is dying anyway, use a multiprocessing.Queue.
     channels = ActorChannels(
-        free_queue=ctx.Queue(), full_queue=ctx.Queue(), episode_queue=ctx.Queue(), error_queue=ctx.Queue(),
+        free_queue=RecordQueue(ctx, "q", capacity=spec.num_buffers),
+        full_queue=RecordQueue(ctx, "q", capacity=spec.num_buffers),
+        episode_queue=RecordQueue(ctx, "qdq", capacity=4096),  # (actor index, return, length)
+        error_queue=ctx.Queue(),
         stop_event=StopFlag(ctx), policy_version=ctx.Value("q", 0, lock=False),
+        inference_positions=(torch.full((config.num_actors, config.envs_per_actor + 1), -1).share_memory_()
+                             if config.inference == "central" else None),
     )
     for slot in range(spec.num_buffers):
         channels.free_queue.put(slot)
@@ -219,6 +300,9 @@ def build(config: Config) -> Run:
     run = Run(config, run_dir, device, model, actor_model, optimizer, scheduler, buffers, channels, ctx, runlog,
               step=step, start_step=step)
     run.amp = use_amp(config.amp, device, model.model)
+    if config.inference == "central":
+        run.inference = InferenceServer(model, buffers, channels.inference_positions, device, run.amp,
+                                        config.inference_wait_ms / 1000, seed=config.seed)
     if checkpoint is not None:
         run.updates = int(checkpoint.get("updates", 0))
         run.skipped_updates = int(checkpoint.get("skipped_updates", 0))
@@ -290,11 +374,18 @@ def git_commit() -> str | None:
 
 def start_actor(run: Run, actor_index: int, restart: int = 0) -> Any:
     """Start actor `actor_index` (its `restart`-th replacement when > 0) and log its pid."""
+    main_end = actor_end = None
+    if run.inference is not None:
+        main_end, actor_end = run.ctx.Pipe()
     process = run.ctx.Process(
         target=_actor_process, name=f"actor-{actor_index}",
         args=(os.getpid(), actor_index, run.config, run.buffers, run.actor_model, run.channels, restart),
+        kwargs={"inference_connection": actor_end},
     )
     process.start()
+    if run.inference is not None:
+        actor_end.close()  # only the actor holds its end, so its death reads as end-of-file here
+        run.inference.connect(actor_index, main_end)
     log.info("Actor %d started (pid %d)", actor_index, process.pid)
     return process
 
@@ -303,11 +394,11 @@ def start_actors(run: Run) -> None:
     run.actors = [start_actor(run, i) for i in range(run.config.num_actors)]
 
 
-def _actor_process(main_pid: int, *actor_args: Any) -> None:
+def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None:
     """The body of an actor process: die with the run, report crashes, act (`actor.run_actor`)."""
     _die_with_parent(main_pid)
     faulthandler.enable()  # a segfault in an env prints the Python stack to stderr before the process dies
-    run_actor(*actor_args)
+    run_actor(*actor_args, **actor_kwargs)
 
 
 _PR_SET_PDEATHSIG = 1
@@ -330,6 +421,15 @@ def _die_with_parent(main_pid: int) -> None:
         os._exit(1)
     except PermissionError:
         pass
+
+
+def start_inference(run: Run) -> None:
+    """--inference central: the thread that answers actors' requests for actions."""
+    if run.inference is None:
+        return
+    run.inference_thread = threading.Thread(target=run.inference.serve, args=(run.stop_inference,),
+                                            name="inference", daemon=True)
+    run.inference_thread.start()
 
 
 def start_learners(run: Run) -> None:
@@ -517,18 +617,14 @@ def _exit_description(exitcode: int | None) -> str:
 
 
 def _release_queue_locks(channels: ActorChannels) -> None:
-    """Free the cross-process queue locks a killed actor may have been holding.
+    """Free a multiprocessing.Queue lock a killed actor may have been holding (the RecordQueues have none).
 
-    Actors hold a queue lock only for an instant (`get_nowait` on the free queue, a feeder thread's write
-    of one small message on the others), so a lock that stays taken for LOCK_PROBE_S was held by the
-    process that just died; left alone it would stall every actor, or the learners, for good.
-    A `multiprocessing.Lock` may be released by any process. (These are private attributes of
-    `multiprocessing.Queue`, stable since Python 3.4.)
+    An actor writes to the error queue only while it dies of an exception, and its feeder thread holds the
+    write lock for one small write, so a lock still taken after LOCK_PROBE_S belongs to a process that
+    died; left alone it would block the next actor that fails. A `multiprocessing.Lock` may be released by
+    any process. (`_wlock` is a private attribute of `multiprocessing.Queue`, stable since Python 3.4.)
     """
-    locks = {"free_queue read": getattr(channels.free_queue, "_rlock", None),
-             "full_queue write": getattr(channels.full_queue, "_wlock", None),
-             "episode_queue write": getattr(channels.episode_queue, "_wlock", None),
-             "error_queue write": getattr(channels.error_queue, "_wlock", None)}
+    locks = {"error_queue write": getattr(channels.error_queue, "_wlock", None)}
     for name, lock in locks.items():
         if lock is None:
             continue
@@ -633,12 +729,15 @@ def shutdown(run: Run, save: bool) -> None:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
     try:
         _join_actors(run)
+        run.stop_inference.set()
+        if run.inference_thread is not None:
+            run.inference_thread.join(timeout=LEARNER_JOIN_TIMEOUT_S)
         if save:
             checkpoint(run)  # waits for a learner still inside an update: it holds update_lock
     finally:
+        run.channels.error_queue.cancel_join_thread()  # nobody reads it any more: never block on flushing it
         for q in (run.channels.free_queue, run.channels.full_queue, run.channels.episode_queue,
                   run.channels.error_queue):
-            q.cancel_join_thread()  # nobody reads them any more: never block on flushing them
             q.close()
         run.runlog.close()
         _stop_fork_server()
@@ -732,6 +831,7 @@ def _run(run: Run) -> Path:
                  ", bfloat16 autocast" if run.amp else "")
         if run.start_step:
             log.info("Resuming from step %d (update %d)", run.start_step, run.updates)
+        start_inference(run)
         start_actors(run)
         start_learners(run)
         reason = monitor(run)

@@ -1,0 +1,109 @@
+"""Central inference (--inference central): one thread in the main process batches the observations
+of every waiting actor on the learner's device, SEED RL / PolyBeast style.
+
+Actors only step envs. Each writes its observations into its slots as usual, publishes where they are
+(slots and row) in a shared `positions` tensor and sends one byte on its pipe. The server reads the
+observations straight out of shared memory, runs one forward for all the actors it serves, writes
+actions, logits and baselines back into the slots and answers each actor with one byte.
+
+How long to wait for a fuller batch is `--inference_wait_ms`: 0 serves whoever is ready; a longer
+wait trades actor idle time for bigger, cheaper batches. `training.py` runs `serve` in a thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+from impala.buffers import Buffers
+from impala.model import Net, sample_actions
+
+
+class InferenceServer:
+    """Serves actions to actors; `serve` is the body of the inference thread."""
+
+    def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
+                 wait_s: float, seed: int) -> None:
+        self.model = model
+        self.buffers = buffers
+        self.positions = positions  # [num_actors, envs_per_actor + 1]: slots..., row
+        self.connections: dict[int, Connection] = {}  # actor index -> the main process's end of its pipe
+        self.device = device
+        self.amp = amp
+        self.wait_s = wait_s
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._lock = threading.Lock()
+        self.batches = 0  # forwards run
+        self.served = 0  # actor requests answered
+
+    def connect(self, actor_index: int, connection: Connection) -> None:
+        """Serve actor `actor_index` on `connection`. A restarted actor gets a new pipe: a request its
+        predecessor left unanswered goes away with the old one."""
+        with self._lock:
+            old = self.connections.get(actor_index)
+            self.connections[actor_index] = connection
+        if old is not None:
+            old.close()
+
+    def serve(self, stop: threading.Event) -> None:
+        """Answer requests until `stop` is set."""
+        while not stop.is_set():
+            self.serve_once(timeout_s=0.1)
+
+    def serve_once(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for a request, gather more for up to `wait_s`, answer them all.
+
+        Returns the number of actors served.
+        """
+        with self._lock:
+            connections = dict(self.connections)
+        if not connections:
+            time.sleep(timeout_s)
+            return 0
+        index_of = {id(c): i for i, c in connections.items()}
+        pending: list[int] = []
+        self._receive(wait(list(connections.values()), timeout_s), index_of, pending)
+        if not pending:
+            return 0
+        deadline = time.monotonic() + self.wait_s
+        while len(pending) < len(connections):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            others = [c for i, c in connections.items() if i not in pending]
+            self._receive(wait(others, remaining), index_of, pending)
+        self._act(pending)
+        for actor_index in pending:
+            try:
+                connections[actor_index].send_bytes(b"a")
+            except OSError:
+                pass  # the actor died; the monitor restarts it with a new pipe
+        self.batches += 1
+        self.served += len(pending)
+        return len(pending)
+
+    @staticmethod
+    def _receive(ready: list, index_of: dict[int, int], pending: list[int]) -> None:
+        for connection in ready:
+            try:
+                connection.recv_bytes()
+            except (EOFError, OSError):
+                continue  # the actor died
+            pending.append(index_of[id(connection)])
+
+    def _act(self, actor_indices: list[int]) -> None:
+        positions = self.positions[actor_indices]  # [M, envs + 1]
+        slots = positions[:, :-1].flatten()
+        rows = positions[:, -1:].expand(-1, positions.shape[1] - 1).flatten()
+        obs = self.buffers["obs"][slots, rows].to(self.device, non_blocking=True)
+        done = self.buffers["done"][slots, rows].to(self.device, non_blocking=True)
+        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            output, _ = self.model(obs[None], done[None])
+        logits = output.policy_logits[0]
+        action = sample_actions(logits, self.generator)
+        self.buffers["action"][slots, rows] = action.cpu()
+        self.buffers["policy_logits"][slots, rows] = logits.float().cpu()
+        self.buffers["baseline"][slots, rows] = output.baseline[0].float().cpu()

@@ -1,0 +1,116 @@
+"""Central inference: the server answers actors' requests with the model's outputs written into slots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from multiprocessing import Pipe
+from pathlib import Path
+
+import torch
+
+from impala.actor import RemotePolicy
+from impala.buffers import BufferSpec, create_buffers
+from impala.inference import InferenceServer
+from impala.model import Net
+
+ROOT = Path(__file__).resolve().parents[1]
+ENVS = 3
+OBS_SHAPE = (4,)
+
+
+def make_server(num_actors: int, wait_s: float) -> tuple[InferenceServer, dict, torch.Tensor, Net, list]:
+    torch.manual_seed(0)
+    model = Net(OBS_SHAPE, 2, "mlp", hidden_size=16).eval()
+    buffers = create_buffers(BufferSpec(num_actors * ENVS, 4, OBS_SHAPE, torch.float32, 2))
+    positions = torch.full((num_actors, ENVS + 1), -1, dtype=torch.int64)
+    server = InferenceServer(model, buffers, positions, torch.device("cpu"), amp=False, wait_s=wait_s, seed=0)
+    actor_ends = []
+    for actor_index in range(num_actors):
+        main_end, actor_end = Pipe()
+        server.connect(actor_index, main_end)
+        actor_ends.append(actor_end)
+    return server, buffers, positions, model, actor_ends
+
+
+def request(buffers: dict, positions: torch.Tensor, actor_index: int, actor_end, t: int) -> torch.Tensor:
+    """What an actor does before asking: write its observations at row t, publish where they are, ask."""
+    slots = torch.arange(actor_index * ENVS, (actor_index + 1) * ENVS)
+    buffers["obs"][slots, t] = torch.randn(ENVS, *OBS_SHAPE)
+    buffers["done"][slots, t] = False
+    positions[actor_index, :-1] = slots
+    positions[actor_index, -1] = t
+    actor_end.send_bytes(b"a")
+    return slots
+
+
+def test_served_outputs_are_the_models_outputs_for_the_observations_in_the_slots():
+    server, buffers, positions, model, ends = make_server(num_actors=2, wait_s=0.0)
+    slots_a = request(buffers, positions, 0, ends[0], t=1)
+    slots_b = request(buffers, positions, 1, ends[1], t=2)
+    served = 0
+    while served < 2:
+        served += server.serve_once(timeout_s=1.0)
+    assert ends[0].poll(1.0) and ends[1].poll(1.0), "each actor gets its answer"
+    for slots, t in ((slots_a, 1), (slots_b, 2)):
+        with torch.no_grad():
+            expected, _ = model(buffers["obs"][slots, t][None], buffers["done"][slots, t][None])
+        torch.testing.assert_close(buffers["policy_logits"][slots, t], expected.policy_logits[0])
+        torch.testing.assert_close(buffers["baseline"][slots, t], expected.baseline[0])
+        assert set(buffers["action"][slots, t].tolist()) <= {0, 1}
+    # Rows nobody asked about keep their poison.
+    assert torch.isnan(buffers["policy_logits"][slots_a, 0]).all()
+    assert (buffers["action"][slots_a, 3] == -1).all()
+
+
+def test_zero_wait_serves_whoever_is_ready():
+    server, buffers, positions, _, ends = make_server(num_actors=3, wait_s=0.0)
+    request(buffers, positions, 1, ends[1], t=0)
+    assert server.serve_once(timeout_s=1.0) == 1
+    assert ends[1].poll(1.0) and not ends[0].poll(0) and not ends[2].poll(0)
+
+
+def test_a_wait_gathers_late_actors_into_one_batch():
+    server, buffers, positions, _, ends = make_server(num_actors=2, wait_s=5.0)
+    request(buffers, positions, 0, ends[0], t=0)
+    late = threading.Timer(0.2, request, args=(buffers, positions, 1, ends[1], 0))
+    late.start()
+    assert server.serve_once(timeout_s=1.0) == 2  # returned once both asked, well before the 5 s wait
+    late.join()
+    assert server.batches == 1 and server.served == 2
+
+
+def test_remote_policy_returns_the_actions_the_server_wrote():
+    server, buffers, positions, _, ends = make_server(num_actors=1, wait_s=0.0)
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        policy = RemotePolicy(ends[0], positions[0], stop)
+        index = torch.arange(ENVS)
+        buffers["obs"][index, 2] = torch.randn(ENVS, *OBS_SHAPE)
+        buffers["done"][index, 2] = False
+        action = policy(buffers, index, 2, {})
+        assert torch.equal(action, buffers["action"][index, 2])
+        assert set(action.tolist()) <= {0, 1}
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def test_training_with_central_inference_learns_cartpole(tmp_path):
+    command = [sys.executable, "run.py", "--env", "CartPole-v1", "--inference", "central", "--num_actors", "2",
+               "--envs_per_actor", "4", "--unroll_length", "5", "--batch_size", "8", "--learning_rate", "0.001",
+               "--entropy_cost", "0.01", "--total_steps", "40000", "--savedir", str(tmp_path), "--xpid", "central",
+               "--log_interval_s", "1"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    meta = json.loads((tmp_path / "central" / "meta.json").read_text())
+    assert meta["end_reason"] == "finished" and meta["final_step"] >= 40000
+    lines = (tmp_path / "central" / "logs.csv").read_text().splitlines()
+    header = lines[0].split(",")
+    column = header.index("charts/mean_return_100")
+    returns = [float(row.split(",")[column]) for row in lines[1:] if row.split(",")[column]]
+    assert returns and returns[-1] > 60, returns  # random play averages about 22
