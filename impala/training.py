@@ -172,6 +172,7 @@ class Run:
     ctx: Any
     runlog: RunLog
     amp: bool = False  # bfloat16 autocast in the learner
+    learner_model: Any = None  # `model`, or its torch.compile'd wrapper (same parameters) with --compile
     inference: InferenceServer | None = None  # --inference central
     inference_thread: threading.Thread | None = None
     stop_inference: threading.Event = field(default_factory=threading.Event)
@@ -300,6 +301,8 @@ def build(config: Config) -> Run:
     run = Run(config, run_dir, device, model, actor_model, optimizer, scheduler, buffers, channels, ctx, runlog,
               step=step, start_step=step)
     run.amp = use_amp(config.amp, device, model.model)
+    # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
+    run.learner_model = torch.compile(model) if config.compile else model
     if config.inference == "central":
         run.inference = InferenceServer(model, buffers, channels.inference_positions, device, run.amp,
                                         config.inference_wait_ms / 1000, seed=config.seed)
@@ -480,7 +483,8 @@ def _learn(run: Run) -> None:
             if run.step >= config.total_steps or run.stop_learning.is_set():
                 return
             update_start = time.perf_counter()
-            stats = learner.update(run.model, run.optimizer, run.scheduler, batch, core_state, config, run.amp)
+            stats = learner.update(run.learner_model, run.optimizer, run.scheduler, batch, core_state, config,
+                                   run.amp)
             # update() ends by reading its stats as floats, which waits for the device: on CUDA this phase
             # also holds the tail of the non-blocking host-to-device copy.
             publish_start = time.perf_counter()
