@@ -255,7 +255,7 @@ class TreeUsage:
     peak_pss_bytes: int
     processes: int  # distinct processes seen in the tree
     monitor_cpu_s: float  # what the sampling cost this process
-    cpu_s_by_pid: dict[int, float] = field(default_factory=dict)
+    cpu_s_by_depth: list[float] = field(default_factory=list)  # [root, its children, grandchildren, ...]
 
 
 def _proc_stat(pid: int) -> tuple[int, int, str] | None:
@@ -280,7 +280,8 @@ def _pss_bytes(pid: int) -> int:
 
 
 def _tree(root: int) -> dict[int, tuple[int, int, str]]:
-    """Stats of `root` and all its descendants now, found by walking ppid links through /proc."""
+    """(depth below `root`, CPU ticks, state) of `root` and all its descendants now, found by walking ppid
+    links through /proc."""
     stats = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (stat := _proc_stat(int(entry))) is not None:
@@ -288,12 +289,12 @@ def _tree(root: int) -> dict[int, tuple[int, int, str]]:
     children: dict[int, list[int]] = {}
     for pid, (ppid, _, _) in stats.items():
         children.setdefault(ppid, []).append(pid)
-    tree, todo = {}, [root]
+    tree, todo = {}, [(root, 0)]
     while todo:
-        pid = todo.pop()
+        pid, depth = todo.pop()
         if pid in stats:
-            tree[pid] = stats[pid]
-            todo += children.get(pid, [])
+            tree[pid] = (depth, *stats[pid][1:])
+            todo += [(child, depth + 1) for child in children.get(pid, [])]
     return tree
 
 
@@ -307,6 +308,7 @@ def measure_process_tree(argv: Sequence[str], cwd: str | os.PathLike | None = No
     whatever was reaped inside the tree and serves as a check. Output goes to `log_path` (or nowhere).
     """
     cpu_ticks: dict[int, int] = {}
+    depths: dict[int, int] = {}
     peak_pss, next_pss = 0, 0.0
     monitor_start = time.process_time()
     with open(log_path or os.devnull, "wb") as out:
@@ -315,8 +317,9 @@ def measure_process_tree(argv: Sequence[str], cwd: str | os.PathLike | None = No
         try:
             while True:
                 tree = _tree(process.pid)
-                for pid, (_, ticks, _) in tree.items():
+                for pid, (depth, ticks, _) in tree.items():
                     cpu_ticks[pid] = max(cpu_ticks.get(pid, 0), ticks)
+                    depths.setdefault(pid, depth)
                 if time.perf_counter() >= next_pss:
                     peak_pss = max(peak_pss, sum(_pss_bytes(pid) for pid in tree))
                     next_pss = time.perf_counter() + pss_poll_s
@@ -330,11 +333,13 @@ def measure_process_tree(argv: Sequence[str], cwd: str | os.PathLike | None = No
             if process.returncode is None:
                 process.terminate()
                 process.wait()
+    cpu_s_by_depth = [0.0] * (max(depths.values(), default=0) + 1)
+    for pid, ticks in cpu_ticks.items():
+        cpu_s_by_depth[depths[pid]] += ticks / CLOCK_TICKS_PER_S
     return TreeUsage(
         returncode=process.returncode, wall_s=wall_s, cpu_s=sum(cpu_ticks.values()) / CLOCK_TICKS_PER_S,
         cpu_s_wait4=rusage.ru_utime + rusage.ru_stime, peak_pss_bytes=peak_pss, processes=len(cpu_ticks),
-        monitor_cpu_s=time.process_time() - monitor_start,
-        cpu_s_by_pid={pid: ticks / CLOCK_TICKS_PER_S for pid, ticks in cpu_ticks.items()})
+        monitor_cpu_s=time.process_time() - monitor_start, cpu_s_by_depth=cpu_s_by_depth)
 
 
 # -------------------------------------------------------------------------------------- end to end
@@ -366,7 +371,7 @@ def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "
     steps = steps or 0
     return {"variant": variant, "command": shlex.join(argv), "cwd": str(REPO_ROOT),
             "returncode": usage.returncode, "steps": steps, "wall_s": usage.wall_s, "cpu_s": usage.cpu_s,
-            "cpu_s_wait4": usage.cpu_s_wait4, "steps_per_s": steps / usage.wall_s,
+            "cpu_s_wait4": usage.cpu_s_wait4, "cpu_s_by_depth": usage.cpu_s_by_depth, "steps_per_s": steps / usage.wall_s,
             "steps_per_cpu_s": steps / usage.cpu_s if usage.cpu_s else 0.0,
             "peak_pss_mib": usage.peak_pss_bytes / 2**20, "processes": usage.processes,
             "monitor_cpu_s": usage.monitor_cpu_s}
@@ -459,7 +464,10 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append(f"{name:<36} {r['steps']:>8} {r['wall_s']:>7.1f} {r['steps_per_s']:>8.0f} "
                          f"{r['cpu_s']:>7.1f} {r['steps_per_cpu_s']:>11.0f} {r['peak_pss_mib']:>8.0f} {fraction:>20}")
         for r in rows:
-            lines.append(f"command: (cd {r['cwd']} && {r['command']})")
+            by_depth = ", ".join(f"{cpu_s:.1f}" for cpu_s in r["cpu_s_by_depth"])
+            lines.append(f"{r['variant'] or '(base flags)'}: CPU s by depth in the tree [{by_depth}] (run.py, its "
+                         f"children, grandchildren = actors), the bench's polling {r['monitor_cpu_s']:.1f}")
+            lines.append(f"  command: (cd {r['cwd']} && {r['command']})")
     return "\n".join(lines)
 
 

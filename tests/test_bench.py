@@ -90,6 +90,7 @@ def test_process_tree_cpu_counts_a_grandchild(tmp_path: Path) -> None:
     assert usage.returncode == 0, (tmp_path / "out.log").read_text()
     assert usage.processes >= 2
     assert usage.cpu_s >= 0.5
+    assert usage.cpu_s_by_depth[1] >= 0.5  # the grandchild of this test is the root's child
     assert usage.cpu_s_wait4 >= 0.9  # the child reaped the grandchild: its rusage includes it
     assert usage.peak_pss_bytes > 0
 
