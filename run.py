@@ -1,5 +1,10 @@
 #!/usr/bin/env python3
-"""Train, test or plot an IMPALA agent: `python run.py --help` lists every flag."""
+"""Train, test or plot an IMPALA agent: `python run.py --help` lists every flag.
+
+Exit codes: 0 done; 1 the run failed (actors dying too often, non-finite updates, a bug: the log says
+why); 2 bad input (a flag, an env id, a path, a checkpoint: one line on stderr, nothing changed);
+130 stopped by Ctrl-C and 143 by SIGTERM, after an orderly shutdown with a final checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +19,13 @@ def main(argv: list[str] | None = None) -> int:
         if config.mode == "train":
             from impala import training
 
-            training.train(config)
+            try:
+                training.train(config)
+            except training.Stopped as stopped:
+                return stopped.exit_code
+            except training.TrainingError as exc:
+                print(f"run.py: training failed: {exc}", file=sys.stderr)
+                return 1
         elif config.mode == "test":
             from impala import evaluate
 
@@ -24,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
             plotting.plot(config)
     except UserError as exc:
-        print(f"run.py: error: {exc}", file=sys.stderr)
+        print(f"run.py: error: {' '.join(str(exc).splitlines())}", file=sys.stderr)  # one line, always
         return 2
     except KeyboardInterrupt:
         return 130

@@ -1,8 +1,9 @@
 """Checkpoints: written atomically, loaded as data only, checked against the run that loads them.
 
 A checkpoint is a dict of tensors and plain values (model, optimiser and schedule state, step
-counters, flags). It is written to a temporary file in the same directory and renamed over the old
-one, so a kill at any instant leaves either the old or the new checkpoint, never a torn one.
+counters, flags). It is written to a temporary file in the same directory, flushed to disk and renamed
+over the old one, so a kill at any instant leaves either the old or the new checkpoint, never a torn
+one. It is loaded with `torch.load(weights_only=True)`: a checkpoint is data and can never run code.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import torch
 from impala.config import UserError
 
 CHECKPOINT_NAME = "model.tar"
+_TEMPORARY_PREFIX = f".{CHECKPOINT_NAME}.tmp-"
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """Write `state` to `path` atomically (temporary file, fsync, rename)."""
+    """Write `state` to `path` atomically (temporary file, fsync, rename, fsync of the directory)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -29,8 +31,7 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)  # after an error; a kill here leaves it to remove_stale_temporaries
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)  # make the rename itself durable
@@ -38,19 +39,36 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
         os.close(directory)
 
 
+def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
+    """Delete temporaries that a killed `save_checkpoint` left in `directory`; returns what was deleted.
+
+    Call only while no other process writes checkpoints to `directory`.
+    """
+    removed = []
+    for tmp in Path(directory).glob(f"{_TEMPORARY_PREFIX}*"):
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint as data (`weights_only=True`); a missing or unreadable file is a UserError."""
+    """Load a checkpoint as data (`weights_only=True`).
+
+    A missing, truncated, garbage or foreign file raises UserError with one line naming the file and the fix.
+    """
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"no checkpoint at {path}; train a run with this --xpid first")
+        raise UserError(f"no checkpoint at {path}; train a run with this --xpid first (or check --savedir)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch raises many types for truncated or foreign files
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for truncated, garbage or unsafe files
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"checkpoint {path} is not a readable checkpoint ({reason[:200]})") from None
-    required = ("model_state_dict", "flags", "step", "observation_shape", "num_actions")
-    if not isinstance(state, dict) or any(key not in state for key in required):
-        raise UserError(f"checkpoint {path} is not an impala checkpoint (missing model or flags)")
+        raise UserError(f"checkpoint {path} is not a readable checkpoint ({reason[:200]}); it may be truncated "
+                        "or not a checkpoint: restore it or start a new run with another --xpid") from None
+    required = {"model_state_dict": dict, "flags": dict, "step": int, "observation_shape": (list, tuple),
+                "num_actions": int}
+    if not isinstance(state, dict) or any(not isinstance(state.get(key), kind) for key, kind in required.items()):
+        raise UserError(f"checkpoint {path} is not an impala checkpoint (no model, flags or step counters in it)")
     return state
 
 
@@ -73,4 +91,4 @@ def check_compatible(state: dict[str, Any], *, env: str, model: str, use_lstm: b
         differences.append(f"{state['num_actions']} actions vs {num_actions}")
     if differences:
         raise UserError(f"checkpoint {path} does not fit this run: " + "; ".join(differences)
-                        + " (checkpoint vs flags)")
+                        + " (checkpoint vs flags); pass the run's own flags or use a new --xpid")
