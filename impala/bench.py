@@ -350,9 +350,12 @@ def measure_process_tree(argv: Sequence[str], cwd: str | os.PathLike | None = No
 
 
 def run_argv(config: Config, savedir: str, extra: Sequence[str] = ()) -> list[str]:
-    """`python run.py ...` for `config`'s bench flags, then `extra` (argparse: a later flag wins)."""
+    """`python run.py ...` with `config`'s bench flags, except those `extra` sets, then `extra`."""
+    overridden = {token[2:].split("=")[0].removeprefix("no-") for token in extra if token.startswith("--")}
     argv = [sys.executable, "run.py", "--savedir", savedir, "--xpid", "bench"]
     for name in CONFIG_FLAGS:
+        if name in overridden:
+            continue
         value = getattr(config, name)
         if isinstance(value, bool):
             argv += [f"--{name}"] if value else ([] if name == "disable_cuda" else [f"--no-{name}"])
@@ -458,14 +461,16 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append(f"           note: {limit['note']}")
     rows = results["end_to_end"]
     if rows:
-        header = (f"{'end to end':<36} {'steps':>8} {'wall s':>7} {'steps/s':>8} {'CPU s':>7} "
+        names = [(r["variant"] or "(base flags)") + ("" if r["returncode"] == 0 else f" [exit {r['returncode']}]")
+                 for r in rows]
+        width = max(len("end to end"), *(len(name) for name in names))
+        header = (f"{'end to end':<{width}} {'steps':>8} {'wall s':>7} {'steps/s':>8} {'CPU s':>7} "
                   f"{'steps/CPU-s':>11} {'PSS MiB':>8} {'of ceiling CPU/wall':>20}")
         lines += ["", header]
-        for r in rows:
+        for name, r in zip(names, rows):
             fraction = (f"{r['fraction_of_ceiling_cpu']:>9.0%} / {r['fraction_of_ceiling_wall']:>4.0%}"
                         if "fraction_of_ceiling_cpu" in r else "")
-            name = (r["variant"] or "(base flags)") + ("" if r["returncode"] == 0 else f" [exit {r['returncode']}]")
-            lines.append(f"{name:<36} {r['steps']:>8} {r['wall_s']:>7.1f} {r['steps_per_s']:>8.0f} "
+            lines.append(f"{name:<{width}} {r['steps']:>8} {r['wall_s']:>7.1f} {r['steps_per_s']:>8.0f} "
                          f"{r['cpu_s']:>7.1f} {r['steps_per_cpu_s']:>11.0f} {r['peak_pss_mib']:>8.0f} {fraction:>20}")
         for r in rows:
             by_depth = ", ".join(f"{cpu_s:.1f}" for cpu_s in r["cpu_s_by_depth"])

@@ -71,7 +71,10 @@ def test_end_to_end_command_passes_the_config_then_extra_flags() -> None:
     assert argv[argv.index("--savedir") + 1] == "/tmp/x"
     assert argv[argv.index("--total_steps") + 1] == "60000" and argv[argv.index("--num_actors") + 1] == "2"
     assert "--no-amp" in argv and "--disable_cuda" not in argv
-    assert argv[-2:] == ["--inference", "central"]  # after the base flags: argparse keeps the last
+    assert argv[-2:] == ["--inference", "central"] and argv.count("--inference") == 1
+    argv = bench.run_argv(config, "/tmp/x", ["--amp", "--num_actors=3"])
+    assert "--no-amp" not in argv and "--amp" in argv and argv[-1] == "--num_actors=3"
+    assert "--num_actors" not in argv
 
 
 def test_unknown_component_is_a_user_error(capsys: pytest.CaptureFixture) -> None:
