@@ -1,0 +1,151 @@
+"""Run `run.py` in its own process group and look at what it leaves behind (for the fault tests).
+
+Every run gets a new session, so its process group holds run.py, the fork server, the resource tracker and
+every actor, and nothing of another test's run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Small and quick: 20 agent steps per update, one learner thread.
+SMALL_RUN = ("--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "2", "--unroll_length", "5",
+             "--batch_size", "4", "--num_learner_threads", "1", "--hidden_size", "32", "--learning_rate", "0.001",
+             "--log_interval_s", "0.5")
+
+
+def run_py(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python run.py ARGS` to completion, from the repository root."""
+    return subprocess.run([sys.executable, "run.py", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+class Training:
+    """A `run.py` training in the background, in its own session; `close()` kills whatever is left."""
+
+    def __init__(self, savedir: Path, xpid: str, *args: str, total_steps: int = 1_000_000) -> None:
+        self.savedir, self.xpid = savedir, xpid
+        self.log_path = savedir / f"{xpid}.console"
+        savedir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "a")  # noqa: SIM115 - open for the life of the process
+        self.process = subprocess.Popen(
+            [sys.executable, "run.py", *SMALL_RUN, "--savedir", str(savedir), "--xpid", xpid,
+             "--total_steps", str(total_steps), *args],
+            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pgid = self.process.pid
+
+    @property
+    def run_dir(self) -> Path:
+        return self.savedir / self.xpid
+
+    def text(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match:
+        """The first match of `pattern` in the console output (waits for it; fails if the run exits first)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.text())
+            if match:
+                return match
+            if self.process.poll() is not None:
+                raise AssertionError(f"run exited ({self.process.returncode}) before {pattern!r}:\n{self.text()}")
+            time.sleep(0.1)
+        raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.text()}")
+
+    def wait_for_steps(self, steps: int, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            done = [int(s.replace(",", "")) for s in re.findall(r"step ([\d,]+)/", self.text())]
+            if done and max(done) >= steps:
+                return
+            if self.process.poll() is not None:
+                raise AssertionError(f"run exited before step {steps}:\n{self.text()}")
+            time.sleep(0.1)
+        raise AssertionError(f"no step {steps} within {timeout} s:\n{self.text()}")
+
+    def actor_pids(self) -> dict[int, int]:
+        """The latest pid of every actor, from the "Actor N started (pid P)" lines."""
+        return {int(i): int(p) for i, p in re.findall(r"Actor (\d+) started \(pid (\d+)\)", self.text())}
+
+    def shm_inodes(self) -> set[int]:
+        """Inodes of the /dev/shm files the main process has mapped now (semaphores, shared tensors).
+
+        Inodes, not names: most are unlinked or renamed after mapping, and other runs share /dev/shm.
+        """
+        with open(f"/proc/{self.process.pid}/maps") as f:
+            return {int(line.split()[4]) for line in f if "/dev/shm/" in line}
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.process.wait(timeout=timeout)
+
+    def signal(self, signum: int, group: bool = False) -> None:
+        if group:
+            os.killpg(self.pgid, signum)
+        else:
+            self.process.send_signal(signum)
+
+    def close(self) -> None:
+        """Kill anything of the run still alive (a failed test must not leave processes behind)."""
+        for pid in group_processes(self.pgid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=30)
+        self._log.close()
+
+
+def group_processes(pgid: int) -> list[int]:
+    """Live (not zombie) processes in process group `pgid`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        state, group = fields[0], int(fields[2])
+        if group == pgid and state not in ("Z", "X"):
+            pids.append(int(entry.name))
+    return pids
+
+
+def wait_until_gone(pgid: int, timeout: float = 30) -> list[int]:
+    """Processes of group `pgid` still alive after up to `timeout` seconds (empty when all are gone)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        left = group_processes(pgid)
+        if not left:
+            return []
+        time.sleep(0.2)
+    return group_processes(pgid)
+
+
+def shm_left(inodes: set[int]) -> list[str]:
+    """Files still in /dev/shm with one of `inodes`."""
+    left = []
+    for path in Path("/dev/shm").iterdir():
+        try:
+            if path.stat().st_ino in inodes:
+                left.append(str(path))
+        except OSError:
+            continue
+    return left
+
+
+def checkpoint_step(run_dir: Path) -> int:
+    from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
+
+    return int(load_checkpoint(run_dir / CHECKPOINT_NAME)["step"])
