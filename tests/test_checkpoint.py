@@ -1,0 +1,115 @@
+"""Tests for impala/checkpoint.py: atomic writes survive a kill mid-write, loading is data-only, and a
+checkpoint that does not fit is refused with a message naming the difference."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from impala.checkpoint import (
+    CHECKPOINT_NAME,
+    check_compatible,
+    load_checkpoint,
+    remove_stale_temporaries,
+    save_checkpoint,
+)
+from impala.config import UserError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _state(step: int) -> dict:
+    return {"model_state_dict": {"w": torch.full((3,), float(step))}, "flags": {"env": "CartPole-v1",
+            "use_lstm": False, "hidden_size": 32}, "step": step, "updates": step // 20, "model": "mlp",
+            "observation_shape": [4], "num_actions": 2}
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / CHECKPOINT_NAME
+    save_checkpoint(path, _state(40))
+    state = load_checkpoint(path)
+    assert state["step"] == 40 and torch.equal(state["model_state_dict"]["w"], torch.full((3,), 40.0))
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]  # no temporary left
+
+
+def test_a_kill_during_the_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / CHECKPOINT_NAME
+    save_checkpoint(path, _state(40))
+    # A process that dies by SIGKILL in the middle of writing the next checkpoint.
+    script = f"""
+import os, signal, torch
+from impala import checkpoint
+def half_written(state, f):
+    f.write(b"PK" + os.urandom(1000))
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+checkpoint.torch.save = half_written
+checkpoint.save_checkpoint({str(path)!r}, {{"step": 80}})
+"""
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, check=False)
+    assert result.returncode == -9
+    assert load_checkpoint(path)["step"] == 40
+    stale = [p for p in tmp_path.iterdir() if p.name != CHECKPOINT_NAME]
+    assert len(stale) == 1  # the torn temporary, never under the checkpoint's name
+    assert remove_stale_temporaries(tmp_path) == stale
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]
+
+
+@pytest.mark.parametrize("content", ["garbage", "truncated", "empty"])
+def test_unreadable_files_are_a_one_line_user_error(tmp_path: Path, content: str) -> None:
+    path = tmp_path / CHECKPOINT_NAME
+    if content == "garbage":
+        path.write_bytes(os.urandom(4096))
+    elif content == "truncated":
+        save_checkpoint(path, _state(40))
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+    else:
+        path.write_bytes(b"")
+    with pytest.raises(UserError, match="is not a readable checkpoint") as error:
+        load_checkpoint(path)
+    assert "\n" not in str(error.value)
+
+
+def test_loading_runs_no_code(tmp_path: Path) -> None:
+    path = tmp_path / CHECKPOINT_NAME
+    marker = tmp_path / "ran"
+    # A pickle that would create `marker` if it were unpickled with full pickle.
+    torch.save({"step": 1, "payload": _Exploit(str(marker))}, path)
+    with pytest.raises(UserError, match="not a readable checkpoint"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+class _Exploit:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple:
+        return (open, (self.path, "w"))
+
+
+def test_missing_and_foreign_files(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / CHECKPOINT_NAME)
+    torch.save({"weights": torch.zeros(2)}, tmp_path / "other.tar")
+    with pytest.raises(UserError, match="not an impala checkpoint"):
+        load_checkpoint(tmp_path / "other.tar")
+
+
+def test_a_checkpoint_for_another_env_or_shape_is_refused_saying_which() -> None:
+    state = _state(40)
+    kwargs = {"env": "CartPole-v1", "model": "mlp", "use_lstm": False, "hidden_size": 32,
+              "observation_shape": (4,), "num_actions": 2, "path": "x/model.tar"}
+    check_compatible(state, **kwargs)
+    with pytest.raises(UserError, match=r"env 'CartPole-v1' vs 'Acrobot-v1'.*6 actions|2 actions vs 3"):
+        check_compatible(state, **{**kwargs, "env": "Acrobot-v1", "observation_shape": (6,), "num_actions": 3})
+    with pytest.raises(UserError, match="hidden_size 32 vs 64"):
+        check_compatible(state, **{**kwargs, "hidden_size": 64})
+    with pytest.raises(UserError, match="use_lstm False vs True"):
+        check_compatible(state, **{**kwargs, "use_lstm": True})
