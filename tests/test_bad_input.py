@@ -1,0 +1,126 @@
+"""Every error a user can cause ends in one line on stderr, exit code 2, no traceback, and changes nothing
+that was saved."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from process_helpers import run_py
+
+import run
+from impala.checkpoint import CHECKPOINT_NAME, save_checkpoint
+from impala.model import Net
+
+QUICK = ["--env", "CartPole-v1", "--num_actors", "1", "--envs_per_actor", "2", "--unroll_length", "5",
+         "--batch_size", "4", "--hidden_size", "32", "--total_steps", "1000"]
+
+
+def _fails_with(capsys: pytest.CaptureFixture, argv: list[str], pattern: str) -> str:
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py: error: ") and err.count("\n") == 1, err
+    assert re.search(pattern, err), err
+    return err
+
+
+def _saved_run(savedir: Path, xpid: str, step: int = 40) -> Path:
+    """A run directory with a real CartPole checkpoint (no training needed) and its run files."""
+    run_dir = savedir / xpid
+    run_dir.mkdir(parents=True)
+    model = Net((4,), 2, "mlp", False, 32)
+    flags = {"env": "CartPole-v1", "use_lstm": False, "hidden_size": 32, "model": "auto"}
+    optimizer = torch.optim.RMSprop(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
+    save_checkpoint(run_dir / CHECKPOINT_NAME, {
+        "model_state_dict": model.state_dict(), "optimizer_state_dict": optimizer.state_dict(),
+        "scheduler_state_dict": scheduler.state_dict(), "step": step, "updates": step // 20, "flags": flags,
+        "model": "mlp", "observation_shape": [4], "num_actions": 2})
+    (run_dir / "flags.json").write_text(json.dumps(flags))
+    (run_dir / "meta.json").write_text(json.dumps({"starts": ["before"]}))
+    return run_dir
+
+
+def _snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir())}
+
+
+@pytest.mark.parametrize(("flags", "pattern"), [
+    (["--env", "CartPol-v1"], r"unknown env id 'CartPol-v1'"),
+    (["--env", "Pendulum-v1"], r"only Discrete is supported"),
+    (["--batch_size", "0"], r"--batch_size must be >= 1, got 0"),
+    (["--num_actors", "-2"], r"--num_actors must be >= 1, got -2"),
+    (["--learning_rate", "-1"], r"--learning_rate must be > 0"),
+    (["--num_buffers", "3"], r"--num_buffers 3 is too few: .* hold up to \d+ slots"),
+    (["--use_lstm", "--inference", "central"], r"--use_lstm is not supported with --inference central"),
+    (["--resume"], r"--resume needs --xpid"),
+    (["--unroll_length", "many"], r"invalid int value: 'many'"),
+    (["--no_such_flag"], r"unrecognized arguments: --no_such_flag"),
+])
+def test_bad_flags(capsys: pytest.CaptureFixture, tmp_path: Path, flags: list[str], pattern: str) -> None:
+    _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), *flags], pattern)
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+def test_unwritable_savedir(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    _fails_with(capsys, [*QUICK, "--savedir", str(a_file / "runs"), "--xpid", "x"],
+                r"cannot write the run directory .*a_file/runs/x")
+
+
+def test_test_mode_without_a_checkpoint(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    _fails_with(capsys, ["--mode", "test", "--env", "CartPole-v1", "--savedir", str(tmp_path), "--xpid", "none"],
+                r"no checkpoint at .*none/model.tar")
+    _fails_with(capsys, ["--mode", "test", "--env", "CartPole-v1"], r"--mode test needs --xpid")
+
+
+def test_resume_without_a_checkpoint(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "new", "--resume"],
+                r"--resume: no checkpoint at")
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+@pytest.mark.parametrize("mode", ["train", "test"])
+def test_damaged_checkpoint(capsys: pytest.CaptureFixture, tmp_path: Path, damage: str, mode: str) -> None:
+    run_dir = _saved_run(tmp_path, "damaged")
+    path = run_dir / CHECKPOINT_NAME
+    data = path.read_bytes()
+    path.write_bytes(os.urandom(len(data)) if damage == "garbage" else data[: len(data) // 2])
+    before = _snapshot(run_dir)
+    _fails_with(capsys, [*QUICK, "--mode", mode, "--savedir", str(tmp_path), "--xpid", "damaged"],
+                r"is not a readable checkpoint")
+    assert _snapshot(run_dir) == before
+
+
+def test_existing_run_with_another_env_is_refused_before_anything_is_overwritten(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    run_dir = _saved_run(tmp_path, "cartpole")
+    before = _snapshot(run_dir)
+    argv = [*QUICK, "--env", "Acrobot-v1", "--savedir", str(tmp_path), "--xpid", "cartpole"]
+    _fails_with(capsys, argv, r"does not fit this run: env 'CartPole-v1' vs 'Acrobot-v1'")
+    _fails_with(capsys, [*QUICK, "--hidden_size", "64", "--savedir", str(tmp_path), "--xpid", "cartpole"],
+                r"hidden_size 32 vs 64")
+    assert _snapshot(run_dir) == before  # flags.json, meta.json and the checkpoint untouched
+
+
+def test_a_finished_run_is_not_resumed_silently(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    run_dir = _saved_run(tmp_path, "finished", step=1000)
+    before = _snapshot(run_dir)
+    _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "finished"],
+                r"already reached step 1000 of --total_steps 1000; pass a larger --total_steps")
+    assert _snapshot(run_dir) == before
+
+
+def test_from_the_command_line_no_traceback(tmp_path: Path) -> None:
+    """The same through a real `python run.py`: exit code 2 and exactly one line on stderr."""
+    for argv in (["--env", "CartPol-v1"], ["--mode", "test", "--env", "CartPole-v1", "--xpid", "nothing-here"]):
+        result = run_py(*argv, "--savedir", str(tmp_path))
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("run.py: error: ") and result.stderr.count("\n") == 1, result.stderr
+        assert "Traceback" not in result.stdout + result.stderr
