@@ -44,7 +44,7 @@ USER 1000:1000
 
 # Runs and checkpoints (model.tar, TensorBoard event files) go here: mount a host directory.
 VOLUME ["/app/runs"]
-# TensorBoard (see docs/docker.md).
+# TensorBoard (see the README's Docker section).
 EXPOSE 6006
 
 ENTRYPOINT ["python", "run.py"]
