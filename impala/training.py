@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import faulthandler
 import fcntl
 import functools
@@ -399,31 +398,40 @@ def start_actors(run: Run) -> None:
 
 def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None:
     """The body of an actor process: die with the run, report crashes, act (`actor.run_actor`)."""
-    _die_with_parent(main_pid)
+    _die_with_main_process(main_pid)
     faulthandler.enable()  # a segfault in an env prints the Python stack to stderr before the process dies
     run_actor(*actor_args, **actor_kwargs)
 
 
-_PR_SET_PDEATHSIG = 1
+def _die_with_main_process(main_pid: int) -> None:
+    """End this actor as soon as the main process is gone (a kill -9 of run.py runs no shutdown).
 
-
-def _die_with_parent(main_pid: int) -> None:
-    """Make this process die when its parent does, so a main process killed with SIGKILL leaves no actor behind.
-
-    The parent of an actor is the fork server, which exits as soon as the main process is gone (its end of
-    a pipe closes); PR_SET_PDEATHSIG turns that exit into a SIGKILL here. Linux only; elsewhere orphans stay
-    until they are killed.
+    Not left to the fork server: every process it starts inherits its "alive" pipe, so it outlives the
+    main process for as long as any actor does. A pidfd turns readable when `main_pid` exits (Linux 5.3+);
+    elsewhere the watch polls once a second.
     """
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     try:
-        os.kill(main_pid, 0)  # gone before the prctl: nobody would ever stop this actor
+        pidfd = os.pidfd_open(main_pid)
     except ProcessLookupError:
+        os._exit(1)  # gone already
+    except (AttributeError, OSError):
+        pidfd = None
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        else:
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(main_pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:
+                    pass
         os._exit(1)
-    except PermissionError:
-        pass
+
+    threading.Thread(target=watch, name="main-process-watch", daemon=True).start()
 
 
 def start_inference(run: Run) -> None:

@@ -1,0 +1,125 @@
+"""Faults of a run: non-finite updates never reach the weights; a killed actor is replaced and training goes
+on; actors that keep dying stop the run with the reason; a killed main process leaves no actor behind and
+its run resumes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from process_helpers import Training, checkpoint_step, wait_until_gone
+
+from impala import learner, training
+from impala.config import Config
+from impala.model import Net
+
+T, B = 5, 4
+
+
+def _batch(reward: float) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return {"obs": torch.randn(T + 1, B, 4, generator=generator), "done": torch.zeros(T + 1, B, dtype=torch.bool),
+            "reward": torch.full((T + 1, B), reward), "action": torch.randint(0, 2, (T + 1, B), generator=generator),
+            "policy_logits": torch.zeros(T + 1, B, 2)}
+
+
+def test_a_non_finite_update_is_skipped_and_leaves_the_weights_alone() -> None:
+    config = Config(env="CartPole-v1", unroll_length=T, batch_size=B, total_steps=10_000, reward_clipping="none")
+    torch.manual_seed(0)
+    model = Net((4,), 2, "mlp", False, 32)
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stats = learner.update(model, optimizer, scheduler, _batch(float("nan")), (), config)
+    assert stats["skipped"] == 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert optimizer.state == {} or all(not s for s in optimizer.state.values())  # RMSprop saw nothing
+    stats = learner.update(model, optimizer, scheduler, _batch(1.0), (), config)
+    assert stats["skipped"] == 0
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_run_of_non_finite_updates_stops_learning_with_a_clear_error() -> None:
+    config = Config(max_bad_updates=3)
+    run = types.SimpleNamespace(config=config, skipped_updates=0, bad_updates_in_a_row=0, learner_errors=[],
+                                stop_learning=training.threading.Event(), step=100,
+                                timing_sum_s=training.collections.defaultdict(float), timing_count=0)
+    bad = {"skipped": 1.0, "total_loss": float("nan"), "grad_norm": float("nan")}
+    for _ in range(2):
+        training._record(run, bad, 0.0)
+    assert run.skipped_updates == 2 and not run.stop_learning.is_set()
+    training._record(run, bad, 0.0)
+    assert run.stop_learning.is_set()
+    assert isinstance(run.learner_errors[0], training.TrainingError)
+    assert "3 non-finite updates in a row" in str(run.learner_errors[0])
+    assert "last good checkpoint" in str(run.learner_errors[0])
+
+
+def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None:
+    run = Training(tmp_path, "kill-actor", total_steps=4_000)
+    try:
+        run.wait_for_steps(500)
+        victim = run.actor_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        run.wait_for(rf"Actor 0 \(pid {victim}\) died: killed by SIGKILL", timeout=15)
+        run.wait_for(r"Restarted actor 0 \(\d+ slots returned", timeout=15)
+        assert run.actor_pids()[0] != victim
+        assert run.wait(timeout=120) == 0  # finished: the run went on without the dead actor
+        assert wait_until_gone(run.pgid, timeout=30) == []
+    finally:
+        run.close()
+    assert checkpoint_step(run.run_dir) == 4_000
+
+
+def test_actors_that_keep_dying_stop_the_run(tmp_path: Path) -> None:
+    run = Training(tmp_path, "crash-loop", "--max_actor_restarts", "1")
+    try:
+        run.wait_for_steps(200)
+        first = run.actor_pids()[1]
+        os.kill(first, signal.SIGKILL)
+        run.wait_for(r"Restarted actor 1", timeout=15)
+        os.kill(run.actor_pids()[1], signal.SIGKILL)  # the replacement: a second death within the window
+        assert run.wait(timeout=30) == 1
+        assert "actors died 2 times within 600 s (--max_actor_restarts 1)" in run.text()
+        assert wait_until_gone(run.pgid, timeout=30) == []
+    finally:
+        run.close()
+    assert checkpoint_step(run.run_dir) >= 200  # what was learned is saved
+
+
+def test_a_killed_main_process_leaves_no_actor_and_its_run_resumes(tmp_path: Path) -> None:
+    run = Training(tmp_path, "kill-main", "--checkpoint_interval_s", "0.5", total_steps=3_000)
+    try:
+        run.wait_for(r"Saved checkpoint at step [1-9]")
+        os.kill(run.process.pid, signal.SIGKILL)  # no shutdown at all: actors must notice by themselves
+        assert run.wait(timeout=10) == -signal.SIGKILL
+        assert wait_until_gone(run.pgid, timeout=30) == []
+    finally:
+        run.close()
+    saved = checkpoint_step(run.run_dir)
+    assert 0 < saved < 3_000
+    resumed = Training(tmp_path, "kill-main", total_steps=3_000)
+    try:
+        resumed.wait_for(rf"Resuming from step {saved}")
+        assert resumed.wait(timeout=120) == 0
+    finally:
+        resumed.close()
+    assert checkpoint_step(run.run_dir) == 3_000
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM])
+def test_shutdown_is_not_cut_short_by_a_second_signal(tmp_path: Path, signum: int) -> None:
+    run = Training(tmp_path, "twice")
+    try:
+        run.wait_for_steps(200)
+        run.signal(signum)
+        run.wait_for(r"SIGTERM: stopping", timeout=15)
+        run.signal(signum)  # ignored while the shutdown runs
+        assert run.wait(timeout=30) == 143
+        assert "Run ended (terminated)" in run.text()
+        assert wait_until_gone(run.pgid, timeout=30) == []
+    finally:
+        run.close()
