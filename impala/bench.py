@@ -12,11 +12,11 @@ Components, each timed for `--seconds` after a warm-up, in this process:
     learner    stack B slots, copy to the learner's device, learner.update, on a synthetic [T+1, B] batch
 
 End to end: `python run.py ...` as a subprocess; its whole process tree (main process, fork server,
-actors) is sampled from /proc every POLL_S for CPU time and proportional memory (PSS).
+actors) is sampled from /proc every POLL_S for CPU time and every PSS_POLL_S for proportional memory (PSS).
 
 Every rate is in agent steps (one inference sample, one env step of one env, one [t, b] entry of a
 batch). Per CPU-second rates divide by the CPU time of the process(es) doing the work, so they hold
-on a machine that is busy with other work, where rates per wall second do not.
+up on a machine busy with other work far better than rates per wall second.
 
 Ceiling: one agent step costs 1/env + 1/inference + 1/learner CPU-seconds (each per CPU-second), so
 no arrangement of processes on this machine does better than 1 / that per CPU-second, or that times the
@@ -502,9 +502,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--only", default=",".join(COMPONENTS),
                         help=f"comma-separated subset of {','.join(COMPONENTS)}")
     parser.add_argument("--seconds", type=float, default=5.0, help="timed seconds per micro-benchmark")
-    parser.add_argument("--extra", default="", help="extra flags for every end-to-end run.py, one quoted string")
+    parser.add_argument("--extra", default="", help="extra flags for every end-to-end run.py, one quoted string; "
+                        "a single flag as --extra=--no-amp")
     parser.add_argument("--variants", nargs="+", default=None, metavar="FLAGS",
-                        help="one end-to-end run per quoted string of run.py flags (after --extra)")
+                        help="one end-to-end run per quoted string of run.py flags (after --extra, replacing the "
+                        "base flags they name); a single flag needs a leading space: ' --no-amp'; '' for the base")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON here")
     return parser
 
@@ -546,7 +548,8 @@ def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> 
         extra = shlex.split(args.extra)
         for variant in args.variants or [""]:  # one row per variant: the loop a sweep builds on
             print(f"bench: end to end {variant or '(base flags)'}: {config.total_steps} steps ...", file=sys.stderr)
-            rows.append(add_fractions(bench_end_to_end(config, extra + shlex.split(variant), variant), limit))
+            rows.append(add_fractions(bench_end_to_end(config, extra + shlex.split(variant), variant.strip()),
+                                      limit))
     results["end_to_end"] = rows
     results["load_average_end"] = load_average()
     return results

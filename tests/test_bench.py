@@ -101,3 +101,22 @@ def test_process_tree_cpu_counts_a_grandchild(tmp_path: Path) -> None:
 def test_process_tree_reports_the_exit_code() -> None:
     usage = bench.measure_process_tree([sys.executable, "-c", "import sys; sys.exit(3)"])
     assert usage.returncode == 3
+
+
+def test_variants_give_one_end_to_end_row_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def fake_end_to_end(config: object, extra: list[str], variant: str) -> dict:
+        calls.append(extra)
+        return {"variant": variant, "returncode": 0, "steps_per_s": 1.0, "steps_per_cpu_s": 1.0}
+
+    monkeypatch.setattr(bench, "bench_end_to_end", fake_end_to_end)
+    args, config, only = bench.parse_args(["--env", "CartPole-v1", "--only", "e2e", "--extra", "--seed 3",
+                                           "--variants", "", "--inference central --inference_wait_ms 2",
+                                           " --no-amp"])
+    results = bench.run_bench(args, config, only)
+    assert calls == [["--seed", "3"], ["--seed", "3", "--inference", "central", "--inference_wait_ms", "2"],
+                     ["--seed", "3", "--no-amp"]]
+    assert [row["variant"] for row in results["end_to_end"]] == ["", "--inference central --inference_wait_ms 2",
+                                                                 "--no-amp"]
+    assert results["ceiling"] is None and results["components"] == {}
