@@ -50,6 +50,7 @@ from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import Config, UserError
 from impala.environment import EnvBatch
 from impala.model import Net, sample_actions, use_amp
+from impala.training import select_device
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPONENTS = ("env", "inference", "learner", "e2e")
@@ -107,10 +108,6 @@ def torch_threads(count: int) -> Any:
         torch.set_num_threads(previous)
 
 
-def learner_device(config: Config) -> torch.device:
-    return torch.device("cuda" if not config.disable_cuda and torch.cuda.is_available() else "cpu")
-
-
 def learner_threads(config: Config, device: torch.device) -> int:
     """Torch threads of the learner, as `training.build` sets them: the cores the actors leave, on CPU."""
     if device.type == "cpu":
@@ -160,7 +157,7 @@ def bench_env(config: Config, seconds: float) -> dict[str, Any]:
 def bench_inference(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
     """The policy forward and action sampling one actor does per step (or the central thread, for all actors)."""
     if config.inference == "central":
-        device = learner_device(config)
+        device = select_device(config)
         batch, threads = config.num_actors * config.envs_per_actor, learner_threads(config, device)
     else:
         device, batch, threads = torch.device("cpu"), config.envs_per_actor, 1  # as actor.run_actor
@@ -170,7 +167,7 @@ def bench_inference(config: Config, shape: EnvShape, seconds: float) -> dict[str
     obs = _random_tensor((1, batch, *shape.observation_shape), shape.observation_dtype)
     done = torch.zeros((1, batch), dtype=torch.bool)
     core_state = tuple(s.to(device) for s in model.initial_state(batch))
-    generator = torch.Generator(device).manual_seed(config.seed)
+    generator = torch.Generator(device=device).manual_seed(config.seed)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
 
     def step() -> int:
@@ -188,7 +185,7 @@ def bench_inference(config: Config, shape: EnvShape, seconds: float) -> dict[str
 
 def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
     """What one learner thread does per batch: stack B slots [T+1, B], copy them to the device, update."""
-    device = learner_device(config)
+    device = select_device(config)
     threads = learner_threads(config, device)
     amp = use_amp(config.amp, device, shape.model)
     with torch_threads(threads):
