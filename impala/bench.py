@@ -544,7 +544,7 @@ def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> 
     if "e2e" in only:
         extra = shlex.split(args.extra)
         for variant in args.variants or [""]:  # one row per variant: the loop a sweep builds on
-            print(f"bench: end to end {variant or '(base flags)'}: {config.total_steps} steps ...", file=sys.stderr)
+            print(f"bench: end to end {variant.strip() or '(base flags)'}: {config.total_steps} steps ...", file=sys.stderr)
             rows.append(add_fractions(bench_end_to_end(config, extra + shlex.split(variant), variant.strip()),
                                       limit))
     results["end_to_end"] = rows
