@@ -71,6 +71,11 @@ class Training:
             time.sleep(0.1)
         raise AssertionError(f"no step {steps} within {timeout} s:\n{self.text()}")
 
+    def latest_step(self, after: int = 0) -> int:
+        """The last step count the console printed (from character `after` of the output on); 0 if none."""
+        done = [int(s.replace(",", "")) for s in re.findall(r"step ([\d,]+)/", self.text()[after:])]
+        return max(done, default=0)
+
     def actor_pids(self) -> dict[int, int]:
         """The latest pid of every actor, from the "Actor N started (pid P)" lines."""
         return {int(i): int(p) for i, p in re.findall(r"Actor (\d+) started \(pid (\d+)\)", self.text())}
