@@ -7,7 +7,6 @@ shared model and passes them in. It can also be called inline for a fixed number
 from __future__ import annotations
 
 import queue
-import signal
 import traceback
 from typing import Any, NamedTuple
 
@@ -108,11 +107,11 @@ def _take_slots(free_queue: Any, count: int, stop_event: Any, slot_owner: torch.
 
 def run_actor(actor_index: int, config: Config, buffers: Buffers, model: Net, channels: ActorChannels,
               restart: int = 0, max_unrolls: int | None = None, inference_connection: Any = None) -> None:
-    """Fill slots until `channels.stop_event` is set (or `max_unrolls` unrolls per env are done)."""
+    """Fill slots until `channels.stop_event` is set (or `max_unrolls` unrolls per env are done).
+
+    Changes no process-wide state (signals, threads): the process that runs it sets those up.
+    """
     try:
-        if max_unrolls is None:  # a child process: the main process handles Ctrl-C for the whole tree
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            torch.set_num_threads(1)  # batch inference is fastest with one thread per actor
         _act(actor_index, config, buffers, model, channels, restart, max_unrolls, inference_connection)
     except (KeyboardInterrupt, StopActing):
         pass

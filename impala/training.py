@@ -424,6 +424,8 @@ def start_actors(run: Run) -> None:
 def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None:
     """The body of an actor process: die with the run, report crashes, act (`actor.run_actor`)."""
     _die_with_main_process(main_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
+    torch.set_num_threads(1)  # batched inference is cheapest per sample with one thread per actor
     faulthandler.enable()  # a segfault in an env prints the Python stack to stderr before the process dies
     # Actors run ahead of the learner until the free slots run out; on a machine with fewer cores than
     # processes the learner is the bottleneck, so it should win every contended core.
@@ -854,6 +856,9 @@ def train(config: Config) -> Path:
     """
     keep_freed_memory()
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
+    # Ctrl-C must stop the run in order even when this process was started with SIGINT ignored
+    # (inherited from a shell's background job or a parent process).
+    previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         try:
             run = build(config)
@@ -862,6 +867,7 @@ def train(config: Config) -> Path:
         return _run(run)
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
+        signal.signal(signal.SIGINT, previous_interrupt)
 
 
 def _run(run: Run) -> Path:
