@@ -12,7 +12,6 @@ import collections
 import contextlib
 import ctypes
 import faulthandler
-import fcntl
 import functools
 import json
 import logging
@@ -21,10 +20,8 @@ import platform
 import queue
 import select
 import signal
-import struct
 import subprocess
 import sys
-import termios
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +35,7 @@ import torch.multiprocessing as mp
 from impala import learner
 from impala.actor import ActorChannels, run_actor
 from impala.buffers import Buffers, BufferSpec, create_buffers
+from impala.channels import RecordQueue, StopFlag
 from impala.checkpoint import (
     CHECKPOINT_NAME,
     check_compatible,
@@ -75,86 +73,6 @@ class Stopped(Exception):
         super().__init__(reason)
         self.reason = reason
         self.exit_code = 128 + signum
-
-
-class StopFlag:
-    """Tells actors to finish. Unlike `multiprocessing.Event`, reading it takes no lock, so an actor killed
-    at any instant cannot leave the other actors, or the shutdown, blocked on it."""
-
-    def __init__(self, ctx: Any) -> None:
-        self._value = ctx.Value("b", 0, lock=False)
-
-    def set(self) -> None:
-        self._value.value = 1
-
-    def is_set(self) -> bool:
-        return bool(self._value.value)
-
-
-class RecordQueue:
-    """A queue of fixed-size records (`struct` format `fmt`) over an OS pipe, for any number of processes,
-    that a process killed at any instant cannot break.
-
-    `multiprocessing.Queue` can: a reader holds a cross-process lock while it waits and reads a message in
-    two system calls, so an actor killed there (kill -9) leaves the lock taken or the stream torn, and every
-    other actor stalls for good. Here every `put` is one `write` of one record and every `get` one `read`
-    of one record on a non-blocking pipe; the kernel makes each atomic (records are far below PIPE_BUF),
-    so there is no lock to keep and no half-read record. Readers wait with `select`, holding nothing.
-    Created by `training.py`; picklable only while starting a process (it carries two pipe ends).
-    The subset of the `queue.Queue` interface that actors and learners use: put, get, get_nowait, qsize.
-    """
-
-    def __init__(self, ctx: Any, fmt: str, capacity: int = 0) -> None:
-        """`capacity`: records the pipe must hold without blocking a writer (the pipe is grown to fit)."""
-        self._fmt = fmt
-        self._size = struct.calcsize(fmt)
-        self._reader, self._writer = ctx.Pipe(duplex=False)
-        os.set_blocking(self._reader.fileno(), False)
-        if capacity * self._size > 65536 and hasattr(fcntl, "F_SETPIPE_SZ"):
-            with contextlib.suppress(OSError):  # above /proc/sys/fs/pipe-max-size: writers may wait
-                fcntl.fcntl(self._writer.fileno(), fcntl.F_SETPIPE_SZ, capacity * self._size)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"fmt": self._fmt, "reader": self._reader, "writer": self._writer}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._fmt, self._reader, self._writer = state["fmt"], state["reader"], state["writer"]
-        self._size = struct.calcsize(self._fmt)
-
-    def put(self, item: Any) -> None:
-        """Append one record: a tuple for a several-field format, else one value. Blocks only on a full pipe."""
-        values = item if isinstance(item, tuple) else (item,)
-        os.write(self._writer.fileno(), struct.pack(self._fmt, *values))
-
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        """The oldest record; raises queue.Empty when none came within `timeout` (or at once if not `block`)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        fd = self._reader.fileno()
-        while True:
-            try:
-                data = os.read(fd, self._size)
-            except BlockingIOError:
-                data = None
-            if data:
-                values = struct.unpack(self._fmt, data)
-                return values if len(values) > 1 else values[0]
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if not block or (remaining is not None and remaining <= 0):
-                raise queue.Empty
-            select.select([fd], [], [], remaining)  # another reader may still win the record: loop
-
-    def get_nowait(self) -> Any:
-        return self.get(block=False)
-
-    def qsize(self) -> int:
-        """Records waiting (a snapshot)."""
-        available = bytearray(4)
-        fcntl.ioctl(self._reader.fileno(), termios.FIONREAD, available)
-        return int.from_bytes(available, sys.byteorder) // self._size
-
-    def close(self) -> None:
-        self._reader.close()
-        self._writer.close()
 
 
 @dataclass
@@ -708,6 +626,9 @@ def _log_progress(run: Run, interval_s: float, interval_steps: int, elapsed_s: f
         scalars["stats/policy_lag"] = lag / count  # in learner updates
     scalars["stats/skipped_updates"] = run.skipped_updates
     scalars.update(_queue_sizes(run))
+    if run.inference is not None and run.inference.batches:
+        # Actors served per forward: 1 means no batching across actors, num_actors means full batches.
+        scalars["stats/inference_actors_per_batch"] = run.inference.served / run.inference.batches
     for phase, seconds in timing_sums.items():
         scalars[f"timing/{phase}_ms"] = 1000.0 * seconds / timing_count  # mean per update
     run.runlog.scalars(step, scalars)

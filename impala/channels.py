@@ -1,0 +1,97 @@
+"""Channels between the main process and its actors that a process killed at any instant cannot break.
+
+Defined here, created only by `training.py` (which owns every process, thread and queue of a run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import queue
+import select
+import struct
+import sys
+import termios
+import time
+from typing import Any
+
+
+class StopFlag:
+    """Tells actors to finish. Unlike `multiprocessing.Event`, reading it takes no lock, so an actor killed
+    at any instant cannot leave the other actors, or the shutdown, blocked on it."""
+
+    def __init__(self, ctx: Any) -> None:
+        self._value = ctx.Value("b", 0, lock=False)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+
+class RecordQueue:
+    """A queue of fixed-size records (`struct` format `fmt`) over an OS pipe, for any number of processes,
+    that a process killed at any instant cannot break.
+
+    `multiprocessing.Queue` can: a reader holds a cross-process lock while it waits and reads a message in
+    two system calls, so an actor killed there (kill -9) leaves the lock taken or the stream torn, and every
+    other actor stalls for good. Here every `put` is one `write` of one record and every `get` one `read`
+    of one record on a non-blocking pipe; the kernel makes each atomic (records are far below PIPE_BUF),
+    so there is no lock to keep and no half-read record. Readers wait with `select`, holding nothing.
+    Created by `training.py`; picklable only while starting a process (it carries two pipe ends).
+    The subset of the `queue.Queue` interface that actors and learners use: put, get, get_nowait, qsize.
+    """
+
+    def __init__(self, ctx: Any, fmt: str, capacity: int = 0) -> None:
+        """`capacity`: records the pipe must hold without blocking a writer (the pipe is grown to fit)."""
+        self._fmt = fmt
+        self._size = struct.calcsize(fmt)
+        self._reader, self._writer = ctx.Pipe(duplex=False)
+        os.set_blocking(self._reader.fileno(), False)
+        if capacity * self._size > 65536 and hasattr(fcntl, "F_SETPIPE_SZ"):
+            with contextlib.suppress(OSError):  # above /proc/sys/fs/pipe-max-size: writers may wait
+                fcntl.fcntl(self._writer.fileno(), fcntl.F_SETPIPE_SZ, capacity * self._size)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fmt": self._fmt, "reader": self._reader, "writer": self._writer}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._fmt, self._reader, self._writer = state["fmt"], state["reader"], state["writer"]
+        self._size = struct.calcsize(self._fmt)
+
+    def put(self, item: Any) -> None:
+        """Append one record: a tuple for a several-field format, else one value. Blocks only on a full pipe."""
+        values = item if isinstance(item, tuple) else (item,)
+        os.write(self._writer.fileno(), struct.pack(self._fmt, *values))
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The oldest record; raises queue.Empty when none came within `timeout` (or at once if not `block`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self._reader.fileno()
+        while True:
+            try:
+                data = os.read(fd, self._size)
+            except BlockingIOError:
+                data = None
+            if data:
+                values = struct.unpack(self._fmt, data)
+                return values if len(values) > 1 else values[0]
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if not block or (remaining is not None and remaining <= 0):
+                raise queue.Empty
+            select.select([fd], [], [], remaining)  # another reader may still win the record: loop
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)
+
+    def qsize(self) -> int:
+        """Records waiting (a snapshot)."""
+        available = bytearray(4)
+        fcntl.ioctl(self._reader.fileno(), termios.FIONREAD, available)
+        return int.from_bytes(available, sys.byteorder) // self._size
+
+    def close(self) -> None:
+        self._reader.close()
+        self._writer.close()
