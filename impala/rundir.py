@@ -1,0 +1,89 @@
+"""The run directory, SAVEDIR/XPID: where it is, whether it resumes a run, and the files that explain it
+(flags.json, meta.json with versions, commit, start and end, and the `latest` link beside it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from impala.checkpoint import CHECKPOINT_NAME, remove_stale_temporaries
+from impala.config import Config, UserError
+
+
+def run_directory(config: Config) -> tuple[Path, bool]:
+    """The run's directory and whether it resumes an existing run. Writes nothing."""
+    xpid = config.xpid or f"{config.env.replace('/', '_')}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(config.savedir).expanduser() / xpid
+    resuming = (run_dir / CHECKPOINT_NAME).is_file()
+    if config.resume and not resuming:
+        raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from; "
+                        "drop --resume to start a new run")
+    return run_dir, resuming
+
+
+def prepare_run_directory(run_dir: Path) -> None:
+    """Create `run_dir`, prove it writable and remove temporaries of a checkpoint write that was killed."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
+                        "choose another --savedir") from None
+    remove_stale_temporaries(run_dir)
+
+
+def write_run_files(config: Config, run_dir: Path, resuming: bool) -> None:
+    """flags.json, meta.json (versions, commit, start time) and the `latest` link beside the run."""
+    (run_dir / "flags.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    meta_path = run_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if resuming and meta_path.exists() else {}
+    meta.setdefault("starts", []).append(datetime.now(UTC).isoformat(timespec="seconds"))
+    meta.update(versions(), command=" ".join(sys.argv), git_commit=git_commit(), ended=None, end_reason=None)
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    latest = run_dir.parent / "latest"
+    try:
+        if latest.is_symlink() or not latest.exists():
+            tmp = run_dir.parent / f".latest-{os.getpid()}"
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(run_dir.name)
+            os.replace(tmp, latest)
+    except OSError:
+        pass  # a file system without symlinks: the link is a convenience only
+
+
+def finish_run_files(run_dir: Path, reason: str, step: int) -> None:
+    """Record in meta.json when and why the run ended (finished, interrupted, terminated, error) and its step."""
+    meta_path = run_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    ended = datetime.now(UTC)
+    meta.update(ended=ended.isoformat(timespec="seconds"), end_reason=reason, final_step=step)
+    if meta.get("starts"):  # this session's length; a resumed run has one start per session
+        meta["duration_s"] = round((ended - datetime.fromisoformat(meta["starts"][-1])).total_seconds())
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def versions() -> dict[str, str]:
+    import ale_py
+    import gymnasium
+    import numpy
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "gymnasium": gymnasium.__version__,
+            "ale_py": ale_py.__version__, "numpy": numpy.__version__}
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=5, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
