@@ -146,8 +146,7 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
             slots = _take_slots(channels.free_queue, n, channels.stop_event, buffers["slot_owner"], actor_index)
             if slots is None:
                 return
-            index = torch.tensor(slots)
-            buffers["slot_owner"][index] = actor_index  # lets the monitor reclaim them if this actor dies
+            index = torch.tensor(slots)  # _take_slots has marked them as this actor's
             buffers["policy_version"][index] = channels.policy_version.value
             for i, state in enumerate(policy.core_state):
                 buffers[f"core_state_{i}"][index] = state.transpose(0, 1)  # [layers, N, H] -> [N, layers, H]
