@@ -22,7 +22,7 @@ from impala.model import Net, sample_actions, use_amp
 class ActorChannels(NamedTuple):
     """What connects an actor to the main process (all created by `training.py`)."""
 
-    free_queue: Any  # slot numbers the actor may fill
+    free_queue: Any  # slot numbers this actor may fill (its own pipe, slots.py)
     full_queue: Any  # slot numbers of finished unrolls, for the learner
     episode_queue: Any  # (actor_index, return, length) of every finished full game
     error_queue: Any  # (actor_index, traceback text) when the actor dies of an exception
@@ -86,22 +86,15 @@ def actor_seed(config: Config, actor_index: int, restart: int = 0) -> int:
     return config.seed * 1_000_003 + actor_index * 10_007 + restart * 101
 
 
-def _take_slots(free_queue: Any, count: int, stop_event: Any, slot_owner: torch.Tensor | None = None,
-                actor_index: int = -1) -> list[int] | None:
-    """`count` slot numbers, each marked in `slot_owner` as soon as it is taken; None when stopped."""
+def _take_slots(free_queue: Any, count: int, stop_event: Any) -> list[int] | None:
+    """`count` slot numbers from this actor's free pipe; None when stopped."""
     slots = []
     while len(slots) < count:
         try:
-            slot = free_queue.get(timeout=0.2)
+            slots.append(free_queue.get(timeout=0.2))
         except queue.Empty:
             if stop_event.is_set():
                 return None
-            continue
-        if slot is None:  # sentinel from the main process
-            return None
-        if slot_owner is not None:  # the monitor returns these to the free queue if this actor dies
-            slot_owner[slot] = actor_index
-        slots.append(slot)
     return slots
 
 
@@ -143,10 +136,10 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
     unrolls = 0
     try:
         while not channels.stop_event.is_set() and (max_unrolls is None or unrolls < max_unrolls):
-            slots = _take_slots(channels.free_queue, n, channels.stop_event, buffers["slot_owner"], actor_index)
+            slots = _take_slots(channels.free_queue, n, channels.stop_event)
             if slots is None:
                 return
-            index = torch.tensor(slots)  # _take_slots has marked them as this actor's
+            index = torch.tensor(slots)
             buffers["policy_version"][index] = channels.policy_version.value
             for i, state in enumerate(policy.core_state):
                 buffers[f"core_state_{i}"][index] = state.transpose(0, 1)  # [layers, N, H] -> [N, layers, H]
@@ -161,8 +154,7 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
                 for i in np.flatnonzero(step.game_over):
                     channels.episode_queue.put((actor_index, float(step.episode_return[i]),
                                                 int(step.episode_step[i])))
-            buffers["slot_owner"][index] = -1
-            for slot in slots:
+            for slot in slots:  # the main process marks them as the learners' when it takes them (slots.py)
                 channels.full_queue.put(slot)
             unrolls += 1
     finally:

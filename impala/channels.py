@@ -86,6 +86,10 @@ class RecordQueue:
     def get_nowait(self) -> Any:
         return self.get(block=False)
 
+    def wait(self, timeout: float) -> None:
+        """Return when a record may be ready to read, or after `timeout` seconds."""
+        select.select([self._reader.fileno()], [], [], timeout)
+
     def qsize(self) -> int:
         """Records waiting (a snapshot)."""
         available = bytearray(4)

@@ -2,7 +2,7 @@
 threads, locks and queues.
 
     main thread: build() -> start_actors() -> start_learners() -> monitor() -> shutdown()
-    actor processes: actor.run_actor(), filling slots from free_queue into full_queue
+    actor processes: actor.run_actor(), filling slots from their own free pipe into the full queue
     learner threads: take batch_size full slots, update, publish weights to the shared actor model
 """
 
@@ -43,6 +43,7 @@ from impala.inference import InferenceServer
 from impala.metrics import STATUS, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
 from impala.rundir import finish_run_files, prepare_run_directory, run_directory, write_run_files
+from impala.slots import SlotLedger
 
 log = logging.getLogger("impala")
 
@@ -82,7 +83,8 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     buffers: Buffers
-    channels: ActorChannels
+    channels: ActorChannels  # each actor gets these with its own free pipe from `slots`
+    slots: SlotLedger
     ctx: Any
     runlog: RunLog
     amp: bool = False  # bfloat16 autocast in the learner
@@ -196,22 +198,22 @@ def build(config: Config) -> Run:
         ctx.set_forkserver_preload(["impala.training"])  # what every actor imports, imported once
     # Slot numbers and episodes travel in RecordQueues, which survive an actor killed at any instant. Only
     # tracebacks, sent by an actor that is dying anyway, use a multiprocessing.Queue.
+    full_queue = RecordQueue(ctx, "q", capacity=spec.num_buffers)
+    slots = SlotLedger(ctx, buffers["slot_owner"], config.num_actors, full_queue)
     channels = ActorChannels(
-        free_queue=RecordQueue(ctx, "q", capacity=spec.num_buffers),
-        full_queue=RecordQueue(ctx, "q", capacity=spec.num_buffers),
+        free_queue=None,  # per actor: slots.free_queue(actor_index)
+        full_queue=full_queue,
         episode_queue=RecordQueue(ctx, "qdq", capacity=4096),  # (actor index, return, length)
         error_queue=ctx.Queue(),
         stop_event=StopFlag(ctx), policy_version=ctx.Value("q", 0, lock=False),
         inference_positions=(torch.full((config.num_actors, config.envs_per_actor + 1), -1).share_memory_()
                              if config.inference == "central" else None),
     )
-    for slot in range(spec.num_buffers):
-        channels.free_queue.put(slot)
     step = int(checkpoint["step"]) if checkpoint is not None else 0
     write_run_files(config, run_dir, resuming)
     runlog = RunLog(run_dir, purge_step=step if resuming else None)
     runlog.flags(config.to_dict(), step)
-    run = Run(config, run_dir, device, model, actor_model, optimizer, scheduler, buffers, channels, ctx, runlog,
+    run = Run(config, run_dir, device, model, actor_model, optimizer, scheduler, buffers, channels, slots, ctx, runlog,
               step=step, start_step=step)
     run.amp = use_amp(config.amp, device, model.model)
     # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
@@ -247,7 +249,8 @@ def start_actor(run: Run, actor_index: int, restart: int = 0) -> Any:
         main_end, actor_end = run.ctx.Pipe()
     process = run.ctx.Process(
         target=_actor_process, name=f"actor-{actor_index}",
-        args=(os.getpid(), actor_index, run.config, run.buffers, run.actor_model, run.channels, restart),
+        args=(os.getpid(), actor_index, run.config, run.buffers, run.actor_model,
+              run.channels._replace(free_queue=run.slots.free_queue(actor_index)), restart),
         kwargs={"inference_connection": actor_end},
     )
     process.start()
@@ -326,13 +329,13 @@ def start_learners(run: Run) -> None:
 def _take_full_slots(run: Run) -> list[int] | None:
     slots = []
     while len(slots) < run.config.batch_size:
-        try:
-            slots.append(run.channels.full_queue.get(timeout=0.2))
-        except queue.Empty:
-            if run.stop_learning.is_set():
-                for slot in slots:  # give them back so a later run of this process could use them
-                    run.channels.free_queue.put(slot)
-                return None
+        slot = run.slots.take_full(timeout_s=0.2)
+        if slot is not None:
+            slots.append(slot)
+        elif run.stop_learning.is_set():
+            for slot in slots:  # give them back so a later run of this process could use them
+                run.slots.give_back(slot)
+            return None
     return slots
 
 
@@ -357,7 +360,7 @@ def _learn(run: Run) -> None:
         staging.fill(run.buffers, slots)
         versions = run.buffers["policy_version"][slots].clone()
         for slot in slots:
-            run.channels.free_queue.put(slot)
+            run.slots.give_back(slot)
         batch, core_state = staging.to(run.device)
         copy_end = time.perf_counter()
         with run.update_lock:
@@ -475,13 +478,10 @@ def _check_actors(run: Run) -> None:
                 f"actors died {len(run.actor_restarts)} times within {RESTART_WINDOW_S:.0f} s "
                 f"(--max_actor_restarts {run.config.max_actor_restarts}); last: actor {index}, {how}"
                 + (f"\n{detail}" if detail else ""))
-        owned = (run.buffers["slot_owner"] == index).nonzero().flatten().tolist()
-        for slot in owned:
-            run.buffers["slot_owner"][slot] = -1
-            run.channels.free_queue.put(slot)
+        returned = run.slots.reclaim(index)
         run.actors[index] = start_actor(run, index, restart=len(run.actor_restarts))
         log.warning("Restarted actor %d (%d slots returned; %d restarts in the last %.0f s, at most %d)", index,
-                    len(owned), len(run.actor_restarts), RESTART_WINDOW_S, run.config.max_actor_restarts)
+                    returned, len(run.actor_restarts), RESTART_WINDOW_S, run.config.max_actor_restarts)
 
 
 def _actor_tracebacks(run: Run) -> dict[int, str]:
@@ -566,11 +566,7 @@ def _frames_per_step(env_id: str) -> int:
 
 def _queue_sizes(run: Run) -> dict[str, float]:
     """Slots waiting for a learner (full) and for an actor (free): which side is the bottleneck."""
-    try:
-        return {"stats/full_queue_size": run.channels.full_queue.qsize(),
-                "stats/free_queue_size": run.channels.free_queue.qsize()}
-    except NotImplementedError:  # macOS has no sem_getvalue
-        return {}
+    return {"stats/full_queue_size": run.slots.full_size(), "stats/free_queue_size": run.slots.free_size()}
 
 
 def checkpoint(run: Run) -> None:
@@ -624,8 +620,8 @@ def shutdown(run: Run, save: bool) -> None:
             checkpoint(run)  # waits for a learner still inside an update: it holds update_lock
     finally:
         run.channels.error_queue.cancel_join_thread()  # nobody reads it any more: never block on flushing it
-        for q in (run.channels.free_queue, run.channels.full_queue, run.channels.episode_queue,
-                  run.channels.error_queue):
+        run.slots.close()
+        for q in (run.channels.episode_queue, run.channels.error_queue):
             q.close()
         run.runlog.close()
         _stop_fork_server()
@@ -639,9 +635,6 @@ def _join_actors(run: Run) -> None:
         _drain_episodes(run)
         for text in _actor_tracebacks(run).values():
             log.error("An actor failed while stopping:\n%s", text.strip())
-        with contextlib.suppress(queue.Empty, OSError):
-            while True:
-                run.channels.full_queue.get_nowait()
         time.sleep(0.02)
     for process in run.actors:
         if process.is_alive():

@@ -82,10 +82,9 @@ def test_slots_are_handed_to_the_learner(rollout: Rollout) -> None:
     assert rollout.full == [0, 1, 2, 3]  # one slot per env per unroll, in the order they were taken
     assert rollout.channels.free_queue.qsize() == 1  # the spare slot was never taken
     for slot in rollout.full:
-        assert rollout.buffers["slot_owner"][slot] == -1
         assert rollout.buffers["policy_version"][slot] == POLICY_VERSION
+    assert (rollout.buffers["slot_owner"] == -1).all()  # poison: only the main process marks owners
     spare = 4
-    assert rollout.buffers["slot_owner"][spare] == -1  # poison: never written
     assert torch.isnan(rollout.buffers["reward"][spare]).all()
 
 
@@ -183,19 +182,6 @@ def test_a_set_stop_event_stops_before_writing() -> None:
     run_actor(0, config, buffers, model, channels, max_unrolls=1)
     assert channels.full_queue.empty()
     assert torch.isnan(buffers["reward"]).all()
-
-
-def test_a_sentinel_on_the_free_queue_stops_the_actor() -> None:
-    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=4)
-    model = Net((4,), 2, "mlp", hidden_size=16)
-    buffers = create_buffers(BufferSpec(4, 4, (4,), torch.float32, 2))
-    channels = ActorChannels(queue.Queue(), queue.Queue(), queue.Queue(), queue.Queue(), threading.Event(),
-                             types.SimpleNamespace(value=0))
-    channels.free_queue.put(0)
-    channels.free_queue.put(None)
-    run_actor(0, config, buffers, model, channels)
-    assert channels.full_queue.empty()
-    assert channels.error_queue.empty()
 
 
 def test_lstm_core_state_lets_the_learner_reproduce_the_behaviour_logits() -> None:

@@ -1,0 +1,105 @@
+"""Tests for impala/slots.py: every slot is in exactly one place, whenever and however often an actor dies."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from impala import training
+from impala.config import Config
+from impala.slots import NO_OWNER, SlotLedger
+
+CTX = multiprocessing.get_context("forkserver")
+
+
+def _ledger(num_buffers: int, num_actors: int) -> SlotLedger:
+    owner = torch.full((num_buffers,), -1, dtype=torch.int64)
+    return SlotLedger(CTX, owner, num_actors, training.RecordQueue(CTX, "q", capacity=num_buffers))
+
+
+def _take(q: training.RecordQueue, count: int) -> list[int]:
+    return [q.get(timeout=1) for _ in range(count)]
+
+
+def test_each_actor_gets_its_own_slots_back() -> None:
+    ledger = _ledger(7, 2)
+    assert _take(ledger.free_queue(0), 4) == [0, 2, 4, 6]
+    assert _take(ledger.free_queue(1), 3) == [1, 3, 5]
+    assert ledger.free_size() == 0
+    for slot in (4, 1):
+        ledger.full_queue.put(slot)  # an actor hands them over; they stay marked as its own until taken
+    assert ledger._owner[4] == 0 and ledger.full_size() == 2
+    assert ledger.take_full(1) == 4 and ledger._owner[4] == NO_OWNER
+    assert ledger.take_full(1) == 1
+    assert ledger.take_full(0.01) is None
+    ledger.give_back(4)
+    ledger.give_back(1)
+    assert ledger._owner[4] == 0 and ledger._owner[1] == 1
+    assert _take(ledger.free_queue(0), 1) == [4]
+    assert _take(ledger.free_queue(1), 1) == [1]
+    ledger.close()
+
+
+def test_a_dead_actors_slots_go_to_its_replacement_and_what_it_handed_over_to_the_learners() -> None:
+    ledger = _ledger(8, 2)  # actor 0 holds 0, 2, 4, 6
+    taken = _take(ledger.free_queue(0), 3)  # filling 0, 2, 4; 6 still in its pipe
+    ledger.full_queue.put(taken[0])  # killed in the middle of handing over its unroll
+    assert _take(ledger.free_queue(1), 1) == [1]
+    ledger.full_queue.put(1)  # actor 1's unroll, handed over before the death
+    assert ledger.reclaim(0) == 3  # 2, 4 (half-filled) and 6 (unread)
+    assert ledger.free_size() == 3 + 3  # actor 1's other three slots are untouched
+    assert sorted(_take(ledger.free_queue(0), 3)) == [2, 4, 6]
+    assert ledger.take_full(1) == 0  # the handed-over slot reaches a learner once, not the replacement
+    assert ledger.take_full(1) == 1
+    assert ledger.take_full(0.01) is None
+    assert sorted(ledger.drain()) == [3, 5, 7]
+    ledger.close()
+
+
+def test_no_slot_is_lost_or_doubled_when_actors_are_killed_at_random_moments(tmp_path: Path) -> None:
+    """Kill actors with SIGKILL at random instants while they act and learners learn, then account for
+    every slot: each must be in exactly one pipe."""
+    config = Config(env="CartPole-v1", num_actors=2, envs_per_actor=4, unroll_length=2, batch_size=4,
+                    hidden_size=16, total_steps=10**9, disable_cuda=True, max_actor_restarts=1000,
+                    savedir=str(tmp_path), xpid="kills")
+    run = training.build(config)
+    rng = random.Random(0)
+    kills = 0
+    try:
+        training.start_actors(run)
+        training.start_learners(run)
+        while run.step == 0:
+            time.sleep(0.05)
+        for _ in range(20):
+            time.sleep(rng.uniform(0.0, 0.3))
+            index = rng.randrange(config.num_actors)
+            victim = run.actors[index]
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join()
+            kills += 1
+            training._check_actors(run)
+            assert run.actors[index].pid != victim.pid
+        step = run.step
+        deadline = time.monotonic() + 30
+        while run.step < step + 200 and time.monotonic() < deadline:  # and training goes on
+            time.sleep(0.05)
+        assert run.step >= step + 200
+        assert not run.learner_errors
+    finally:
+        run.channels.stop_event.set()
+        run.stop_learning.set()
+        for thread in run.learner_threads:
+            thread.join(timeout=10)
+        training._join_actors(run)
+        for index in range(config.num_actors):  # slots the stopped actors had taken, back in their pipes
+            run.slots.reclaim(index)
+        slots = run.slots.drain()
+        training.shutdown(run, save=False)
+    assert kills == 20
+    assert sorted(slots) == list(range(config.resolved_num_buffers))
