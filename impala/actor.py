@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import queue
 import traceback
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -28,7 +29,7 @@ class ActorChannels(NamedTuple):
     error_queue: Any  # (actor_index, traceback text) when the actor dies of an exception
     stop_event: Any  # set by the main process: finish and return
     policy_version: Any  # shared int: learner updates applied to the shared model
-    # --inference central: [num_actors, envs_per_actor + 1] int64, each actor's slots and current row
+    # --inference central: [num_actors x env_splits, envs per split + 1] int64, each split's slots and row
     inference_positions: Any = None
 
 
@@ -99,13 +100,14 @@ def _take_slots(free_queue: Any, count: int, stop_event: Any) -> list[int] | Non
 
 
 def run_actor(actor_index: int, config: Config, buffers: Buffers, model: Net, channels: ActorChannels,
-              restart: int = 0, max_unrolls: int | None = None, inference_connection: Any = None) -> None:
+              restart: int = 0, max_unrolls: int | None = None, inference_connections: Any = None) -> None:
     """Fill slots until `channels.stop_event` is set (or `max_unrolls` unrolls per env are done).
 
+    `inference_connections`: with --inference central, one pipe to the inference thread per env split.
     Changes no process-wide state (signals, threads): the process that runs it sets those up.
     """
     try:
-        _act(actor_index, config, buffers, model, channels, restart, max_unrolls, inference_connection)
+        _act(actor_index, config, buffers, model, channels, restart, max_unrolls, inference_connections)
     except (KeyboardInterrupt, StopActing):
         pass
     except Exception:
@@ -114,11 +116,38 @@ def run_actor(actor_index: int, config: Config, buffers: Buffers, model: Net, ch
 
 
 def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channels: ActorChannels,
-         restart: int, max_unrolls: int | None, inference_connection: Any) -> None:
+         restart: int, max_unrolls: int | None, inference_connections: Any) -> None:
+    """Run the actor's env splits in turn: each acts until it has sent actions to its envs, then the next
+    one acts while those envs step (ale-py steps them in its own thread). One split acts and waits."""
     seed = actor_seed(config, actor_index, restart)
-    env = EnvBatch(config.env, config.envs_per_actor, seed, episodic_life=config.episodic_life)
     generator = torch.Generator().manual_seed(seed)
-    T = config.unroll_length
+    splits = config.env_splits
+    per_split = config.envs_per_actor // splits
+    envs = []
+    try:
+        loops = []
+        for split in range(splits):
+            env = EnvBatch(config.env, per_split, seed + split * per_split, episodic_life=config.episodic_life)
+            envs.append(env)
+            if inference_connections is not None:
+                positions = channels.inference_positions[actor_index * splits + split]
+                policy = RemotePolicy(inference_connections[split], positions, channels.stop_event)
+            else:
+                policy = LocalPolicy(model, per_split, use_amp(config.amp, torch.device("cpu"), model.model),
+                                     generator)
+            loops.append(_split_loop(actor_index, config.unroll_length, buffers, channels, env, policy, max_unrolls))
+        while loops:
+            for loop in list(loops):
+                if next(loop, StopIteration) is StopIteration:
+                    loops.remove(loop)
+    finally:
+        for env in envs:
+            env.close()
+
+
+def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChannels, env: EnvBatch, policy: Any,
+                max_unrolls: int | None) -> Iterator[None]:
+    """One env split's acting, as a generator that yields while its envs step; ends when stopped."""
     n = env.num_envs
     # The current row of every env; it becomes row 0 of the next unroll.
     row = {
@@ -129,36 +158,30 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
         "episode_step": torch.zeros(n, dtype=torch.int64),
         "game_over": torch.zeros(n, dtype=torch.bool),
     }
-    if inference_connection is not None:
-        policy = RemotePolicy(inference_connection, channels.inference_positions[actor_index], channels.stop_event)
-    else:
-        policy = LocalPolicy(model, n, use_amp(config.amp, torch.device("cpu"), model.model), generator)
     unrolls = 0
-    try:
-        while not channels.stop_event.is_set() and (max_unrolls is None or unrolls < max_unrolls):
-            slots = _take_slots(channels.free_queue, n, channels.stop_event)
-            if slots is None:
-                return
-            index = torch.tensor(slots)
-            buffers["policy_version"][index] = channels.policy_version.value
-            for i, state in enumerate(policy.core_state):
-                buffers[f"core_state_{i}"][index] = state.transpose(0, 1)  # [layers, N, H] -> [N, layers, H]
-            for t in range(T + 1):
-                for key, value in row.items():
-                    buffers[key][index, t] = value
-                if t == T:
-                    break
-                action = policy(buffers, index, t, row)
-                step = env.step(action.numpy())
-                row = _row_from_step(step)
-                for i in np.flatnonzero(step.game_over):
-                    channels.episode_queue.put((actor_index, float(step.episode_return[i]),
-                                                int(step.episode_step[i])))
-            for slot in slots:  # the main process marks them as the learners' when it takes them (slots.py)
-                channels.full_queue.put(slot)
-            unrolls += 1
-    finally:
-        env.close()
+    while not channels.stop_event.is_set() and (max_unrolls is None or unrolls < max_unrolls):
+        slots = _take_slots(channels.free_queue, n, channels.stop_event)
+        if slots is None:
+            return
+        index = torch.tensor(slots)
+        buffers["policy_version"][index] = channels.policy_version.value
+        for i, state in enumerate(policy.core_state):
+            buffers[f"core_state_{i}"][index] = state.transpose(0, 1)  # [layers, N, H] -> [N, layers, H]
+        for t in range(T + 1):
+            for key, value in row.items():
+                buffers[key][index, t] = value
+            if t == T:
+                break
+            action = policy(buffers, index, t, row)
+            env.send(action.numpy())
+            yield  # the other splits act while these envs step
+            step = env.recv()
+            row = _row_from_step(step)
+            for i in np.flatnonzero(step.game_over):
+                channels.episode_queue.put((actor_index, float(step.episode_return[i]), int(step.episode_step[i])))
+        for slot in slots:  # the main process marks them as the learners' when it takes them (slots.py)
+            channels.full_queue.put(slot)
+        unrolls += 1
 
 
 def _row_from_step(step: Any) -> dict[str, torch.Tensor]:

@@ -10,6 +10,8 @@ Components, each timed for `--seconds` after a warm-up, in this process:
     inference  the actor's batched forward + action sampling (one torch thread, the actor's autocast);
                with --inference central: all actors' envs in one batch on the learner's device
     learner    stack B slots, copy to the learner's device, learner.update, on a synthetic [T+1, B] batch
+    actor      one actor as its process runs it (actor.run_actor: env splits, policy, slot writes) with its
+               slots recycled at once: what one actor does with no learner to wait for (not in the ceiling)
 
 End to end: `python run.py ...` as a subprocess; its whole process tree (main process, fork server,
 actors) is sampled from /proc every POLL_S for CPU time and every PSS_POLL_S for proportional memory (PSS).
@@ -31,11 +33,14 @@ import dataclasses
 import json
 import os
 import platform
+import queue
 import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +50,7 @@ import numpy as np
 import torch
 
 from impala import learner
+from impala.actor import ActorChannels, run_actor
 from impala.buffers import BufferSpec
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import Config, UserError
@@ -53,10 +59,10 @@ from impala.model import Net, sample_actions, use_amp
 from impala.training import select_device
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-COMPONENTS = ("env", "inference", "learner", "e2e")
+COMPONENTS = ("env", "inference", "learner", "actor", "e2e")
 # Config fields the bench takes as flags; every other field keeps its Config default.
-CONFIG_FLAGS = ("env", "model", "num_actors", "envs_per_actor", "unroll_length", "batch_size", "total_steps",
-                "disable_cuda", "amp", "inference", "inference_wait_ms")
+CONFIG_FLAGS = ("env", "model", "num_actors", "envs_per_actor", "env_splits", "unroll_length", "batch_size",
+                "total_steps", "disable_cuda", "amp", "inference", "inference_wait_ms")
 # Where the bench's defaults differ from the trainer's: a short run sized for two cores.
 BENCH_DEFAULTS = {"num_actors": 2, "total_steps": 60_000}
 POLL_S = 0.1
@@ -134,8 +140,9 @@ def env_shape(config: Config) -> EnvShape:
 
 
 def bench_env(config: Config, seconds: float) -> dict[str, Any]:
-    """One actor's envs (an EnvBatch of envs_per_actor) stepped with uniformly random actions."""
-    env = EnvBatch(config.env, config.envs_per_actor, config.seed, episodic_life=config.episodic_life)
+    """One actor's envs (an EnvBatch of envs_per_actor / env_splits) stepped with uniformly random actions."""
+    batch = config.envs_per_actor // config.env_splits
+    env = EnvBatch(config.env, batch, config.seed, episodic_life=config.episodic_life)
     try:
         env.reset()
         actions = np.random.default_rng(config.seed).integers(0, env.num_actions, (1024, env.num_envs))
@@ -150,8 +157,8 @@ def bench_env(config: Config, seconds: float) -> dict[str, Any]:
         rate = timed_loop(step, seconds)
     finally:
         env.close()
-    return {"what": f"EnvBatch of {config.envs_per_actor} envs, random actions, one process",
-            "batch": config.envs_per_actor, "device": "cpu", **rate.to_dict()}
+    return {"what": f"EnvBatch of {batch} envs, random actions, one process",
+            "batch": batch, "device": "cpu", **rate.to_dict()}
 
 
 def bench_inference(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
@@ -160,7 +167,7 @@ def bench_inference(config: Config, shape: EnvShape, seconds: float) -> dict[str
         device = select_device(config)
         batch, threads = config.num_actors * config.envs_per_actor, learner_threads(config, device)
     else:
-        device, batch, threads = torch.device("cpu"), config.envs_per_actor, 1  # as actor.run_actor
+        device, batch, threads = torch.device("cpu"), config.envs_per_actor // config.env_splits, 1  # as an actor
     amp = use_amp(config.amp, device, shape.model)
     model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm, config.hidden_size)
     model = model.to(device).eval()
@@ -208,6 +215,61 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
     return {"what": f"{shape.model} update on [T+1={config.unroll_length + 1}, B={config.batch_size}] ({name})",
             "batch": config.batch_size, "device": str(device), "threads": threads, "amp": amp,
             "cpu_is_host_only": device.type == "cuda", **rate.to_dict()}
+
+
+class _CountingQueue(queue.Queue):
+    """A queue that counts its puts (slots handed over, for `bench_actor`)."""
+
+    puts = 0
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        self.puts += 1
+
+
+def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
+    """One actor, run as its process runs it, in a thread of this process: its slots go straight back to it.
+
+    Timed from the first handed-over unroll on (env creation and reset excluded) for `seconds`, then to
+    the next unroll boundary. Always actor-side inference.
+    """
+    model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm, config.hidden_size).eval()
+    core_shapes = tuple((s.shape[0], s.shape[2]) for s in model.initial_state(1))
+    spec = BufferSpec(2 * config.envs_per_actor, config.unroll_length, shape.observation_shape,
+                      shape.observation_dtype, shape.num_actions, core_shapes)
+    buffers = {name: torch.zeros(size, dtype=dtype) for name, (size, dtype) in spec.fields().items()}
+    recycled = _CountingQueue()  # free and full at once: a handed-over slot is free again
+    for slot in range(spec.num_buffers):
+        recycled.put(slot)
+    channels = ActorChannels(free_queue=recycled, full_queue=recycled, episode_queue=queue.SimpleQueue(),
+                             error_queue=queue.SimpleQueue(), stop_event=threading.Event(),
+                             policy_version=types.SimpleNamespace(value=0))
+    actor = threading.Thread(target=run_actor, args=(0, dataclasses.replace(config, inference="actor"), buffers,
+                                                     model, channels), daemon=True)
+
+    def handed_over(after: int) -> tuple[int, float, float]:
+        """Wait until more than `after` slots were handed over; (slots, wall, CPU) at that moment."""
+        while recycled.puts <= after:
+            if not actor.is_alive():
+                raise RuntimeError(channels.error_queue.get()[1] if not channels.error_queue.empty()
+                                   else "the actor stopped")
+            time.sleep(0.001)
+        return recycled.puts, time.perf_counter(), time.process_time()
+
+    with torch_threads(1):  # as in an actor process
+        actor.start()
+        try:
+            slots_start, wall_start, cpu_start = handed_over(spec.num_buffers)
+            time.sleep(seconds)
+            slots_end, wall_end, cpu_end = handed_over(recycled.puts)
+        finally:
+            channels.stop_event.set()
+            actor.join()
+    steps = (slots_end - slots_start) * config.unroll_length
+    rate = Rate(steps, wall_end - wall_start, cpu_end - cpu_start)
+    return {"what": f"one actor, {config.envs_per_actor} envs in {config.env_splits} split(s), {shape.model} "
+                    "policy, no learner", "batch": config.envs_per_actor // config.env_splits, "device": "cpu",
+            "threads": 1, "splits": config.env_splits, **rate.to_dict()}
 
 
 def _synthetic_slots(config: Config, shape: EnvShape, model: Net) -> dict[str, torch.Tensor]:
@@ -526,12 +588,13 @@ def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> 
     results["config"] = {name: getattr(config, name) for name in CONFIG_FLAGS}
     results["seconds"] = args.seconds
     components: dict[str, dict[str, Any]] = {}
-    if {"env", "inference", "learner"} & set(only):
+    if {"env", "inference", "learner", "actor"} & set(only):
         shape = env_shape(config)
         results["config"]["model_resolved"] = shape.model
         for name, bench in (("env", lambda: bench_env(config, args.seconds)),
                             ("inference", lambda: bench_inference(config, shape, args.seconds)),
-                            ("learner", lambda: bench_learner(config, shape, args.seconds))):
+                            ("learner", lambda: bench_learner(config, shape, args.seconds)),
+                            ("actor", lambda: bench_actor(config, shape, args.seconds))):
             if name in only:
                 components[name] = bench()
                 print(f"bench: {name}: {components[name]['steps_per_s']:.0f} steps/s, "

@@ -41,6 +41,9 @@ class Config:
     # Acting.
     num_actors: int = _flag(4, "actor processes")
     envs_per_actor: int = _flag(8, "envs stepped together by each actor, with one batched policy forward")
+    env_splits: int = _flag(1, "groups each actor steps its envs in, in turn: while one group's Atari envs step "
+                               "(in ale-py's thread), the actor chooses actions for the next; pays where cores "
+                               "are free (see BENCHMARKS.md)")
     num_buffers: int | None = _flag(None, "shared rollout slots (default: 2 x envs of all actors + batch_size)")
     unroll_length: int = _flag(80, "agent steps per unroll (T)")
     inference: str = _flag("actor", "where actions are computed: 'actor' (each actor, on CPU) or 'central' "
@@ -110,7 +113,7 @@ class Config:
     def validate(self) -> list[str]:
         """Every problem with these values, each with the numbers involved; empty when all is well."""
         problems = []
-        positive_ints = ("num_actors", "envs_per_actor", "unroll_length", "total_steps", "batch_size",
+        positive_ints = ("num_actors", "envs_per_actor", "env_splits", "unroll_length", "total_steps", "batch_size",
                          "num_learner_threads", "hidden_size", "test_episodes")
         for name in positive_ints:
             if getattr(self, name) < 1:
@@ -125,6 +128,9 @@ class Config:
             problems.append(f"--discounting must be in [0, 1], got {self.discounting}")
         if not 0 <= self.alpha < 1:
             problems.append(f"--alpha must be in [0, 1), got {self.alpha}")
+        if self.env_splits >= 1 and self.envs_per_actor % self.env_splits:
+            problems.append(f"--envs_per_actor {self.envs_per_actor} must be a multiple of --env_splits "
+                            f"{self.env_splits}")
         if self.max_actor_restarts < 0 or self.max_bad_updates < 1:
             problems.append("--max_actor_restarts must be >= 0 and --max_bad_updates >= 1")
         if self.num_buffers is not None and self.num_buffers < self.slots_needed:

@@ -71,7 +71,8 @@ class EnvBatch:
         self._episodic_life = False
         self._lives = np.zeros(num_envs, np.int64)
         spec = env_spec(env_id)
-        if spec.entry_point == "ale_py.env:AtariEnv":
+        self._atari = spec.entry_point == "ale_py.env:AtariEnv"
+        if self._atari:
             self._env = self._make_atari(spec, num_envs)
             self._episodic_life = episodic_life
         else:
@@ -125,7 +126,22 @@ class EnvBatch:
         return self._convert(obs)
 
     def step(self, actions: np.ndarray) -> Step:
-        obs, reward, terminated, truncated, info = self._env.step(actions)
+        self.send(actions)
+        return self.recv()
+
+    def send(self, actions: np.ndarray) -> None:
+        """Start stepping with `actions`; Atari envs step in ale-py's thread until `recv`."""
+        if self._atari:
+            self._env.send(actions)
+        else:
+            self._actions = actions
+
+    def recv(self) -> Step:
+        """The result of the last `send` (waits for it)."""
+        if self._atari:
+            obs, reward, terminated, truncated, info = self._env.recv()
+        else:
+            obs, reward, terminated, truncated, info = self._env.step(self._actions)
         reward = np.asarray(reward, np.float32)
         game_over = np.logical_or(terminated, truncated)
         done = game_over

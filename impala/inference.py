@@ -29,22 +29,23 @@ class InferenceServer:
                  wait_s: float, seed: int) -> None:
         self.model = model
         self.buffers = buffers
-        self.positions = positions  # [num_actors, envs_per_actor + 1]: slots..., row
-        self.connections: dict[int, Connection] = {}  # actor index -> the main process's end of its pipe
+        self.positions = positions  # [clients, envs per client + 1]: slots..., row
+        # client (actor index x env_splits + split) -> the main process's end of its pipe
+        self.connections: dict[int, Connection] = {}
         self.device = device
         self.amp = amp
         self.wait_s = wait_s
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._lock = threading.Lock()
         self.batches = 0  # forwards run
-        self.served = 0  # actor requests answered
+        self.served = 0  # client requests answered
 
-    def connect(self, actor_index: int, connection: Connection) -> None:
-        """Serve actor `actor_index` on `connection`. A restarted actor gets a new pipe: a request its
-        predecessor left unanswered goes away with the old one."""
+    def connect(self, client: int, connection: Connection) -> None:
+        """Serve `client` (one env split of one actor) on `connection`. A restarted actor gets new pipes: a
+        request its predecessor left unanswered goes away with the old one."""
         with self._lock:
-            old = self.connections.get(actor_index)
-            self.connections[actor_index] = connection
+            old = self.connections.get(client)
+            self.connections[client] = connection
         if old is not None:
             old.close()
 
@@ -56,7 +57,7 @@ class InferenceServer:
     def serve_once(self, timeout_s: float) -> int:
         """Wait up to `timeout_s` for a request, gather more for up to `wait_s`, answer them all.
 
-        Returns the number of actors served.
+        Returns the number of clients (actor env splits) served.
         """
         with self._lock:
             connections = dict(self.connections)
@@ -76,13 +77,13 @@ class InferenceServer:
             others = [c for i, c in connections.items() if i not in pending]
             self._receive(wait(others, remaining), index_of, pending)
         self._act(pending)
-        for actor_index in pending:
-            try:
-                connections[actor_index].send_bytes(b"a")
-            except OSError:
-                pass  # the actor died; the monitor restarts it with a new pipe
         self.batches += 1
         self.served += len(pending)
+        for client in pending:
+            try:
+                connections[client].send_bytes(b"a")
+            except OSError:
+                pass  # the actor died; the monitor restarts it with a new pipe
         return len(pending)
 
     @staticmethod
@@ -94,8 +95,8 @@ class InferenceServer:
                 continue  # the actor died
             pending.append(index_of[id(connection)])
 
-    def _act(self, actor_indices: list[int]) -> None:
-        positions = self.positions[actor_indices]  # [M, envs + 1]
+    def _act(self, clients: list[int]) -> None:
+        positions = self.positions[clients]  # [M, envs + 1]
         slots = positions[:, :-1].flatten()
         rows = positions[:, -1:].expand(-1, positions.shape[1] - 1).flatten()
         obs = self.buffers["obs"][slots, rows].to(self.device, non_blocking=True)

@@ -206,7 +206,8 @@ def build(config: Config) -> Run:
         episode_queue=RecordQueue(ctx, "qdq", capacity=4096),  # (actor index, return, length)
         error_queue=ctx.Queue(),
         stop_event=StopFlag(ctx), policy_version=ctx.Value("q", 0, lock=False),
-        inference_positions=(torch.full((config.num_actors, config.envs_per_actor + 1), -1).share_memory_()
+        inference_positions=(torch.full((config.num_actors * config.env_splits,
+                                         config.envs_per_actor // config.env_splits + 1), -1).share_memory_()
                              if config.inference == "central" else None),
     )
     step = int(checkpoint["step"]) if checkpoint is not None else 0
@@ -244,19 +245,17 @@ def load_state(target: Any, state: dict[str, Any], path: Path) -> None:
 
 def start_actor(run: Run, actor_index: int, restart: int = 0) -> Any:
     """Start actor `actor_index` (its `restart`-th replacement when > 0) and log its pid."""
-    main_end = actor_end = None
-    if run.inference is not None:
-        main_end, actor_end = run.ctx.Pipe()
+    pipes = [run.ctx.Pipe() for _ in range(run.config.env_splits)] if run.inference is not None else []
     process = run.ctx.Process(
         target=_actor_process, name=f"actor-{actor_index}",
         args=(os.getpid(), actor_index, run.config, run.buffers, run.actor_model,
               run.channels._replace(free_queue=run.slots.free_queue(actor_index)), restart),
-        kwargs={"inference_connection": actor_end},
+        kwargs={"inference_connections": [actor_end for _, actor_end in pipes] if pipes else None},
     )
     process.start()
-    if run.inference is not None:
+    for split, (main_end, actor_end) in enumerate(pipes):
         actor_end.close()  # only the actor holds its end, so its death reads as end-of-file here
-        run.inference.connect(actor_index, main_end)
+        run.inference.connect(actor_index * run.config.env_splits + split, main_end)
     log.info("Actor %d started (pid %d)", actor_index, process.pid)
     return process
 
@@ -550,7 +549,7 @@ def _log_progress(run: Run, interval_s: float, interval_steps: int, elapsed_s: f
     scalars["stats/skipped_updates"] = run.skipped_updates
     scalars.update(_queue_sizes(run))
     if run.inference is not None and run.inference.batches:
-        # Actors served per forward: 1 means no batching across actors, num_actors means full batches.
+        # Actors (env splits, with --env_splits) served per forward: 1 means no batching across them.
         scalars["stats/inference_actors_per_batch"] = run.inference.served / run.inference.batches
     for phase, seconds in timing_sums.items():
         scalars[f"timing/{phase}_ms"] = 1000.0 * seconds / timing_count  # mean per update

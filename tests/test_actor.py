@@ -44,9 +44,10 @@ class Rollout:
     """Two unrolls of one actor, run inline, and everything they produced."""
 
     def __init__(self, env: str = "CartPole-v1", envs_per_actor: int = 2, unroll_length: int = 20,
-                 use_lstm: bool = False, model: str = "auto", max_unrolls: int = 2, extra_buffers: int = 1) -> None:
+                 use_lstm: bool = False, model: str = "auto", max_unrolls: int = 2, extra_buffers: int = 1,
+                 env_splits: int = 1) -> None:
         self.config = Config(env=env, num_actors=1, envs_per_actor=envs_per_actor, unroll_length=unroll_length,
-                             use_lstm=use_lstm, hidden_size=16, model=model, seed=3)
+                             use_lstm=use_lstm, hidden_size=16, model=model, seed=3, env_splits=env_splits)
         probe = EnvBatch(env, 1, 0)
         torch.manual_seed(0)
         self.model = Net(probe.observation_shape, probe.num_actions, model, use_lstm, 16)
@@ -65,16 +66,18 @@ class Rollout:
         self.episodes = _drain(self.channels.episode_queue)
         self.errors = _drain(self.channels.error_queue)
         n = envs_per_actor
-        # Slots are taken in queue order, envs_per_actor per unroll: env i of unroll u is slot u * n + i.
+        # Slots are taken in queue order, envs_per_actor per unroll, split after split: env i of unroll u is
+        # slot u * n + i.
         self.slots = [self.full[u * n:(u + 1) * n] for u in range(max_unrolls)]
 
     def field(self, unroll: int, env: int, name: str) -> torch.Tensor:
         return self.buffers[name][self.slots[unroll][env]]
 
 
-@pytest.fixture(scope="module")
-def rollout() -> Rollout:
-    return Rollout()
+@pytest.fixture(scope="module", params=[1, 2], ids=["one-split", "two-splits"])
+def rollout(request: pytest.FixtureRequest) -> Rollout:
+    """Every env of the actor stepped together, or in two splits stepped in turn: the rows are the same."""
+    return Rollout(env_splits=request.param)
 
 
 def test_slots_are_handed_to_the_learner(rollout: Rollout) -> None:
@@ -212,3 +215,38 @@ def test_atari_actor_writes_uint8_frames() -> None:
     assert obs.max() > 0 and obs.max() < 255  # real frames, not the poison value
     action = rollout.buffers["action"][0]
     assert ((action[:3] >= 0) & (action[:3] < 6)).all() and action[3] == -1
+
+
+@pytest.mark.parametrize("env_splits", [1, 2])
+def test_lstm_state_is_kept_per_split(env_splits: int) -> None:
+    rollout = Rollout(envs_per_actor=2, unroll_length=6, use_lstm=True, env_splits=env_splits)
+    assert rollout.errors == []
+    T = rollout.config.unroll_length
+    for env in range(2):
+        state = tuple(rollout.field(1, env, f"core_state_{i}").unsqueeze(1) for i in range(2))
+        obs, done = rollout.field(1, env, "obs"), rollout.field(1, env, "done")
+        with torch.no_grad():
+            output, _ = rollout.model(obs[:, None], done[:, None], state)
+        torch.testing.assert_close(output.policy_logits[:T, 0], rollout.field(1, env, "policy_logits")[:T])
+
+
+def test_atari_splits_step_in_turn_and_replay_like_one_batch() -> None:
+    """Two Atari splits, each stepping in ale-py's thread while the other acts, record the frames that one
+    batch of the same envs produces for the same actions."""
+    rollout = Rollout(env="PongNoFrameskip-v4", envs_per_actor=2, env_splits=2, unroll_length=30, max_unrolls=1,
+                      extra_buffers=0)
+    assert rollout.errors == []
+    assert not torch.equal(rollout.field(0, 0, "obs")[0], rollout.field(0, 0, "obs")[-1])  # the game moved
+    config = rollout.config
+    env = EnvBatch(config.env, 2, actor_seed(config, 0))
+    try:
+        obs = env.reset()
+        for i in range(2):
+            np.testing.assert_array_equal(rollout.field(0, i, "obs")[0].numpy(), obs[i])
+        for t in range(config.unroll_length):
+            step = env.step(np.array([int(rollout.field(0, i, "action")[t]) for i in range(2)]))
+            for i in range(2):
+                np.testing.assert_array_equal(rollout.field(0, i, "obs")[t + 1].numpy(), step.obs[i])
+                assert rollout.field(0, i, "reward")[t + 1] == step.reward[i]
+    finally:
+        env.close()

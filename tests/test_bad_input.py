@@ -56,6 +56,7 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--num_actors", "-2"], r"--num_actors must be >= 1, got -2"),
     (["--learning_rate", "-1"], r"--learning_rate must be > 0"),
     (["--num_buffers", "3"], r"--num_buffers 3 is too few: .* hold up to \d+ slots"),
+    (["--env_splits", "3"], r"--envs_per_actor 2 must be a multiple of --env_splits 3"),
     (["--use_lstm", "--inference", "central"], r"--use_lstm is not supported with --inference central"),
     (["--resume"], r"--resume needs --xpid"),
     (["--unroll_length", "many"], r"invalid int value: 'many'"),

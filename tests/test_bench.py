@@ -19,23 +19,24 @@ RATE_KEYS = {"steps", "wall_s", "cpu_s", "steps_per_s", "steps_per_cpu_s", "cpu_
 def micro_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     path = tmp_path_factory.mktemp("bench") / "results.json"
     threads = torch.get_num_threads()
-    code = bench.main(["--env", "CartPole-v1", "--unroll_length", "5", "--seconds", "0.3",
-                       "--only", "env,inference,learner", "--json", str(path)])
+    code = bench.main(["--env", "CartPole-v1", "--unroll_length", "5", "--seconds", "0.3", "--env_splits", "2",
+                       "--only", "env,inference,learner,actor", "--json", str(path)])
     assert code == 0
     assert torch.get_num_threads() == threads  # the bench restores the thread count it changes
     return json.loads(path.read_text())
 
 
 def test_micro_benchmarks_report_every_component_with_consistent_rates(micro_results: dict) -> None:
-    assert set(micro_results["components"]) == {"env", "inference", "learner"}
+    assert set(micro_results["components"]) == {"env", "inference", "learner", "actor"}
     for name, component in micro_results["components"].items():
         assert RATE_KEYS <= set(component), name
         assert component["steps"] > 0 and component["wall_s"] > 0 and component["cpu_s"] > 0, name
         assert component["steps_per_s"] == pytest.approx(component["steps"] / component["wall_s"])
         assert component["steps_per_cpu_s"] == pytest.approx(component["steps"] / component["cpu_s"])
     components = micro_results["components"]
-    assert components["env"]["steps"] % 8 == 0  # whole steps of 8 envs
-    assert components["inference"]["batch"] == 8 and components["inference"]["threads"] == 1
+    assert components["env"]["steps"] % 4 == 0  # whole steps of one split: 8 envs in 2 splits
+    assert components["inference"]["batch"] == 4 and components["inference"]["threads"] == 1
+    assert components["actor"]["steps"] % 5 == 0 and components["actor"]["splits"] == 2  # T per slot
     assert components["learner"]["steps"] % (5 * 8) == 0  # T * B per update
     assert micro_results["end_to_end"] == []
     assert micro_results["config"]["env"] == "CartPole-v1" and micro_results["config"]["num_actors"] == 2

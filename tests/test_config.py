@@ -91,7 +91,7 @@ def test_validate_reports_non_positive_sizes_with_numbers() -> None:
     assert len(problems) == 4
 
 
-@pytest.mark.parametrize("name", ["num_actors", "envs_per_actor", "unroll_length", "total_steps", "batch_size",
+@pytest.mark.parametrize("name", ["num_actors", "envs_per_actor", "env_splits", "unroll_length", "total_steps", "batch_size",
                                   "num_learner_threads", "hidden_size", "test_episodes"])
 def test_validate_rejects_each_non_positive_size(name: str) -> None:
     problems = Config(**{name: 0}).validate()

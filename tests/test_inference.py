@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import threading
+import types
 from multiprocessing import Pipe
 from pathlib import Path
 
@@ -114,3 +115,41 @@ def test_training_with_central_inference_learns_cartpole(tmp_path):
     column = header.index("charts/mean_return_100")
     returns = [float(row.split(",")[column]) for row in lines[1:] if row.split(",")[column]]
     assert returns and returns[-1] > 60, returns  # random play averages about 22
+
+
+def test_an_actor_with_two_splits_is_served_as_two_clients():
+    """Each env split of an actor has its own pipe and positions row; every row it wrote gets the model's
+    outputs for that row's observations."""
+    import queue
+
+    from impala.actor import ActorChannels, run_actor
+    from impala.config import Config
+
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=4, env_splits=2, unroll_length=5, seed=1)
+    torch.manual_seed(0)
+    model = Net(OBS_SHAPE, 2, "mlp", hidden_size=16).eval()
+    buffers = create_buffers(BufferSpec(8, 5, OBS_SHAPE, torch.float32, 2))
+    positions = torch.full((2, 3), -1, dtype=torch.int64)
+    server = InferenceServer(model, buffers, positions, torch.device("cpu"), amp=False, wait_s=0.0, seed=0)
+    actor_ends = []
+    for client in range(2):
+        main_end, actor_end = Pipe()
+        server.connect(client, main_end)
+        actor_ends.append(actor_end)
+    free, full = queue.Queue(), queue.Queue()
+    for slot in range(8):
+        free.put(slot)
+    stop = threading.Event()
+    channels = ActorChannels(free, full, queue.Queue(), queue.Queue(), stop, types.SimpleNamespace(value=0),
+                             inference_positions=positions)
+    thread = threading.Thread(target=server.serve, args=(threading.Event(),), daemon=True)
+    thread.start()
+    run_actor(0, config, buffers, model, channels, max_unrolls=2, inference_connections=actor_ends)
+    assert channels.error_queue.empty()
+    assert sorted(full.queue) == list(range(8))
+    assert server.batches >= 1 and server.served == 2 * 2 * 5  # each split asked once per step
+    obs, done = buffers["obs"][:, :5], buffers["done"][:, :5]
+    with torch.no_grad():
+        expected, _ = model(obs.transpose(0, 1), done.transpose(0, 1))
+    torch.testing.assert_close(buffers["policy_logits"][:, :5], expected.policy_logits.transpose(0, 1))
+    torch.testing.assert_close(buffers["baseline"][:, :5], expected.baseline.transpose(0, 1))
