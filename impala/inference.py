@@ -36,6 +36,15 @@ class InferenceServer:
         self.amp = amp
         self.wait_s = wait_s
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # Observations are gathered by one index_select of (slot, row) pairs, into host tensors pinned for
+        # CUDA so their copy to the device is asynchronous; the next gather waits for this forward's results.
+        obs, done = buffers["obs"], buffers["done"]
+        self._rows_per_slot = obs.shape[1]
+        self._flat = {"obs": obs.view(-1, *obs.shape[2:]), "done": done.view(-1)}
+        most = positions.shape[0] * (positions.shape[1] - 1)
+        self._staging = {key: torch.empty((most, *flat.shape[1:]), dtype=flat.dtype) for key, flat in self._flat.items()}
+        if device.type == "cuda":
+            self._staging = {key: tensor.pin_memory() for key, tensor in self._staging.items()}
         self._lock = threading.Lock()
         self.batches = 0  # forwards run
         self.served = 0  # client requests answered
@@ -99,12 +108,19 @@ class InferenceServer:
         positions = self.positions[clients]  # [M, envs + 1]
         slots = positions[:, :-1].flatten()
         rows = positions[:, -1:].expand(-1, positions.shape[1] - 1).flatten()
-        obs = self.buffers["obs"][slots, rows].to(self.device, non_blocking=True)
-        done = self.buffers["done"][slots, rows].to(self.device, non_blocking=True)
-        with torch.no_grad(), torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-            output, _ = self.model(obs[None], done[None])
-        logits = output.policy_logits[0]
-        action = sample_actions(logits, self.generator)
-        self.buffers["action"][slots, rows] = action.cpu()
-        self.buffers["policy_logits"][slots, rows] = logits.float().cpu()
-        self.buffers["baseline"][slots, rows] = output.baseline[0].float().cpu()
+        flat_index = slots * self._rows_per_slot + rows
+        inputs = {}
+        for key, flat in self._flat.items():
+            staged = torch.index_select(flat, 0, flat_index, out=self._staging[key][:len(flat_index)])
+            inputs[key] = staged.to(self.device, non_blocking=True)
+        with torch.no_grad():
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+                output, _ = self.model(inputs["obs"][None], inputs["done"][None])
+            logits = output.policy_logits[0].float()
+            action = sample_actions(logits, self.generator)
+            # One copy back to the host (one wait for the device): logits, baseline, action side by side.
+            result = torch.cat([logits, output.baseline[0].float()[:, None], action.float()[:, None]], dim=1).cpu()
+        num_actions = logits.shape[1]
+        self.buffers["policy_logits"][slots, rows] = result[:, :num_actions]
+        self.buffers["baseline"][slots, rows] = result[:, num_actions]
+        self.buffers["action"][slots, rows] = result[:, num_actions + 1].long()

@@ -382,10 +382,12 @@ def _learn(run: Run) -> None:
 
 
 def _publish(run: Run) -> None:
-    """Copy the learner's weights into the actors' shared model."""
-    with torch.no_grad():
-        for target, source in zip(run.actor_model.parameters(), run.model.parameters()):
-            target.copy_(source, non_blocking=False)
+    """Copy the learner's weights into the actors' shared model (central inference acts with the learner's
+    own model, so there nothing is copied) and count the new policy version."""
+    if run.inference is None:
+        with torch.no_grad():
+            for target, source in zip(run.actor_model.parameters(), run.model.parameters()):
+                target.copy_(source, non_blocking=False)
     run.channels.policy_version.value = run.updates + 1
 
 
