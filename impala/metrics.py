@@ -45,7 +45,8 @@ class RunLog:
 
     `purge_step` (when resuming) drops events a killed run wrote after its last checkpoint, so the
     resumed curve continues the old one instead of overlapping it. Not thread-safe: one thread (the
-    monitor) writes.
+    monitor) writes. A storage error while training (a full disk) is logged once per file and never
+    ends the run: the scalars are lost, the training is not.
     """
 
     def __init__(self, run_dir: str | os.PathLike, purge_step: int | None = None) -> None:
@@ -54,16 +55,28 @@ class RunLog:
         self._csv_path = self.run_dir / "logs.csv"
         self._csv_file: Any = None
         self._csv: csv.DictWriter | None = None
+        self._failed: set[str] = set()  # files a write failed for, reported once each
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Write each `tag: value` at `step` to TensorBoard and one row to the CSV."""
         for tag, value in values.items():
-            self.writer.add_scalar(tag, value, step)
-        self._write_csv({"step": step, **values})
+            self.scalar(tag, value, step)
+        try:
+            self._write_csv({"step": step, **values})
+        except OSError as exc:
+            self._report("logs.csv", exc)
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         """One TensorBoard scalar, not in the CSV (e.g. one per finished episode)."""
-        self.writer.add_scalar(tag, value, step)
+        try:
+            self.writer.add_scalar(tag, value, step)
+        except OSError as exc:
+            self._report("the TensorBoard event file", exc)
+
+    def _report(self, what: str, exc: OSError) -> None:
+        if what not in self._failed:
+            self._failed.add(what)
+            log.error("Could not write %s in %s: %s; training goes on (reported once)", what, self.run_dir, exc)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Markdown text in TensorBoard's TEXT tab."""

@@ -95,6 +95,8 @@ class Run:
     step: int = 0
     updates: int = 0
     start_step: int = 0
+    saved_step: int | None = None  # the step of the newest checkpoint on disk
+    final_save_error: OSError | None = None
     bad_updates_in_a_row: int = 0
     skipped_updates: int = 0
     actors: list = field(default_factory=list)
@@ -215,7 +217,7 @@ def build(config: Config) -> Run:
     runlog = RunLog(run_dir, purge_step=step if resuming else None)
     runlog.flags(config.to_dict(), step)
     run = Run(config, run_dir, device, model, actor_model, optimizer, scheduler, buffers, channels, slots, ctx, runlog,
-              step=step, start_step=step)
+              step=step, start_step=step, saved_step=step if checkpoint is not None else None)
     run.amp = use_amp(config.amp, device, model.model)
     # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
     run.learner_model = torch.compile(model) if config.compile else model
@@ -441,7 +443,7 @@ def monitor(run: Run) -> str:
             _log_progress(run, now - last_log_time, run.step - last_log_step, now - start_time)
             last_log_time, last_log_step = now, run.step
         if now - last_checkpoint_time >= config.checkpoint_interval_s:
-            checkpoint(run)
+            _periodic_checkpoint(run)
             last_checkpoint_time = now
         time.sleep(0.05)
 
@@ -585,7 +587,24 @@ def checkpoint(run: Run) -> None:
     state.update(flags=run.config.to_dict(), model=run.model.model, observation_shape=list(run.model.observation_shape),
                  num_actions=run.model.num_actions)
     save_checkpoint(run.run_dir / CHECKPOINT_NAME, state)
+    run.saved_step = state["step"]
     log.info("Saved checkpoint at step %d to %s", state["step"], run.run_dir / CHECKPOINT_NAME)
+
+
+def _periodic_checkpoint(run: Run) -> None:
+    """A periodic save that fails (a full disk, an I/O error) does not end a run that may have days to go:
+    it is reported and tried again at the next interval. The checkpoint on disk stays whole (atomic save)."""
+    try:
+        checkpoint(run)
+    except OSError as exc:
+        log.error("Could not save a checkpoint at step %d: %s. Training goes on (%s); next try in %.0f s",
+                  run.step, exc, _last_saved(run), run.config.checkpoint_interval_s)
+
+
+def _last_saved(run: Run) -> str:
+    if run.saved_step is None:
+        return "no checkpoint saved yet"
+    return f"the one at step {run.saved_step} is intact"
 
 
 def _to_cpu(value: Any) -> Any:
@@ -618,7 +637,11 @@ def shutdown(run: Run, save: bool) -> None:
         if run.inference_thread is not None:
             run.inference_thread.join(timeout=LEARNER_JOIN_TIMEOUT_S)
         if save:
-            checkpoint(run)  # waits for a learner still inside an update: it holds update_lock
+            try:
+                checkpoint(run)  # waits for a learner still inside an update: it holds update_lock
+            except OSError as exc:
+                run.final_save_error = exc
+                log.error("Could not save the final checkpoint at step %d: %s (%s)", run.step, exc, _last_saved(run))
     finally:
         run.channels.error_queue.cancel_join_thread()  # nobody reads it any more: never block on flushing it
         run.slots.close()
@@ -736,10 +759,16 @@ def _run(run: Run) -> Path:
             with _signals_ignored():
                 # A numerical failure keeps the last good checkpoint; any other ending saves the current state.
                 shutdown(run, save=not run.learner_errors)
-                finish_run_files(run.run_dir, reason, run.step)
+                try:
+                    finish_run_files(run.run_dir, reason, run.step)
+                except OSError as exc:
+                    log.error("Could not record the end of the run in %s: %s", run.run_dir, exc)
                 log.info("Run ended (%s) at step %d in %s", reason, run.step, run.run_dir)
         finally:
             close_console()
+    if run.final_save_error is not None:
+        raise TrainingError(f"could not save the final checkpoint to {run.run_dir / CHECKPOINT_NAME}: "
+                            f"{run.final_save_error} ({_last_saved(run)})")
     if reason == "interrupted":
         raise Stopped(reason, signal.SIGINT)
     if reason == "terminated":

@@ -4,6 +4,7 @@ its run resumes."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import types
@@ -128,3 +129,62 @@ def test_shutdown_is_not_cut_short_by_a_second_signal(tmp_path: Path, signum: in
         assert wait_until_gone(run.pgid, timeout=30) == []
     finally:
         run.close()
+
+
+def _disk_full(*args: object, **kwargs: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _small_run(tmp_path: Path, xpid: str, **overrides: object) -> Config:
+    flags = {"env": "CartPole-v1", "num_actors": 1, "envs_per_actor": 2, "unroll_length": 5, "batch_size": 4,
+             "num_learner_threads": 1, "hidden_size": 16, "total_steps": 3_000, "log_interval_s": 0.2,
+             "disable_cuda": True, "savedir": str(tmp_path), "xpid": xpid}
+    return Config(**{**flags, **overrides})
+
+
+def test_failed_periodic_checkpoints_are_reported_and_training_goes_on(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real_save = training.save_checkpoint
+
+    def full_then_free(path: Path, state: dict) -> None:
+        calls.append(state["step"])
+        if len(calls) <= 2:
+            _disk_full()
+        real_save(path, state)
+
+    monkeypatch.setattr(training, "save_checkpoint", full_then_free)
+    run_dir = training.train(_small_run(tmp_path, "disk-full", checkpoint_interval_s=0.1, total_steps=20_000))
+    log_text = (run_dir / "out.log").read_text()
+    assert log_text.count("Could not save a checkpoint at step") == 2
+    assert "No space left on device. Training goes on (no checkpoint saved yet)" in log_text
+    assert len(calls) >= 3  # and the tries after the disk had room again succeeded
+    assert checkpoint_step(run_dir) == 20_000
+    assert '"end_reason": "finished"' in (run_dir / "meta.json").read_text()
+
+
+def test_a_failed_final_checkpoint_fails_the_run_with_one_clear_reason(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(training, "save_checkpoint", _disk_full)
+    with pytest.raises(training.TrainingError, match=r"could not save the final checkpoint to .*model\.tar: "
+                                                     r".*No space left on device \(no checkpoint saved yet\)"):
+        training.train(_small_run(tmp_path, "final-full"))
+    assert not (tmp_path / "final-full" / "model.tar").exists()
+
+
+def test_a_failed_log_write_is_reported_once_and_tensorboard_still_gets_the_scalars(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from impala.metrics import RunLog
+
+    runlog = RunLog(tmp_path)
+    monkeypatch.setattr(runlog, "_write_csv", _disk_full)
+    for step in (10, 20):
+        runlog.scalars(step, {"charts/SPS": float(step)})
+    runlog.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "Could not write logs.csv" in errors[0] and "training goes on" in errors[0]
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("charts/SPS")] == [(10, 10.0), (20, 20.0)]
