@@ -91,11 +91,24 @@ def make_optimizer(model: Net, config: Config) -> tuple[torch.optim.Optimizer, t
     """RMSprop and a schedule that decays the learning rate linearly to 0 over `total_steps`."""
     optimizer = torch.optim.RMSprop(model.parameters(), lr=config.learning_rate, alpha=config.alpha,
                                     momentum=config.momentum, eps=config.epsilon)
+    return optimizer, make_schedule(optimizer, config)
+
+
+def make_schedule(optimizer: torch.optim.Optimizer, config: Config, start_step: int = 0
+                  ) -> torch.optim.lr_scheduler.LRScheduler:
+    """`--learning_rate` decayed linearly to 0 at `--total_steps` agent steps, from agent step `start_step` on.
+
+    A function of agent steps, not of updates, and of the flags given now: a run resumed with another
+    T, B, --learning_rate or --total_steps follows the schedule those flags give at its step.
+    """
+    for group in optimizer.param_groups:  # a loaded optimizer state brings the previous session's rates
+        group["lr"] = group["initial_lr"] = config.learning_rate
 
     def remaining_fraction(update: int) -> float:
-        return 1.0 - min(update * config.steps_per_update, config.total_steps) / config.total_steps
+        step = start_step + update * config.steps_per_update
+        return 1.0 - min(step, config.total_steps) / config.total_steps
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, remaining_fraction)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, remaining_fraction)
 
 
 def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,

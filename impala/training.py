@@ -187,7 +187,7 @@ def build(config: Config) -> Run:
     optimizer, scheduler = learner.make_optimizer(model, config)
     if checkpoint is not None:
         load_state(optimizer, checkpoint["optimizer_state_dict"], checkpoint_path)
-        load_state(scheduler, checkpoint["scheduler_state_dict"], checkpoint_path)
+        scheduler = learner.make_schedule(optimizer, config, start_step=int(checkpoint["step"]))
 
     core_shapes = tuple((s.shape[0], s.shape[2]) for s in model.initial_state(1))
     spec = BufferSpec(config.resolved_num_buffers, config.unroll_length, observation_shape, observation_dtype,
@@ -578,7 +578,6 @@ def checkpoint(run: Run) -> None:
         state = {
             "model_state_dict": {k: v.detach().cpu().clone() for k, v in run.model.state_dict().items()},
             "optimizer_state_dict": _to_cpu(run.optimizer.state_dict()),
-            "scheduler_state_dict": run.scheduler.state_dict(),
             "step": run.step,
             "updates": run.updates,
             "skipped_updates": run.skipped_updates,

@@ -35,10 +35,9 @@ def _saved_run(savedir: Path, xpid: str, step: int = 40) -> Path:
     model = Net((4,), 2, "mlp", False, 32)
     flags = {"env": "CartPole-v1", "use_lstm": False, "hidden_size": 32, "model": "auto"}
     optimizer = torch.optim.RMSprop(model.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda update: 1.0)
     save_checkpoint(run_dir / CHECKPOINT_NAME, {
         "model_state_dict": model.state_dict(), "optimizer_state_dict": optimizer.state_dict(),
-        "scheduler_state_dict": scheduler.state_dict(), "step": step, "updates": step // 20, "flags": flags,
+        "step": step, "updates": step // 20, "flags": flags,
         "model": "mlp", "observation_shape": [4], "num_actions": 2})
     (run_dir / "flags.json").write_text(json.dumps(flags))
     (run_dir / "meta.json").write_text(json.dumps({"starts": ["before"]}))

@@ -285,6 +285,23 @@ def test_learning_rate_decays_linearly_to_zero_at_total_steps() -> None:
     assert rates[10:] == [0.0, 0.0, 0.0]
 
 
+def test_a_resumed_schedule_follows_agent_steps_and_the_flags_given_now() -> None:
+    """Resumed at agent step 40 with twice the batch (20 steps per update) and a new --learning_rate: the
+    rate is the one the new flags give at step 40, 60, 80, ..., not one counted in the old run's updates."""
+    config = _config(learning_rate=0.01, unroll_length=5, batch_size=4, total_steps=100)
+    model = _model()
+    optimizer, _ = learner.make_optimizer(model, _config(learning_rate=0.7, unroll_length=5, batch_size=2,
+                                                         total_steps=100))
+    optimizer.param_groups[0]["lr"] = 0.5  # as a loaded optimizer state leaves it
+    scheduler = learner.make_schedule(optimizer, config, start_step=40)
+    rates = []
+    for _ in range(4):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates == pytest.approx([0.006, 0.004, 0.002, 0.0], abs=1e-12)
+
+
 def test_update_reports_the_scheduled_learning_rate() -> None:
     config = _config(batch_size=2, learning_rate=0.01, total_steps=24)  # T*B = 6: four updates
     model = _model()
