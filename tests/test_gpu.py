@@ -45,9 +45,9 @@ def test_a_gpu_update_from_pinned_staging_moves_the_weights_and_reports_finite_s
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("inference", ["actor", "central"])
+@pytest.mark.parametrize("inference", ["actor", "central", "central --env_splits 2"])
 def test_a_short_run_learns_on_the_gpu(tmp_path, inference):
-    command = [sys.executable, "run.py", "--env", "CartPole-v1", "--inference", inference, "--num_actors", "2",
+    command = [sys.executable, "run.py", "--env", "CartPole-v1", "--inference", *inference.split(), "--num_actors", "2",
                "--envs_per_actor", "4", "--unroll_length", "5", "--batch_size", "8", "--learning_rate", "0.001",
                "--entropy_cost", "0.01", "--total_steps", "40000", "--savedir", str(tmp_path), "--xpid", "gpu"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
@@ -55,3 +55,30 @@ def test_a_short_run_learns_on_the_gpu(tmp_path, inference):
     assert "device cuda" in result.stdout
     meta = json.loads((tmp_path / "gpu" / "meta.json").read_text())
     assert meta["end_reason"] == "finished" and meta["final_step"] >= 40000
+
+
+def test_central_inference_on_the_gpu_serves_the_models_outputs_from_pinned_staging():
+    from multiprocessing import Pipe
+
+    from impala.inference import InferenceServer
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = Net((4, 84, 84), 6).to(device).eval()
+    buffers = create_buffers(BufferSpec(6, 4, (4, 84, 84), torch.uint8, 6))
+    buffers["obs"].random_(0, 255)
+    buffers["done"].zero_()
+    positions = torch.tensor([[4, 1, 3, 2]])  # slots 4, 1, 3 at row 2
+    server = InferenceServer(model, buffers, positions, device, amp=False, wait_s=0.0, seed=0)
+    assert all(t.is_pinned() for t in server._staging.values())
+    main_end, actor_end = Pipe()
+    server.connect(0, main_end)
+    actor_end.send_bytes(b"a")
+    assert server.serve_once(timeout_s=5.0) == 1 and actor_end.poll(5.0)
+    slots = torch.tensor([4, 1, 3])
+    with torch.no_grad():
+        expected, _ = model(buffers["obs"][slots, 2][None].to(device), buffers["done"][slots, 2][None].to(device))
+    torch.testing.assert_close(buffers["policy_logits"][slots, 2], expected.policy_logits[0].cpu())
+    torch.testing.assert_close(buffers["baseline"][slots, 2], expected.baseline[0].cpu())
+    assert ((buffers["action"][slots, 2] >= 0) & (buffers["action"][slots, 2] < 6)).all()
+    assert (buffers["action"][[0, 2, 5], 2] == -1).all()  # slots nobody asked about keep their poison
