@@ -7,6 +7,7 @@ shared model and passes them in. It can also be called inline for a fixed number
 from __future__ import annotations
 
 import queue
+import time
 import traceback
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -31,6 +32,20 @@ class ActorChannels(NamedTuple):
     policy_version: Any  # shared int: learner updates applied to the shared model
     # --inference central: [num_actors x env_splits, envs per split + 1] int64, each split's slots and row
     inference_positions: Any = None
+    # [num_actors] float64: each actor's last sign of progress (time.monotonic, one clock for all processes)
+    heartbeats: Any = None
+
+
+class Heartbeat:
+    """Marks that actor `actor_index` is making progress, for the main process's hung-actor watch."""
+
+    def __init__(self, channels: ActorChannels, actor_index: int) -> None:
+        self._heartbeats = channels.heartbeats
+        self._index = actor_index
+
+    def __call__(self) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats[self._index] = time.monotonic()
 
 
 class StopActing(Exception):
@@ -67,10 +82,12 @@ class RemotePolicy:
 
     core_state = ()  # central inference has no recurrent core
 
-    def __init__(self, connection: Any, positions: torch.Tensor, stop_event: Any) -> None:
+    def __init__(self, connection: Any, positions: torch.Tensor, stop_event: Any,
+                 heartbeat: Any = lambda: None) -> None:
         self.connection = connection
         self.positions = positions
         self.stop_event = stop_event
+        self.heartbeat = heartbeat  # waiting for the inference thread is not hanging
 
     def __call__(self, buffers: Buffers, index: torch.Tensor, t: int, row: dict[str, torch.Tensor]) -> torch.Tensor:
         self.positions[:-1] = index
@@ -79,6 +96,7 @@ class RemotePolicy:
         while not self.connection.poll(0.2):
             if self.stop_event.is_set():
                 raise StopActing()
+            self.heartbeat()
         self.connection.recv_bytes()
         return buffers["action"][index, t]
 
@@ -87,7 +105,7 @@ def actor_seed(config: Config, actor_index: int, restart: int = 0) -> int:
     return config.seed * 1_000_003 + actor_index * 10_007 + restart * 101
 
 
-def _take_slots(free_queue: Any, count: int, stop_event: Any) -> list[int] | None:
+def _take_slots(free_queue: Any, count: int, stop_event: Any, heartbeat: Any = lambda: None) -> list[int] | None:
     """`count` slot numbers from this actor's free pipe; None when stopped."""
     slots = []
     while len(slots) < count:
@@ -96,6 +114,7 @@ def _take_slots(free_queue: Any, count: int, stop_event: Any) -> list[int] | Non
         except queue.Empty:
             if stop_event.is_set():
                 return None
+            heartbeat()  # waiting for the learner to free slots is not hanging
     return slots
 
 
@@ -120,6 +139,8 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
     """Run the actor's env splits in turn: each acts until it has sent actions to its envs, then the next
     one acts while those envs step (ale-py steps them in its own thread). One split acts and waits."""
     seed = actor_seed(config, actor_index, restart)
+    heartbeat = Heartbeat(channels, actor_index)
+    heartbeat()
     generator = torch.Generator().manual_seed(seed)
     splits = config.env_splits
     per_split = config.envs_per_actor // splits
@@ -131,11 +152,12 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
             envs.append(env)
             if inference_connections is not None:
                 positions = channels.inference_positions[actor_index * splits + split]
-                policy = RemotePolicy(inference_connections[split], positions, channels.stop_event)
+                policy = RemotePolicy(inference_connections[split], positions, channels.stop_event, heartbeat)
             else:
                 policy = LocalPolicy(model, per_split, use_amp(config.amp, torch.device("cpu"), model.model),
                                      generator)
-            loops.append(_split_loop(actor_index, config.unroll_length, buffers, channels, env, policy, max_unrolls))
+            loops.append(_split_loop(actor_index, config.unroll_length, buffers, channels, env, policy, max_unrolls,
+                                     heartbeat))
         while loops:
             for loop in list(loops):
                 if next(loop, StopIteration) is StopIteration:
@@ -146,7 +168,7 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
 
 
 def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChannels, env: EnvBatch, policy: Any,
-                max_unrolls: int | None) -> Iterator[None]:
+                max_unrolls: int | None, heartbeat: Heartbeat) -> Iterator[None]:
     """One env split's acting, as a generator that yields while its envs step; ends when stopped."""
     n = env.num_envs
     # The current row of every env; it becomes row 0 of the next unroll.
@@ -160,7 +182,7 @@ def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChann
     }
     unrolls = 0
     while not channels.stop_event.is_set() and (max_unrolls is None or unrolls < max_unrolls):
-        slots = _take_slots(channels.free_queue, n, channels.stop_event)
+        slots = _take_slots(channels.free_queue, n, channels.stop_event, heartbeat)
         if slots is None:
             return
         index = torch.tensor(slots)
@@ -176,6 +198,7 @@ def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChann
             env.send(action.numpy())
             yield  # the other splits act while these envs step
             step = env.recv()
+            heartbeat()
             row = _row_from_step(step)
             for i in np.flatnonzero(step.game_over):
                 channels.episode_queue.put((actor_index, float(step.episode_return[i]), int(step.episode_step[i])))

@@ -88,6 +88,8 @@ class Config:
     checkpoint_interval_s: float = _flag(300.0, "seconds between checkpoints (one is always written at the end)")
     test_episodes: int = _flag(10, "test mode: full-game episodes to play")
     max_actor_restarts: int = _flag(10, "a run stops after this many actor crashes within 10 minutes")
+    actor_timeout_s: float = _flag(300.0, "an actor that makes no progress for this long (no env step, no wait "
+                                          "for a slot or an action: a hung env) is killed and replaced; 0: never")
     max_bad_updates: int = _flag(20, "a run stops after this many consecutive non-finite updates")
     plot_out: str | None = _flag(None, "plot mode: PNG path (default: SAVEDIR/returns.png)")
     plot_xpids: tuple[str, ...] = _flag((), "plot mode: runs to plot (default: XPID, or every run in SAVEDIR)",
@@ -121,7 +123,7 @@ class Config:
         for name in ("learning_rate", "epsilon", "grad_norm_clipping", "log_interval_s", "checkpoint_interval_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"--{name} must be > 0, got {getattr(self, name)}")
-        for name in ("entropy_cost", "baseline_cost", "momentum", "inference_wait_ms"):
+        for name in ("entropy_cost", "baseline_cost", "momentum", "inference_wait_ms", "actor_timeout_s"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.discounting <= 1:

@@ -96,6 +96,7 @@ class Run:
     updates: int = 0
     start_step: int = 0
     saved_step: int | None = None  # the step of the newest checkpoint on disk
+    last_hang_check: float = field(default_factory=time.monotonic)
     final_save_error: OSError | None = None
     bad_updates_in_a_row: int = 0
     skipped_updates: int = 0
@@ -208,6 +209,7 @@ def build(config: Config) -> Run:
         episode_queue=RecordQueue(ctx, "qdq", capacity=4096),  # (actor index, return, length)
         error_queue=ctx.Queue(),
         stop_event=StopFlag(ctx), policy_version=ctx.Value("q", 0, lock=False),
+        heartbeats=ctx.Array("d", config.num_actors, lock=False),
         inference_positions=(torch.full((config.num_actors * config.env_splits,
                                          config.envs_per_actor // config.env_splits + 1), -1).share_memory_()
                              if config.inference == "central" else None),
@@ -248,6 +250,7 @@ def load_state(target: Any, state: dict[str, Any], path: Path) -> None:
 def start_actor(run: Run, actor_index: int, restart: int = 0) -> Any:
     """Start actor `actor_index` (its `restart`-th replacement when > 0) and log its pid."""
     pipes = [run.ctx.Pipe() for _ in range(run.config.env_splits)] if run.inference is not None else []
+    run.channels.heartbeats[actor_index] = time.monotonic()  # start-up counts as progress until it beats
     process = run.ctx.Process(
         target=_actor_process, name=f"actor-{actor_index}",
         args=(os.getpid(), actor_index, run.config, run.buffers, run.actor_model,
@@ -461,8 +464,9 @@ def _drain_episodes(run: Run) -> None:
 
 
 def _check_actors(run: Run) -> None:
-    """Replace every actor that died: report it (with the traceback it sent, if any), free the queue locks
-    and the slots it held, start a new one. Too many deaths raise TrainingError instead."""
+    """Replace every actor that died or hung: report it (with the traceback it sent, if any), free the queue
+    locks and the slots it held, start a new one. Too many deaths raise TrainingError instead."""
+    _kill_hung_actors(run)
     dead = [(index, process) for index, process in enumerate(run.actors) if not process.is_alive()]
     if not dead:
         return
@@ -485,6 +489,30 @@ def _check_actors(run: Run) -> None:
         run.actors[index] = start_actor(run, index, restart=len(run.actor_restarts))
         log.warning("Restarted actor %d (%d slots returned; %d restarts in the last %.0f s, at most %d)", index,
                     returned, len(run.actor_restarts), RESTART_WINDOW_S, run.config.max_actor_restarts)
+
+
+def _kill_hung_actors(run: Run) -> None:
+    """Kill every actor that showed no progress for --actor_timeout_s (an env stuck in a step): the caller
+    then replaces it like any actor that died."""
+    timeout_s = run.config.actor_timeout_s
+    if not timeout_s:
+        return
+    now = time.monotonic()
+    monitor_gap_s, run.last_hang_check = now - run.last_hang_check, now
+    if monitor_gap_s > timeout_s / 2:
+        # This process was not running either (Ctrl-Z, a stopped container): the actors' silence is not
+        # theirs. Give every actor a new grace period instead.
+        for index in range(len(run.actors)):
+            run.channels.heartbeats[index] = now
+        return
+    for index, process in enumerate(run.actors):
+        silent_s = now - run.channels.heartbeats[index]
+        if silent_s > timeout_s and process.is_alive():
+            log.error("Actor %d (pid %d) made no progress for %.0f s (--actor_timeout_s %g); killing it", index,
+                      process.pid, silent_s, timeout_s)
+            process.kill()
+            process.join(timeout=5)
+            run.channels.heartbeats[index] = now  # one report per timeout if even SIGKILL does not end it
 
 
 def _actor_tracebacks(run: Run) -> dict[int, str]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 import types
 from pathlib import Path
 
@@ -77,6 +78,27 @@ def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None
     finally:
         run.close()
     assert checkpoint_step(run.run_dir) >= step_at_restart + 2_000
+
+
+def test_a_hung_actor_is_killed_and_replaced(tmp_path: Path) -> None:
+    run = Training(tmp_path, "hung-actor", "--actor_timeout_s", "3")
+    try:
+        run.wait_for_steps(500)
+        victim = run.actor_pids()[1]
+        os.kill(victim, signal.SIGSTOP)  # alive, but making no progress: an env stuck in a step
+        run.wait_for(rf"Actor 1 \(pid {victim}\) made no progress for [3-9] s \(--actor_timeout_s 3\); killing it",
+                     timeout=20)
+        run.wait_for(rf"Actor 1 \(pid {victim}\) died: killed by SIGKILL", timeout=15)
+        restarted = run.wait_for(r"Restarted actor 1 \(\d+ slots returned", timeout=15)
+        step_at_restart = run.latest_step()
+        run.wait_for_steps(step_at_restart + 1_000)
+        assert run.latest_step(after=restarted.end()) > step_at_restart
+        assert "Actor 0 (pid" not in run.text().split("Actor 1 started")[1]  # the working actor was left alone
+        run.signal(signal.SIGTERM)
+        assert run.wait(timeout=30) == 143
+        assert wait_until_gone(run.pgid, timeout=30) == []
+    finally:
+        run.close()
 
 
 def test_actors_that_keep_dying_stop_the_run(tmp_path: Path) -> None:
@@ -188,3 +210,34 @@ def test_a_failed_log_write_is_reported_once_and_tensorboard_still_gets_the_scal
     events = EventAccumulator(str(tmp_path))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("charts/SPS")] == [(10, 10.0), (20, 20.0)]
+
+
+class _FakeActor:
+    pid = 1234
+
+    def __init__(self) -> None:
+        self.killed = False
+
+    def is_alive(self) -> bool:
+        return not self.killed
+
+    def kill(self) -> None:
+        self.killed = True
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_a_paused_main_process_does_not_take_its_actors_for_hung() -> None:
+    """After Ctrl-Z and fg every actor was silent, but so was the monitor: nobody is killed, all get a new
+    grace period. An actor silent while the monitor ran is killed."""
+    now = time.monotonic()
+    actors = [_FakeActor(), _FakeActor()]
+    run = types.SimpleNamespace(config=Config(actor_timeout_s=10), actors=actors, last_hang_check=now - 600,
+                                channels=types.SimpleNamespace(heartbeats=[now - 600, now - 600]))
+    training._kill_hung_actors(run)
+    assert not any(actor.killed for actor in actors)
+    assert all(beat >= now for beat in run.channels.heartbeats)
+    run.channels.heartbeats[1] = now - 60  # silent for a minute while the monitor kept checking
+    training._kill_hung_actors(run)
+    assert [actor.killed for actor in actors] == [False, True]
