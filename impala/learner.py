@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -132,5 +133,7 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
     if finite:
         optimizer.step()
     values["skipped"] = 0.0 if finite else 1.0
-    scheduler.step()
+    with warnings.catch_warnings():  # a skipped first update steps the schedule before the optimizer: intended
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+        scheduler.step()
     return values

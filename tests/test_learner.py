@@ -312,7 +312,7 @@ def test_update_reports_the_scheduled_learning_rate() -> None:
 
 
 # A skipped update still uses up its place in the schedule, so the scheduler steps without the optimizer.
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")
+@pytest.mark.filterwarnings("error::UserWarning")  # and says nothing about it
 @pytest.mark.parametrize("where", ["reward", "obs"])
 def test_a_non_finite_batch_is_skipped(where: str) -> None:
     model = _model()
