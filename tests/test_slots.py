@@ -74,8 +74,10 @@ def test_no_slot_is_lost_or_doubled_when_actors_are_killed_at_random_moments(tmp
     try:
         training.start_actors(run)
         training.start_learners(run)
-        while run.step == 0:
+        deadline = time.monotonic() + 60
+        while run.step == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert run.step > 0, "no update within 60 s"
         for _ in range(20):
             time.sleep(rng.uniform(0.0, 0.3))
             index = rng.randrange(config.num_actors)
