@@ -234,7 +234,7 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
     the next unroll boundary. Always actor-side inference.
     """
     model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm, config.hidden_size).eval()
-    core_shapes = tuple((s.shape[0], s.shape[2]) for s in model.initial_state(1))
+    core_shapes = model.core_state_shapes()
     spec = BufferSpec(2 * config.envs_per_actor, config.unroll_length, shape.observation_shape,
                       shape.observation_dtype, shape.num_actions, core_shapes)
     buffers = {name: torch.zeros(size, dtype=dtype) for name, (size, dtype) in spec.fields().items()}
@@ -274,7 +274,7 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
 
 def _synthetic_slots(config: Config, shape: EnvShape, model: Net) -> dict[str, torch.Tensor]:
     """B filled slots (plain tensors, not shared memory), laid out as `buffers.BufferSpec` lays them out."""
-    core_shapes = tuple((s.shape[0], s.shape[2]) for s in model.initial_state(1))
+    core_shapes = model.core_state_shapes()
     spec = BufferSpec(config.batch_size, config.unroll_length, shape.observation_shape, shape.observation_dtype,
                       shape.num_actions, core_shapes)
     generator = torch.Generator().manual_seed(config.seed)

@@ -130,6 +130,10 @@ class Net(nn.Module):
         shape = (self.core.num_layers, batch_size, self.core.hidden_size)
         return torch.zeros(shape), torch.zeros(shape)
 
+    def core_state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """One env's shape of each core-state tensor, [layers, H], as a rollout slot stores it."""
+        return tuple((s.shape[0], s.shape[2]) for s in self.initial_state(1))
+
     def forward(self, obs: torch.Tensor, done: torch.Tensor, core_state: CoreState = ()
                 ) -> tuple[AgentOutput, CoreState]:
         T, B = obs.shape[:2]

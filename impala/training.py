@@ -190,7 +190,7 @@ def build(config: Config) -> Run:
         load_state(optimizer, checkpoint["optimizer_state_dict"], checkpoint_path)
         scheduler = learner.make_schedule(optimizer, config, start_step=int(checkpoint["step"]))
 
-    core_shapes = tuple((s.shape[0], s.shape[2]) for s in model.initial_state(1))
+    core_shapes = model.core_state_shapes()
     spec = BufferSpec(config.resolved_num_buffers, config.unroll_length, observation_shape, observation_dtype,
                       num_actions, core_shapes)
     buffers = create_buffers(spec)

@@ -54,7 +54,7 @@ class Rollout:
         self.model.eval()
         self.num_actions = probe.num_actions
         probe.close()
-        core_shapes = tuple((s.shape[0], s.shape[2]) for s in self.model.initial_state(1))
+        core_shapes = self.model.core_state_shapes()
         num_buffers = envs_per_actor * max_unrolls + extra_buffers
         obs_dtype = torch.uint8 if len(self.model.observation_shape) == 3 else torch.float32
         spec = BufferSpec(num_buffers, unroll_length, self.model.observation_shape, obs_dtype, self.num_actions,
