@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU checks of BENCHMARKS.md ("To re-measure"), one after the other, each output kept in $OUT
+# (default ./gpu-out): the gpu-marked tests, the deep ResNet learner row, the shallow net's
+# components, and one end-to-end row per inference mode.
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all] [TOTAL_STEPS]
+set -uo pipefail
+out=${OUT:-gpu-out}
+what=${1:-all}
+steps=${2:-1000000}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$out/machine.txt" 2>&1
+if [ "$what" != e2e ]; then
+timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider > "$out/pytest_gpu.txt" 2>&1; echo "pytest rc $?" >> "$out/pytest_gpu.txt"
+timeout 75 python3 -m impala.bench --only learner --model resnet --batch_size 32 --seconds 20 \
+  --json "$out/resnet_learner.json" > "$out/resnet_learner.txt" 2>&1
+fi
+common=(--num_actors 14 --envs_per_actor 16 --batch_size 32 --total_steps "$steps")
+if [ "$what" != e2e ]; then
+timeout 90 python3 -m impala.bench "${common[@]}" --only env,inference,learner,actor --seconds 5 \
+  --json "$out/shallow_components.json" > "$out/shallow_components.txt" 2>&1
+fi
+[ "$what" = parts ] && { tail -n 5 "$out"/*.txt; exit 0; }
+for v in "--inference actor" "--inference central" "--inference central --env_splits 2"; do
+  name=$(echo "$v" | tr -c 'a-z0-9\n' '_' | tr -s _)
+  timeout 170 python3 -m impala.bench "${common[@]}" --only e2e --variants "$v" \
+    --json "$out/e2e$name.json" > "$out/e2e$name.txt" 2>&1
+done
+tail -n 5 "$out"/*.txt
