@@ -69,11 +69,21 @@ class Config:
     episodic_life: bool = _flag(True, "Atari: a lost life ends the episode for the learner (returns are "
                                 "still reported per full game)", negatable=True)
 
-    # Optimiser (torch.optim.RMSprop; note PyTorch adds epsilon outside the square root).
-    learning_rate: float = _flag(0.00048, "RMSprop learning rate, decayed linearly to 0 over total_steps")
+    policy_loss: str = _flag("impala", "policy loss: impala (V-trace policy gradient, losses summed over time "
+                             "and batch as in the paper) or ppo (PPO's clipped surrogate on V-trace advantages "
+                             "normalised per minibatch, losses averaged; Sample Factory's APPO)",
+                             choices=("impala", "ppo"))
+    ppo_clip: float = _flag(0.1, "ppo: clip range of the probability ratio pi/mu")
+    epochs: int = _flag(1, "passes over each batch of unrolls")
+    minibatches: int = _flag(1, "gradient steps per pass: the batch split along its unrolls")
+    vtrace_lambda: float = _flag(1.0, "lambda of the V-trace targets (1: the paper's; lower trades variance for bias)")
+
+    # Optimiser (PyTorch's RMSprop adds epsilon outside the square root).
+    optimizer: str = _flag("rmsprop", "rmsprop or adam", choices=("rmsprop", "adam"))
+    learning_rate: float = _flag(0.00048, "learning rate, decayed linearly to 0 over total_steps")
     alpha: float = _flag(0.99, "RMSprop smoothing constant")
     momentum: float = _flag(0.0, "RMSprop momentum")
-    epsilon: float = _flag(0.01, "RMSprop epsilon")
+    epsilon: float = _flag(0.01, "optimizer epsilon")
     grad_norm_clipping: float = _flag(40.0, "global gradient-norm clipping threshold")
 
     # Devices and speed.
@@ -116,7 +126,7 @@ class Config:
         """Every problem with these values, each with the numbers involved; empty when all is well."""
         problems = []
         positive_ints = ("num_actors", "envs_per_actor", "env_splits", "unroll_length", "total_steps", "batch_size",
-                         "num_learner_threads", "hidden_size", "test_episodes")
+                         "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches")
         for name in positive_ints:
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -128,6 +138,12 @@ class Config:
                 problems.append(f"--{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.discounting <= 1:
             problems.append(f"--discounting must be in [0, 1], got {self.discounting}")
+        if not 0 < self.ppo_clip < 1:
+            problems.append(f"--ppo_clip must be in (0, 1), got {self.ppo_clip}")
+        if not 0 <= self.vtrace_lambda <= 1:
+            problems.append(f"--vtrace_lambda must be in [0, 1], got {self.vtrace_lambda}")
+        if self.minibatches >= 1 and self.batch_size % self.minibatches:
+            problems.append(f"--batch_size {self.batch_size} must be a multiple of --minibatches {self.minibatches}")
         if not 0 <= self.alpha < 1:
             problems.append(f"--alpha must be in [0, 1), got {self.alpha}")
         if self.env_splits >= 1 and self.envs_per_actor % self.env_splits:

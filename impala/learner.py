@@ -71,10 +71,19 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
         rewards=rewards,
         values=values[:-1],
         bootstrap_value=bootstrap_value,
+        lambda_=config.vtrace_lambda,
     )
-    pg_loss = losses.policy_gradient_loss(logits[:-1], batch["action"][:-1], returns.pg_advantages)
-    baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1])
-    entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1])
+    if config.policy_loss == "ppo":
+        # Advantages without V-trace's rho weight (the clipped ratio below does the importance weighting).
+        next_vs = torch.cat([returns.vs[1:], bootstrap_value.detach()[None]])
+        advantages = rewards + discounts * next_vs - values[:-1].detach()
+        pg_loss = losses.ppo_loss(returns.log_rhos, advantages, config.ppo_clip)
+        baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1]) / returns.vs.numel()
+        entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1]) / returns.vs.numel()
+    else:
+        pg_loss = losses.policy_gradient_loss(logits[:-1], batch["action"][:-1], returns.pg_advantages)
+        baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1])
+        entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1])
     total_loss = pg_loss + baseline_loss + entropy_loss
     rhos = returns.log_rhos.detach().exp()
     stats = {
@@ -89,9 +98,13 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
 
 
 def make_optimizer(model: Net, config: Config) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """RMSprop and a schedule that decays the learning rate linearly to 0 over `total_steps`."""
-    optimizer = torch.optim.RMSprop(model.parameters(), lr=config.learning_rate, alpha=config.alpha,
-                                    momentum=config.momentum, eps=config.epsilon)
+    """RMSprop or Adam and a schedule that decays the learning rate linearly to 0 over `total_steps`."""
+    if config.optimizer == "adam":
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate,
+                                                            eps=config.epsilon)
+    else:
+        optimizer = torch.optim.RMSprop(model.parameters(), lr=config.learning_rate, alpha=config.alpha,
+                                        momentum=config.momentum, eps=config.epsilon)
     return optimizer, make_schedule(optimizer, config)
 
 
@@ -115,10 +128,38 @@ def make_schedule(optimizer: torch.optim.Optimizer, config: Config, start_step: 
 def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
            batch: dict[str, torch.Tensor], core_state: CoreState, config: Config, amp: bool = False
            ) -> dict[str, float]:
-    """One gradient step. A non-finite loss or gradient is not applied: `stats["skipped"]` is 1.
+    """`--epochs` passes over the batch, each `--minibatches` gradient steps on a share of its unrolls.
 
-    Returns the stats as Python floats (this synchronises with the device once).
+    A non-finite loss or gradient is not applied: `stats["skipped"]` counts those steps. The schedule
+    steps once per batch. Returns the stats averaged over the steps, as Python floats.
     """
+    batch_size = batch["obs"].shape[1]
+    size = batch_size // config.minibatches
+    totals: dict[str, float] = {}
+    for _ in range(config.epochs):
+        order = torch.randperm(batch_size) if config.minibatches > 1 else torch.arange(batch_size)
+        for start in range(0, batch_size, size):
+            columns = order[start:start + size].to(batch["obs"].device)
+            if size == batch_size:
+                part, part_state = batch, core_state
+            else:
+                part = {k: v.index_select(1, columns) for k, v in batch.items()}
+                part_state = tuple(s.index_select(1, columns) for s in core_state)
+            for key, value in _step(model, optimizer, part, part_state, config, amp).items():
+                totals[key] = totals.get(key, 0.0) + value
+    steps = config.epochs * config.minibatches
+    values = {k: v / steps for k, v in totals.items()}
+    values["skipped"] = totals["skipped"]
+    values["learning_rate"] = scheduler.get_last_lr()[0]
+    with warnings.catch_warnings():  # a skipped first update steps the schedule before the optimizer: intended
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
+        scheduler.step()
+    return values
+
+
+def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], core_state: CoreState,
+          config: Config, amp: bool) -> dict[str, float]:
+    """One gradient step on `batch`, skipped if its loss or gradient is not finite. Synchronises once."""
     device_type = batch["obs"].device.type
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
     with autocast:
@@ -127,13 +168,9 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_norm_clipping)
     stats["grad_norm"] = grad_norm.detach()
-    stats["learning_rate"] = torch.tensor(scheduler.get_last_lr()[0])
     values = {k: float(v) for k, v in stats.items()}
     finite = math.isfinite(values["total_loss"]) and math.isfinite(values["grad_norm"])
     if finite:
         optimizer.step()
     values["skipped"] = 0.0 if finite else 1.0
-    with warnings.catch_warnings():  # a skipped first update steps the schedule before the optimizer: intended
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
-        scheduler.step()
     return values

@@ -22,3 +22,13 @@ def entropy_loss(logits: torch.Tensor) -> torch.Tensor:
     policy = F.softmax(logits, dim=-1)
     log_policy = F.log_softmax(logits, dim=-1)
     return (policy * log_policy).sum()
+
+
+def ppo_loss(log_rhos: torch.Tensor, advantages: torch.Tensor, clip: float) -> torch.Tensor:
+    """PPO's clipped surrogate, averaged: -mean min(r A, clip(r, 1 - c, 1 + c) A), r = pi/mu = exp(log_rhos),
+    with the advantages normalised to mean 0 and standard deviation 1 over the batch and held constant."""
+    advantages = advantages.detach()
+    advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
+    ratio = log_rhos.exp()
+    surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
+    return -surrogate.mean()

@@ -377,3 +377,98 @@ def test_lstm_loss_starts_from_the_stored_core_state() -> None:
     _, from_zero = learner.compute_loss(model, batch, zero, config)
     _, from_other = learner.compute_loss(model, batch, other, config)
     assert float(from_zero["total_loss"]) != pytest.approx(float(from_other["total_loss"]))
+
+
+def test_ppo_loss_matches_a_hand_computation() -> None:
+    """Clipped surrogate on normalised advantages, averaged; value and entropy terms averaged too."""
+    model = _model()
+    config = _config(batch_size=2, policy_loss="ppo", ppo_clip=0.2, vtrace_lambda=0.5)
+    batch = _batch_for_update(model)
+    loss, stats = learner.compute_loss(model, batch, (), config)
+    with torch.no_grad():
+        output, _ = model(batch["obs"], batch["done"], ())
+    logits, values = output.policy_logits, output.baseline
+    T = config.unroll_length
+    rewards, done, actions = batch["reward"][1:], batch["done"][1:], batch["action"][:-1]
+    advantages, ratios, targets = [], [], []
+    for b in range(2):
+        log_pi = F.log_softmax(logits[:-1, b], -1).gather(1, actions[:, b:b + 1]).squeeze(1)
+        log_mu = F.log_softmax(batch["policy_logits"][:-1, b], -1).gather(1, actions[:, b:b + 1]).squeeze(1)
+        rho = (log_pi - log_mu).exp()
+        discounts = [0.0 if done[t, b] else config.discounting for t in range(T)]
+        # V-trace with lambda: v_s - V_s = delta_s + gamma_s * lambda * min(1, rho_s) * (v_{s+1} - V_{s+1})
+        v = [0.0] * T
+        next_diff = 0.0
+        for t in reversed(range(T)):
+            delta = min(1.0, float(rho[t])) * (float(rewards[t, b]) + discounts[t] * float(values[t + 1, b])
+                                               - float(values[t, b]))
+            diff = delta + discounts[t] * config.vtrace_lambda * min(1.0, float(rho[t])) * next_diff
+            v[t] = float(values[t, b]) + diff
+            next_diff = diff
+        for t in range(T):
+            after = v[t + 1] if t + 1 < T else float(values[T, b])
+            advantages.append(float(rewards[t, b]) + discounts[t] * after - float(values[t, b]))
+            ratios.append(float(rho[t]))
+            targets.append((v[t], float(values[t, b])))
+    adv = torch.tensor(advantages, dtype=torch.float64)
+    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    ratio = torch.tensor(ratios, dtype=torch.float64)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    expected_pg = -float(surrogate.mean())
+    expected_baseline = config.baseline_cost * 0.5 * sum((a - b) ** 2 for a, b in targets) / len(targets)
+    probs = F.softmax(logits[:-1], -1)
+    expected_entropy = config.entropy_cost * float((probs * F.log_softmax(logits[:-1], -1)).sum()) / len(targets)
+    assert float(stats["pg_loss"]) == pytest.approx(expected_pg, rel=1e-5, abs=1e-6)
+    assert float(stats["baseline_loss"]) == pytest.approx(expected_baseline, rel=1e-5)
+    assert float(stats["entropy_loss"]) == pytest.approx(expected_entropy, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(expected_pg + expected_baseline + expected_entropy, rel=1e-5, abs=1e-6)
+
+
+def test_epochs_repeat_the_step_and_the_schedule_steps_once_per_batch() -> None:
+    config = _config(batch_size=2, epochs=3)
+    batch = _batch_for_update(model := _model())
+    reference = copy.deepcopy(model)
+    optimizer, scheduler = _sgd(model, config.learning_rate)
+    stats = learner.update(model, optimizer, scheduler, batch, (), config)
+    ref_optimizer, _ = _sgd(reference, config.learning_rate)
+    for _ in range(3):  # three plain gradient steps on the same batch
+        ref_optimizer.zero_grad()
+        loss, _ = learner.compute_loss(reference, batch, (), config)
+        loss.backward()
+        ref_optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+    assert scheduler.last_epoch == 1
+    assert stats["skipped"] == 0.0
+
+
+def test_minibatches_split_the_batch_along_its_unrolls() -> None:
+    """Two minibatches of one unroll each: two steps, each on one column of the batch (in some order)."""
+    config = _config(batch_size=2, minibatches=2)
+    model = _model()
+    batch = _batch_for_update(model)
+    torch.manual_seed(5)
+    order = torch.randperm(2).tolist()  # the permutation update() draws next with this seed
+    reference = copy.deepcopy(model)
+    optimizer, scheduler = _sgd(model, config.learning_rate)
+    torch.manual_seed(5)
+    learner.update(model, optimizer, scheduler, batch, (), config)
+    ref_optimizer, _ = _sgd(reference, config.learning_rate)
+    for column in order:
+        part = {k: v[:, column:column + 1] for k, v in batch.items()}
+        ref_optimizer.zero_grad()
+        loss, _ = learner.compute_loss(reference, part, (), config)
+        loss.backward()
+        ref_optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+    whole = copy.deepcopy(_model())  # and it differs from one step on the whole batch
+    opt, sched = _sgd(whole, config.learning_rate)
+    learner.update(whole, opt, sched, batch, (), _config(batch_size=2))
+    assert not all(torch.allclose(p, q) for p, q in zip(model.parameters(), whole.parameters()))
+
+
+def test_adam_is_chosen_with_the_flags_epsilon() -> None:
+    optimizer, _ = learner.make_optimizer(_model(), _config(optimizer="adam", epsilon=1e-5, learning_rate=0.003))
+    assert isinstance(optimizer, torch.optim.Adam)
+    assert optimizer.param_groups[0]["eps"] == 1e-5 and optimizer.param_groups[0]["lr"] == 0.003
