@@ -11,6 +11,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -234,3 +235,17 @@ def config_from_dict(values: dict[str, Any]) -> Config:
     names = {f.name for f in dataclasses.fields(Config)}
     kept = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
     return Config(**kept)
+
+
+LATEST_NAME = "latest"
+
+
+def run_path(savedir: str | Path, xpid: str) -> Path:
+    """SAVEDIR/XPID, where XPID `latest` means the run named in the file SAVEDIR/latest (when it is a file)."""
+    savedir = Path(savedir).expanduser()
+    latest = savedir / LATEST_NAME
+    if xpid == LATEST_NAME and latest.is_file() and not latest.is_symlink():
+        name = latest.read_text().strip()
+        if name:
+            return savedir / name
+    return savedir / xpid

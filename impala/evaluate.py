@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from impala.config import Config, UserError
+from impala.config import Config, UserError, run_path
 from impala.environment import EnvBatch, is_atari
 from impala.metrics import RunLog
 from impala.model import Net
@@ -20,7 +20,7 @@ log = logging.getLogger("impala")
 
 def load_agent(config: Config) -> tuple[Net, dict]:
     """The model saved in SAVEDIR/XPID, checked against the env it will play."""
-    path = Path(config.savedir).expanduser() / str(config.xpid) / CHECKPOINT_NAME
+    path = run_path(config.savedir, str(config.xpid)) / CHECKPOINT_NAME
     state = load_checkpoint(path)
     flags = state["flags"]
     if flags.get("env") != config.env:
@@ -86,7 +86,7 @@ def test(config: Config) -> float:
     print(f"Mean return over {len(returns)} episodes: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
           f"checkpoint at step {state['step']})")
     if recorder is not None:
-        run_dir = Path(config.savedir).expanduser() / str(config.xpid)
+        run_dir = run_path(config.savedir, str(config.xpid))
         write_evaluation(run_dir, int(state["step"]), returns, recorder.frames(), VIDEO_FPS_ATARI
                          if is_atari(config.env) else VIDEO_FPS_OTHER)
         print(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {run_dir} "
