@@ -69,6 +69,9 @@ class Config:
                                  choices=("abs_one", "none"))
     episodic_life: bool = _flag(True, "Atari: a lost life ends the episode for the learner (returns are "
                                 "still reported per full game)", negatable=True)
+    fire_on_life_loss: bool = _flag(True, "Atari games whose action 1 is FIRE and that have lives: press FIRE "
+                                    "after every lost life, as Baselines' and TorchBeast's wrappers do (training "
+                                    "and test mode)", negatable=True)
 
     policy_loss: str = _flag("impala", "policy loss: impala (V-trace policy gradient, losses summed over time "
                              "and batch as in the paper) or ppo (PPO's clipped surrogate on V-trace advantages "
