@@ -148,7 +148,8 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
     try:
         loops = []
         for split in range(splits):
-            env = EnvBatch(config.env, per_split, seed + split * per_split, episodic_life=config.episodic_life)
+            env = EnvBatch(config.env, per_split, seed + split * per_split, episodic_life=config.episodic_life,
+                           fire_on_life_loss=config.fire_on_life_loss)
             envs.append(env)
             if inference_connections is not None:
                 positions = channels.inference_positions[actor_index * splits + split]

@@ -142,7 +142,8 @@ def env_shape(config: Config) -> EnvShape:
 def bench_env(config: Config, seconds: float) -> dict[str, Any]:
     """One actor's envs (an EnvBatch of envs_per_actor / env_splits) stepped with uniformly random actions."""
     batch = config.envs_per_actor // config.env_splits
-    env = EnvBatch(config.env, batch, config.seed, episodic_life=config.episodic_life)
+    env = EnvBatch(config.env, batch, config.seed, episodic_life=config.episodic_life,
+                   fire_on_life_loss=config.fire_on_life_loss)
     try:
         env.reset()
         actions = np.random.default_rng(config.seed).integers(0, env.num_actions, (1024, env.num_envs))

@@ -11,6 +11,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -68,6 +69,9 @@ class Config:
                                  choices=("abs_one", "none"))
     episodic_life: bool = _flag(True, "Atari: a lost life ends the episode for the learner (returns are "
                                 "still reported per full game)", negatable=True)
+    fire_on_life_loss: bool = _flag(True, "Atari games whose action 1 is FIRE and that have lives: press FIRE "
+                                    "after every lost life, as Baselines' and TorchBeast's wrappers do (training "
+                                    "and test mode)", negatable=True)
 
     policy_loss: str = _flag("impala", "policy loss: impala (V-trace policy gradient, losses summed over time "
                              "and batch as in the paper) or ppo (PPO's clipped surrogate on V-trace advantages "
@@ -234,3 +238,17 @@ def config_from_dict(values: dict[str, Any]) -> Config:
     names = {f.name for f in dataclasses.fields(Config)}
     kept = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
     return Config(**kept)
+
+
+LATEST_NAME = "latest"
+
+
+def run_path(savedir: str | Path, xpid: str) -> Path:
+    """SAVEDIR/XPID, where XPID `latest` means the run named in the file SAVEDIR/latest (when it is a file)."""
+    savedir = Path(savedir).expanduser()
+    latest = savedir / LATEST_NAME
+    if xpid == LATEST_NAME and latest.is_file() and not latest.is_symlink():
+        name = latest.read_text().strip()
+        if name:
+            return savedir / name
+    return savedir / xpid

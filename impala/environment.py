@@ -4,6 +4,12 @@ Atari ids go to ale-py's native `AtariVectorEnv`, which does the DeepMind prepro
 (no-op starts, frame skip 4 with max-pooling, fire reset, 84x84 grey, stack of 4). Every other id
 goes to gymnasium's synchronous vector env. Both reset an env in the same step that ends it, so the
 observation returned after an end is the first one of the next episode (as in TorchBeast).
+
+ale-py presses FIRE only at a full reset. Baselines' and TorchBeast's wrappers (episodic life, then
+FireResetEnv) press it after every lost life too, in games whose action 1 is FIRE; so does `EnvBatch`
+with `fire_on_life_loss`: one hidden FIRE step (4 frames) for the envs that lost a life, before the
+observation is returned, so the learner only ever sees the actions its policy chose. ale-py's vector env
+steps all its envs together, so in those games (FIRE and lives) each env gets a vector env of its own.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import numpy as np
 from impala.config import UserError
 
 _registered = False
+FIRE = 1  # the action index Baselines' FireResetEnv checks for the meaning FIRE
 
 
 def _register() -> None:
@@ -65,15 +72,19 @@ class EnvBatch:
     observation_dtype: np.dtype
     num_actions: int
 
-    def __init__(self, env_id: str, num_envs: int, seed: int, *, episodic_life: bool = False) -> None:
+    def __init__(self, env_id: str, num_envs: int, seed: int, *, episodic_life: bool = False,
+                 fire_on_life_loss: bool = True) -> None:
         self.num_envs = num_envs
         self._seed = seed
         self._episodic_life = False
+        self._fire_on_life_loss = False
         self._lives = np.zeros(num_envs, np.int64)
         spec = env_spec(env_id)
         self._atari = spec.entry_point == "ale_py.env:AtariEnv"
         if self._atari:
-            self._env = self._make_atari(spec, num_envs)
+            self._fire_on_life_loss = fire_on_life_loss and _needs_fire_after_life_loss(spec)
+            self._env = (_OneVectorEnvEach(spec, num_envs) if self._fire_on_life_loss
+                         else _make_atari(spec, num_envs))
             self._episodic_life = episodic_life
         else:
             self._env = self._make_gym(env_id, num_envs)
@@ -83,24 +94,6 @@ class EnvBatch:
         self.num_actions = int(self._env.single_action_space.n)
         self._return = np.zeros(num_envs, np.float64)
         self._length = np.zeros(num_envs, np.int64)
-
-    @staticmethod
-    def _make_atari(spec: gym.envs.registration.EnvSpec, num_envs: int) -> Any:
-        from ale_py.vector_env import AtariVectorEnv
-
-        kwargs = spec.kwargs
-        return AtariVectorEnv(
-            game=kwargs["game"],
-            num_envs=num_envs,
-            num_threads=1,  # an actor process is one core's worth of work
-            repeat_action_probability=kwargs.get("repeat_action_probability", 0.0),
-            full_action_space=kwargs.get("full_action_space", False),
-            max_num_frames_per_episode=kwargs.get("max_num_frames_per_episode", 108_000),
-            frameskip=4,
-            noop_max=30,
-            reward_clipping=False,  # the learner clips; returns are reported unclipped
-            autoreset_mode="SameStep",
-        )
 
     @staticmethod
     def _make_gym(env_id: str, num_envs: int) -> gym.vector.VectorEnv:
@@ -145,10 +138,13 @@ class EnvBatch:
         reward = np.asarray(reward, np.float32)
         game_over = np.logical_or(terminated, truncated)
         done = game_over
-        if self._episodic_life:
-            lives = np.asarray(info["lives"], np.int64)
-            done = game_over | (lives < self._lives)
-            self._lives = lives.copy()
+        if self._atari:
+            lives = np.asarray(info["lives"], np.int64).copy()
+            life_lost = (lives < self._lives) & ~game_over
+            if self._fire_on_life_loss and life_lost.any():
+                obs, game_over = self._fire(np.flatnonzero(life_lost), obs, game_over, lives)
+            done = game_over | life_lost if self._episodic_life else game_over
+            self._lives = lives
         self._return += reward
         self._length += 1
         step = Step(self._convert(obs), reward, done, game_over, self._return.copy(), self._length.copy())
@@ -156,5 +152,85 @@ class EnvBatch:
         self._length[game_over] = 0
         return step
 
+    def _fire(self, envs: np.ndarray, obs: np.ndarray, game_over: np.ndarray, lives: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Press FIRE in `envs` (which just lost a life) and return the observations after it. Its points
+        count in the game's return, not in the learner's reward; a game it ends is reported ended."""
+        fire_obs, fire_reward, terminated, truncated, fire_lives = self._env.step_only(envs, FIRE)
+        obs = obs.copy()
+        obs[envs] = fire_obs
+        self._return[envs] += fire_reward
+        game_over = game_over.copy()
+        game_over[envs] |= terminated | truncated
+        lives[envs] = fire_lives
+        return obs, game_over
+
     def close(self) -> None:
         self._env.close()
+
+
+def _make_atari(spec: gym.envs.registration.EnvSpec, num_envs: int) -> Any:
+    from ale_py.vector_env import AtariVectorEnv
+
+    kwargs = spec.kwargs
+    return AtariVectorEnv(
+            game=kwargs["game"],
+            num_envs=num_envs,
+            num_threads=1,  # an actor process is one core's worth of work
+            repeat_action_probability=kwargs.get("repeat_action_probability", 0.0),
+            full_action_space=kwargs.get("full_action_space", False),
+            max_num_frames_per_episode=kwargs.get("max_num_frames_per_episode", 108_000),
+            frameskip=4,
+            noop_max=30,
+            reward_clipping=False,  # the learner clips; returns are reported unclipped
+            autoreset_mode="SameStep",
+        )
+
+
+def _needs_fire_after_life_loss(spec: gym.envs.registration.EnvSpec) -> bool:
+    """Whether the game's action 1 is FIRE and it has lives (Breakout yes; Pong, without lives, no)."""
+    import ale_py
+    from ale_py import roms
+
+    ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner from every actor
+    ale = ale_py.ALEInterface()
+    ale.loadROM(roms.get_rom_path(spec.kwargs["game"]))
+    actions = ale.getMinimalActionSet() if not spec.kwargs.get("full_action_space", False) else ale.getLegalActionSet()
+    return len(actions) > FIRE and actions[FIRE] == ale_py.Action.FIRE and ale.lives() > 0
+
+
+class _OneVectorEnvEach:
+    """N single-env ale-py vector envs behind the batch interface, so that some envs can step alone."""
+
+    def __init__(self, spec: gym.envs.registration.EnvSpec, num_envs: int) -> None:
+        self._envs = [_make_atari(spec, 1) for _ in range(num_envs)]
+        self.single_observation_space = self._envs[0].single_observation_space
+        self.single_action_space = self._envs[0].single_action_space
+
+    def reset(self, seed: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        # seeds seed, seed + 1, ...: what one vector env of N envs gives them
+        results = [env.reset(seed=seed + i) for i, env in enumerate(self._envs)]
+        return np.concatenate([obs for obs, _ in results]), {"lives": np.concatenate([i["lives"] for _, i in results])}
+
+    def send(self, actions: np.ndarray) -> None:
+        for i, env in enumerate(self._envs):
+            env.send(actions[i : i + 1])  # each steps in its own thread until recv
+
+    def recv(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        return self._gather(range(len(self._envs)))
+
+    def step_only(self, envs: np.ndarray, action: int) -> tuple[np.ndarray, ...]:
+        """Step only `envs` with `action`: observations, rewards, terminated, truncated and lives of those."""
+        for i in envs:
+            self._envs[i].send(np.array([action], np.int64))
+        obs, reward, terminated, truncated, info = self._gather(envs)
+        return obs, reward, terminated, truncated, info["lives"]
+
+    def _gather(self, envs: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        results = [self._envs[i].recv() for i in envs]
+        obs, reward, terminated, truncated = (np.concatenate([r[k] for r in results]) for k in range(4))
+        return obs, reward, terminated, truncated, {"lives": np.concatenate([r[4]["lives"] for r in results])}
+
+    def close(self) -> None:
+        for env in self._envs:
+            env.close()

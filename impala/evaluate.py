@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from impala.config import Config, UserError
+from impala.config import Config, UserError, run_path
 from impala.environment import EnvBatch, is_atari
 from impala.metrics import RunLog
 from impala.model import Net
@@ -20,7 +20,7 @@ log = logging.getLogger("impala")
 
 def load_agent(config: Config) -> tuple[Net, dict]:
     """The model saved in SAVEDIR/XPID, checked against the env it will play."""
-    path = Path(config.savedir).expanduser() / str(config.xpid) / CHECKPOINT_NAME
+    path = run_path(config.savedir, str(config.xpid)) / CHECKPOINT_NAME
     state = load_checkpoint(path)
     flags = state["flags"]
     if flags.get("env") != config.env:
@@ -35,13 +35,14 @@ def load_agent(config: Config) -> tuple[Net, dict]:
 
 
 def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True,
-         on_step: Callable[[np.ndarray, np.ndarray], None] | None = None) -> list[float]:
+         on_step: Callable[[np.ndarray, np.ndarray], None] | None = None, fire_on_life_loss: bool = True
+         ) -> list[float]:
     """Full-game returns of `episodes` games, the first game of each of `episodes` parallel envs.
 
     `on_step(obs, game_over)`, when given, sees every observation the agent acts on ([episodes, ...]) and
     which games ended on that action ([episodes] bool): `EpisodeRecorder.add` keeps env 0's frames.
     """
-    env = EnvBatch(env_id, episodes, seed, episodic_life=False)
+    env = EnvBatch(env_id, episodes, seed, episodic_life=False, fire_on_life_loss=fire_on_life_loss)
     check_compatible_env(model, env)
     returns: list[float | None] = [None] * episodes
     obs = torch.from_numpy(env.reset())
@@ -81,12 +82,12 @@ def test(config: Config) -> float:
     model, state = load_agent(config)
     recorder = EpisodeRecorder() if config.video else None
     returns = play(model, config.env, config.test_episodes, config.seed + 12345,
-                   on_step=recorder.add if recorder is not None else None)
+                   on_step=recorder.add if recorder is not None else None, fire_on_life_loss=config.fire_on_life_loss)
     mean = float(np.mean(returns))
     print(f"Mean return over {len(returns)} episodes: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
           f"checkpoint at step {state['step']})")
     if recorder is not None:
-        run_dir = Path(config.savedir).expanduser() / str(config.xpid)
+        run_dir = run_path(config.savedir, str(config.xpid))
         write_evaluation(run_dir, int(state["step"]), returns, recorder.frames(), VIDEO_FPS_ATARI
                          if is_atari(config.env) else VIDEO_FPS_OTHER)
         print(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {run_dir} "

@@ -153,14 +153,19 @@ class Net(nn.Module):
 
     def _unroll_core(self, features: torch.Tensor, done: torch.Tensor, core_state: CoreState
                      ) -> tuple[torch.Tensor, CoreState]:
-        outputs = []
-        not_done = (~done.bool()).float()
-        for t in range(features.shape[0]):
-            # Zero the state where obs t begins a new episode.
-            mask = not_done[t].view(1, -1, 1)
-            core_state = tuple(mask * s for s in core_state)
-            output, core_state = self.core(features[t : t + 1], core_state)
-            outputs.append(output)
+        # The LSTM runs in float32 even under autocast: its (h, c) is fed back every step, so bfloat16 here
+        # would compound rounding over an episode in the actor while the learner recomputes from row 0.
+        with torch.autocast(features.device.type, enabled=False):
+            features = features.float()
+            core_state = tuple(s.float() for s in core_state)
+            outputs = []
+            not_done = (~done.bool()).float()
+            for t in range(features.shape[0]):
+                # Zero the state where obs t begins a new episode.
+                mask = not_done[t].view(1, -1, 1)
+                core_state = tuple(mask * s for s in core_state)
+                output, core_state = self.core(features[t : t + 1], core_state)
+                outputs.append(output)
         return torch.cat(outputs), core_state
 
 

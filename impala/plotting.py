@@ -22,7 +22,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
-from impala.config import Config, UserError, parse_config
+from impala.config import Config, UserError, parse_config, run_path
 
 RETURN_TAG = "charts/episodic_return"
 CSV_RETURN_COLUMN = "charts/mean_return_100"
@@ -71,7 +71,7 @@ def find_runs(savedir: Path) -> list[str]:
 
 def load_curve(savedir: Path, name: str) -> Curve:
     """The returns of run `name`; UserError naming the runs that do exist when it is missing or empty."""
-    run_dir = savedir / name
+    run_dir = run_path(savedir, name)
     if not run_dir.is_dir():
         existing = find_runs(savedir)
         raise UserError(f"no run {name!r} in {savedir} (runs there: {', '.join(existing) or 'none'})")

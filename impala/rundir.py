@@ -1,5 +1,8 @@
 """The run directory, SAVEDIR/XPID: where it is, whether it resumes a run, and the files that explain it
-(flags.json, meta.json with versions, commit, start and end, and the `latest` link beside it)."""
+(flags.json, meta.json with versions, commit, start and end, and the `latest` file beside it).
+
+`SAVEDIR/latest` is a one-line text file naming the newest run, not a symlink: TensorBoard follows a
+symlinked directory and listed every run twice. `--xpid latest` reads it (`config.run_path`)."""
 
 from __future__ import annotations
 
@@ -14,13 +17,13 @@ from pathlib import Path
 import torch
 
 from impala.checkpoint import CHECKPOINT_NAME, remove_stale_temporaries
-from impala.config import Config, UserError
+from impala.config import LATEST_NAME, Config, UserError, run_path
 
 
 def run_directory(config: Config) -> tuple[Path, bool]:
     """The run's directory and whether it resumes an existing run. Writes nothing."""
     xpid = config.xpid or f"{config.env.replace('/', '_')}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(config.savedir).expanduser() / xpid
+    run_dir = run_path(config.savedir, xpid)
     resuming = (run_dir / CHECKPOINT_NAME).is_file()
     if config.resume and not resuming:
         raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from; "
@@ -42,22 +45,27 @@ def prepare_run_directory(run_dir: Path) -> None:
 
 
 def write_run_files(config: Config, run_dir: Path, resuming: bool) -> None:
-    """flags.json, meta.json (versions, commit, start time) and the `latest` link beside the run."""
+    """flags.json, meta.json (versions, commit, start time) and the `latest` file beside the run."""
     (run_dir / "flags.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     meta_path = run_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if resuming and meta_path.exists() else {}
     meta.setdefault("starts", []).append(datetime.now(UTC).isoformat(timespec="seconds"))
     meta.update(versions(), command=" ".join(sys.argv), git_commit=git_commit(), ended=None, end_reason=None)
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
-    latest = run_dir.parent / "latest"
+    write_latest(run_dir)
+
+
+def write_latest(run_dir: Path) -> None:
+    """Name `run_dir` in SAVEDIR/latest (replacing a symlink left by older versions; never a run called latest)."""
+    latest = run_dir.parent / LATEST_NAME
+    if latest.is_dir() and not latest.is_symlink():
+        return
+    tmp = run_dir.parent / f".latest-{os.getpid()}"
     try:
-        if latest.is_symlink() or not latest.exists():
-            tmp = run_dir.parent / f".latest-{os.getpid()}"
-            tmp.unlink(missing_ok=True)
-            tmp.symlink_to(run_dir.name)
-            os.replace(tmp, latest)
+        tmp.write_text(run_dir.name + "\n")
+        os.replace(tmp, latest)  # atomic: a reader sees the old name or the new one
     except OSError:
-        pass  # a file system without symlinks: the link is a convenience only
+        pass  # the file is a convenience only
 
 
 def finish_run_files(run_dir: Path, reason: str, step: int) -> None:

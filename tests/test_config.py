@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from impala.config import Config, UserError, build_parser, config_from_dict, parse_config
+from impala.config import Config, UserError, build_parser, config_from_dict, parse_config, run_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -167,3 +167,12 @@ def test_parser_has_one_flag_per_field() -> None:
     parser = build_parser()
     dests = {action.dest for action in parser._actions} - {"help"}
     assert dests == {f.name for f in dataclasses.fields(Config)}
+
+
+def test_xpid_latest_is_the_run_named_in_the_latest_file(tmp_path: Path) -> None:
+    (tmp_path / "latest").write_text("pong-3\n")
+    assert run_path(tmp_path, "latest") == tmp_path / "pong-3"
+    assert run_path(tmp_path, "pong-1") == tmp_path / "pong-1"
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").mkdir()  # a run that is itself called latest keeps its name
+    assert run_path(tmp_path, "latest") == tmp_path / "latest"

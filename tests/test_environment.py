@@ -186,3 +186,41 @@ def test_breakout_without_episodic_life_ends_only_at_game_over() -> None:
         assert step.episode_step[step.game_over].min() > 50
     finally:
         env.close()
+
+
+def _frames_after_first_life_loss(episodic_life: bool, fire_on_life_loss: bool = True) -> tuple[list[int], int]:
+    """Breakout played with NOOP only (the agent never presses FIRE): how many pixels change between the
+    newest two stacked frames at each of the 10 steps after the first lost life, and that life count."""
+    kwargs = {} if fire_on_life_loss else {"fire_on_life_loss": False}  # the default is on
+    env = EnvBatch("BreakoutNoFrameskip-v4", 2, seed=0, episodic_life=episodic_life, **kwargs)
+    try:
+        env.reset()
+        noop = np.zeros(2, np.int64)
+        for _ in range(500):
+            lives_before = env._lives.copy()
+            step = env.step(noop)
+            lost = np.flatnonzero((env._lives < lives_before) & ~step.game_over)
+            if lost.size:
+                break
+        assert lost.size, "no life lost in 500 NOOP steps"
+        i = int(lost[0])
+        assert step.done[i] == episodic_life  # the learner's episode ends only with episodic life
+        changed = []
+        for _ in range(10):
+            step = env.step(noop)
+            changed.append(int(np.count_nonzero(step.obs[i, -1] != step.obs[i, -2])))
+        return changed, int(env._lives[i])
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("episodic_life", [True, False])  # training and test mode
+def test_breakout_ball_is_back_in_play_after_a_lost_life_without_the_agent_firing(episodic_life: bool) -> None:
+    changed, lives = _frames_after_first_life_loss(episodic_life)
+    assert lives == 4
+    assert all(n > 0 for n in changed), changed  # the ball moves in every frame
+
+
+def test_breakout_without_fire_on_life_loss_waits_for_the_agent() -> None:
+    changed, _ = _frames_after_first_life_loss(True, fire_on_life_loss=False)
+    assert changed == [0] * 10  # nothing moves until the agent presses FIRE

@@ -119,6 +119,27 @@ def test_lstm_unroll_equals_one_step_at_a_time() -> None:
         torch.testing.assert_close(a, b)
 
 
+def test_lstm_state_stays_float32_under_bfloat16_autocast() -> None:
+    """--amp on a CPU: the actor steps the shallow net + LSTM one obs at a time under bfloat16 autocast and
+    feeds (h, c) back; the state must stay float32 and match the learner's [T, B] unroll of the same rows."""
+    torch.manual_seed(0)
+    net = Net((4, 84, 84), 6, model="shallow", use_lstm=True, hidden_size=32)
+    T, B = 5, 2
+    obs = torch.randint(0, 256, (T, B, 4, 84, 84), dtype=torch.uint8)
+    done = torch.zeros(T, B, dtype=torch.bool)
+    done[2, 1] = True
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        state = net.initial_state(B)
+        for t in range(T):
+            output, state = net(obs[t : t + 1], done[t : t + 1], state)
+            assert [s.dtype for s in state] == [torch.float32, torch.float32], t
+        unrolled, learner_state = net(obs, done, net.initial_state(B))
+    assert output.policy_logits.dtype == torch.float32
+    for actor, learner in zip(state, learner_state):
+        torch.testing.assert_close(actor, learner, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(output.policy_logits[0], unrolled.policy_logits[-1], atol=1e-5, rtol=1e-5)
+
+
 def test_feed_forward_outputs_do_not_depend_on_done() -> None:
     torch.manual_seed(0)
     net = Net((4,), 3, model="mlp")

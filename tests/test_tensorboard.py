@@ -20,9 +20,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
 
 from impala import plotting
 from impala.config import parse_config
+from impala.rundir import prepare_run_directory, run_directory, write_run_files
 
 REPO = Path(__file__).resolve().parent.parent
 TOTAL_STEPS = 20_000
@@ -112,7 +114,7 @@ def test_test_mode_writes_a_video_and_the_return_at_the_checkpoint_step(trained:
 
 def test_run_directory_explains_itself(trained: TrainedRun) -> None:
     run_dir = trained.run_dir
-    assert (trained.savedir / "latest").resolve() == run_dir.resolve()
+    assert (trained.savedir / "latest").read_text() == "cartpole\n"  # a file, not a symlink TensorBoard follows
     flags = json.loads((run_dir / "flags.json").read_text())
     assert flags["env"] == "CartPole-v1" and flags["total_steps"] == TOTAL_STEPS
     meta = json.loads((run_dir / "meta.json").read_text())
@@ -156,10 +158,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_tensorboard_server_serves_every_tag_group(trained: TrainedRun) -> None:
+def _served(logdir: Path) -> tuple[dict, dict]:
+    """A real TensorBoard server over `logdir`, once it has loaded something: its scalar tags per run
+    ({run: {tag: ...}}) and its plugin listing."""
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "tensorboard.main", "--logdir", str(trained.run_dir), "--host", "127.0.0.1",
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
          "--port", str(port), "--reload_interval", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -170,17 +174,13 @@ def test_tensorboard_server_serves_every_tag_group(trained: TrainedRun) -> None:
             assert server.poll() is None, server.stderr.read().decode() if server.stderr else ""
             try:
                 with urllib.request.urlopen(url, timeout=5) as response:
-                    tags = json.load(response)  # {run: {tag: {...}}}; empty until the first load is done
+                    tags = json.load(response)  # empty until the first load is done
             except (urllib.error.URLError, ConnectionError):
                 pass
             time.sleep(0.5)
         assert tags, "TensorBoard did not answer within 60 s"
-        (run_tags,) = tags.values()  # the run directory itself is the one run
-        missing = [tag for tag in ALL_TAGS if tag not in run_tags]
-        assert not missing, f"served tags lack {missing}"
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugins_listing", timeout=5) as response:
-            plugins = json.load(response)
-        assert all(plugins[name]["enabled"] for name in ("scalars", "images", "text", "hparams"))
+            return tags, json.load(response)
     finally:
         server.terminate()
         try:
@@ -188,3 +188,24 @@ def test_tensorboard_server_serves_every_tag_group(trained: TrainedRun) -> None:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def test_tensorboard_server_serves_every_tag_group(trained: TrainedRun) -> None:
+    tags, plugins = _served(trained.run_dir)
+    (run_tags,) = tags.values()  # the run directory itself is the one run
+    missing = [tag for tag in ALL_TAGS if tag not in run_tags]
+    assert not missing, f"served tags lack {missing}"
+    assert all(plugins[name]["enabled"] for name in ("scalars", "images", "text", "hparams"))
+
+
+def test_tensorboard_over_the_savedir_lists_each_run_once(tmp_path: Path) -> None:
+    # the files a run writes beside itself (the `latest` marker) must not show up as a second run
+    config = parse_config(["--env", "CartPole-v1", "--savedir", str(tmp_path), "--xpid", "only"])
+    run_dir, resuming = run_directory(config)
+    prepare_run_directory(run_dir)
+    write_run_files(config, run_dir, resuming)
+    with SummaryWriter(str(run_dir)) as writer:
+        for step in range(3):
+            writer.add_scalar("charts/episodic_return", 10.0 * step, step)
+    tags, _ = _served(tmp_path)
+    assert list(tags) == ["only"]
