@@ -91,6 +91,7 @@ class Run:
     learner_model: Any = None  # `model`, or its torch.compile'd wrapper (same parameters) with --compile
     inference: InferenceServer | None = None  # --inference central
     inference_thread: threading.Thread | None = None
+    inference_error: Exception | None = None  # why the inference thread died; the monitor stops the run
     stop_inference: threading.Event = field(default_factory=threading.Event)
     step: int = 0
     updates: int = 0
@@ -318,9 +319,16 @@ def start_inference(run: Run) -> None:
     """--inference central: the thread that answers actors' requests for actions."""
     if run.inference is None:
         return
-    run.inference_thread = threading.Thread(target=run.inference.serve, args=(run.stop_inference,),
-                                            name="inference", daemon=True)
+    run.inference_thread = threading.Thread(target=_inference_thread, args=(run,), name="inference", daemon=True)
     run.inference_thread.start()
+
+
+def _inference_thread(run: Run) -> None:
+    try:
+        run.inference.serve(run.stop_inference)
+    except Exception as exc:  # logged here with its traceback; the monitor stops the run
+        log.exception("The inference thread failed")
+        run.inference_error = exc
 
 
 def start_learners(run: Run) -> None:
@@ -429,11 +437,7 @@ def monitor(run: Run) -> str:
     last_log_time = last_checkpoint_time = start_time = time.monotonic()
     last_log_step = run.step
     while True:
-        if run.learner_errors:
-            error = run.learner_errors[0]
-            if isinstance(error, TrainingError):
-                raise error
-            raise TrainingError(f"learner thread failed: {error!r}") from error
+        _check_threads(run)
         if run.step >= config.total_steps:
             _drain_episodes(run)  # the last games and a 100% progress line, at total_steps
             now = time.monotonic()
@@ -449,6 +453,20 @@ def monitor(run: Run) -> str:
             _periodic_checkpoint(run)
             last_checkpoint_time = now
         time.sleep(0.05)
+
+
+def _check_threads(run: Run) -> None:
+    """Raise TrainingError when a learner or the inference thread died: without them actors wait forever
+    (and keep beating their heartbeat while they wait for actions)."""
+    if run.learner_errors:
+        error = run.learner_errors[0]
+        if isinstance(error, TrainingError):
+            raise error
+        raise TrainingError(f"learner thread failed: {error!r}") from error
+    if run.inference_error is not None:
+        error = run.inference_error
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise TrainingError(f"the central inference thread failed: {type(error).__name__}: {first_line}") from error
 
 
 def _drain_episodes(run: Run) -> None:
