@@ -8,6 +8,7 @@ observation returned after an end is the first one of the next episode (as in To
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ import gymnasium as gym
 import numpy as np
 
 from impala.config import UserError
+from impala.seeding import env_seeds
 
 _registered = False
 
@@ -65,9 +67,13 @@ class EnvBatch:
     observation_dtype: np.dtype
     num_actions: int
 
-    def __init__(self, env_id: str, num_envs: int, seed: int, *, episodic_life: bool = False) -> None:
+    def __init__(self, env_id: str, num_envs: int, seed: int | Sequence[int], *, episodic_life: bool = False) -> None:
+        """`seed`: one seed per env, or the first of `num_envs` consecutive ones (wrapped below 2^31, which
+        ale-py requires)."""
         self.num_envs = num_envs
-        self._seed = seed
+        self._seeds = env_seeds(seed, num_envs) if isinstance(seed, int) else tuple(seed)
+        if len(self._seeds) != num_envs:
+            raise ValueError(f"{len(self._seeds)} seeds for {num_envs} envs")
         self._episodic_life = False
         self._lives = np.zeros(num_envs, np.int64)
         spec = env_spec(env_id)
@@ -119,7 +125,8 @@ class EnvBatch:
         return obs if obs.dtype == self.observation_dtype else obs.astype(self.observation_dtype)
 
     def reset(self) -> np.ndarray:
-        obs, info = self._env.reset(seed=self._seed)
+        seeds = np.array(self._seeds, np.int64) if self._atari else list(self._seeds)
+        obs, info = self._env.reset(seed=seeds)
         self._lives = np.asarray(info.get("lives", self._lives), np.int64).copy()
         self._return[:] = 0
         self._length[:] = 0

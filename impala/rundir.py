@@ -41,8 +41,12 @@ def prepare_run_directory(run_dir: Path) -> None:
     remove_stale_temporaries(run_dir)
 
 
-def write_run_files(config: Config, run_dir: Path, resuming: bool) -> None:
-    """flags.json, meta.json (versions, commit, start time) and the `latest` link beside the run."""
+def write_run_files(config: Config, run_dir: Path, resuming: bool) -> int:
+    """flags.json, meta.json (versions, commit, start time) and the `latest` link beside the run.
+
+    Returns this session's number: 0 for a new run, then one more for every start recorded in meta.json
+    (a resumed session killed before its next checkpoint counts too).
+    """
     (run_dir / "flags.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     meta_path = run_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if resuming and meta_path.exists() else {}
@@ -58,6 +62,7 @@ def write_run_files(config: Config, run_dir: Path, resuming: bool) -> None:
             os.replace(tmp, latest)
     except OSError:
         pass  # a file system without symlinks: the link is a convenience only
+    return len(meta["starts"]) - 1
 
 
 def finish_run_files(run_dir: Path, reason: str, step: int) -> None:
