@@ -19,6 +19,7 @@ from impala.buffers import Buffers
 from impala.config import Config
 from impala.environment import EnvBatch
 from impala.model import Net, sample_actions, use_amp
+from impala.seeding import LifeSeeds, first_life
 
 
 class ActorChannels(NamedTuple):
@@ -101,10 +102,6 @@ class RemotePolicy:
         return buffers["action"][index, t]
 
 
-def actor_seed(config: Config, actor_index: int, restart: int = 0) -> int:
-    return config.seed * 1_000_003 + actor_index * 10_007 + restart * 101
-
-
 def _take_slots(free_queue: Any, count: int, stop_event: Any, heartbeat: Any = lambda: None) -> list[int] | None:
     """`count` slot numbers from this actor's free pipe; None when stopped."""
     slots = []
@@ -119,14 +116,17 @@ def _take_slots(free_queue: Any, count: int, stop_event: Any, heartbeat: Any = l
 
 
 def run_actor(actor_index: int, config: Config, buffers: Buffers, model: Net, channels: ActorChannels,
-              restart: int = 0, max_unrolls: int | None = None, inference_connections: Any = None) -> None:
+              seeds: LifeSeeds | None = None, max_unrolls: int | None = None,
+              inference_connections: Any = None) -> None:
     """Fill slots until `channels.stop_event` is set (or `max_unrolls` unrolls per env are done).
 
+    `seeds`: this life's env seeds and sampling seed (default: the actor's first life in a new run).
     `inference_connections`: with --inference central, one pipe to the inference thread per env split.
     Changes no process-wide state (signals, threads): the process that runs it sets those up.
     """
+    seeds = seeds if seeds is not None else first_life(config.seed, actor_index, config.envs_per_actor)
     try:
-        _act(actor_index, config, buffers, model, channels, restart, max_unrolls, inference_connections)
+        _act(actor_index, config, buffers, model, channels, seeds, max_unrolls, inference_connections)
     except (KeyboardInterrupt, StopActing):
         pass
     except Exception:
@@ -135,20 +135,20 @@ def run_actor(actor_index: int, config: Config, buffers: Buffers, model: Net, ch
 
 
 def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channels: ActorChannels,
-         restart: int, max_unrolls: int | None, inference_connections: Any) -> None:
+         seeds: LifeSeeds, max_unrolls: int | None, inference_connections: Any) -> None:
     """Run the actor's env splits in turn: each acts until it has sent actions to its envs, then the next
     one acts while those envs step (ale-py steps them in its own thread). One split acts and waits."""
-    seed = actor_seed(config, actor_index, restart)
     heartbeat = Heartbeat(channels, actor_index)
     heartbeat()
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seeds.sampling_seed)
     splits = config.env_splits
     per_split = config.envs_per_actor // splits
     envs = []
     try:
         loops = []
         for split in range(splits):
-            env = EnvBatch(config.env, per_split, seed + split * per_split, episodic_life=config.episodic_life,
+            split_seeds = seeds.env_seeds[split * per_split:(split + 1) * per_split]
+            env = EnvBatch(config.env, per_split, split_seeds, episodic_life=config.episodic_life,
                            fire_on_life_loss=config.fire_on_life_loss)
             envs.append(env)
             if inference_connections is not None:

@@ -37,7 +37,8 @@ class Config:
                              "plot mode takes several", nargs="+", metavar="XPID")
     savedir: str = _flag("runs", "directory that holds one subdirectory per run")
     resume: bool = _flag(False, "continue the run XPID from its last checkpoint (same as re-running its xpid)")
-    seed: int = _flag(0, "seed for envs, weights and action sampling")
+    seed: int = _flag(0, "seed for envs, weights and action sampling, in [0, 2^31); every actor life of a run "
+                      "gets its own env seeds and sampling stream from it")
 
     # Acting.
     num_actors: int = _flag(4, "actor processes")
@@ -140,6 +141,8 @@ class Config:
         for name in ("entropy_cost", "baseline_cost", "momentum", "inference_wait_ms", "actor_timeout_s"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.seed < 2**31:  # ale-py takes int32 env seeds
+            problems.append(f"--seed must be in [0, 2^31) = [0, {2**31 - 1}], got {self.seed}")
         if not 0 <= self.discounting <= 1:
             problems.append(f"--discounting must be in [0, 1], got {self.discounting}")
         if not 0 < self.ppo_clip < 1:

@@ -14,6 +14,7 @@ steps all its envs together, so in those games (FIRE and lives) each env gets a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,7 @@ import gymnasium as gym
 import numpy as np
 
 from impala.config import UserError
+from impala.seeding import env_seeds
 
 _registered = False
 FIRE = 1  # the action index Baselines' FireResetEnv checks for the meaning FIRE
@@ -72,10 +74,14 @@ class EnvBatch:
     observation_dtype: np.dtype
     num_actions: int
 
-    def __init__(self, env_id: str, num_envs: int, seed: int, *, episodic_life: bool = False,
+    def __init__(self, env_id: str, num_envs: int, seed: int | Sequence[int], *, episodic_life: bool = False,
                  fire_on_life_loss: bool = True) -> None:
+        """`seed`: one seed per env, or the first of `num_envs` consecutive ones (wrapped below 2^31, which
+        ale-py requires)."""
         self.num_envs = num_envs
-        self._seed = seed
+        self._seeds = env_seeds(seed, num_envs) if isinstance(seed, int) else tuple(seed)
+        if len(self._seeds) != num_envs:
+            raise ValueError(f"{len(self._seeds)} seeds for {num_envs} envs")
         self._episodic_life = False
         self._fire_on_life_loss = False
         self._lives = np.zeros(num_envs, np.int64)
@@ -112,7 +118,8 @@ class EnvBatch:
         return obs if obs.dtype == self.observation_dtype else obs.astype(self.observation_dtype)
 
     def reset(self) -> np.ndarray:
-        obs, info = self._env.reset(seed=self._seed)
+        seeds = np.array(self._seeds, np.int64) if self._atari else list(self._seeds)
+        obs, info = self._env.reset(seed=seeds)
         self._lives = np.asarray(info.get("lives", self._lives), np.int64).copy()
         self._return[:] = 0
         self._length[:] = 0
@@ -207,9 +214,9 @@ class _OneVectorEnvEach:
         self.single_observation_space = self._envs[0].single_observation_space
         self.single_action_space = self._envs[0].single_action_space
 
-    def reset(self, seed: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        # seeds seed, seed + 1, ...: what one vector env of N envs gives them
-        results = [env.reset(seed=seed + i) for i, env in enumerate(self._envs)]
+    def reset(self, seed: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """`seed`: one per env, as one vector env of N envs takes them."""
+        results = [env.reset(seed=int(seed[i])) for i, env in enumerate(self._envs)]
         return np.concatenate([obs for obs, _ in results]), {"lives": np.concatenate([i["lives"] for _, i in results])}
 
     def send(self, actions: np.ndarray) -> None:

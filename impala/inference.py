@@ -46,17 +46,22 @@ class InferenceServer:
         if device.type == "cuda":
             self._staging = {key: tensor.pin_memory() for key, tensor in self._staging.items()}
         self._lock = threading.Lock()
+        self._replaced: list[Connection] = []  # pipes of dead actors, for the serving thread to close
         self.batches = 0  # forwards run
         self.served = 0  # client requests answered
 
     def connect(self, client: int, connection: Connection) -> None:
         """Serve `client` (one env split of one actor) on `connection`. A restarted actor gets new pipes: a
-        request its predecessor left unanswered goes away with the old one."""
+        request its predecessor left unanswered goes away with the old one.
+
+        The old pipe is closed by the serving thread at its next snapshot, not here: `serve_once` may be
+        waiting on it right now, and `wait()` on a closed Connection raises OSError.
+        """
         with self._lock:
             old = self.connections.get(client)
             self.connections[client] = connection
-        if old is not None:
-            old.close()
+            if old is not None:
+                self._replaced.append(old)
 
     def serve(self, stop: threading.Event) -> None:
         """Answer requests until `stop` is set."""
@@ -70,6 +75,9 @@ class InferenceServer:
         """
         with self._lock:
             connections = dict(self.connections)
+            replaced, self._replaced = self._replaced, []
+        for connection in replaced:  # no snapshot holds them any more
+            connection.close()
         if not connections:
             time.sleep(timeout_s)
             return 0

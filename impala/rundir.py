@@ -44,8 +44,12 @@ def prepare_run_directory(run_dir: Path) -> None:
     remove_stale_temporaries(run_dir)
 
 
-def write_run_files(config: Config, run_dir: Path, resuming: bool) -> None:
-    """flags.json, meta.json (versions, commit, start time) and the `latest` file beside the run."""
+def write_run_files(config: Config, run_dir: Path, resuming: bool) -> int:
+    """flags.json, meta.json (versions, commit, start time) and the `latest` file beside the run.
+
+    Returns this session's number: 0 for a new run, then one more for every start recorded in meta.json
+    (a resumed session killed before its next checkpoint counts too).
+    """
     (run_dir / "flags.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     meta_path = run_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if resuming and meta_path.exists() else {}
@@ -53,6 +57,7 @@ def write_run_files(config: Config, run_dir: Path, resuming: bool) -> None:
     meta.update(versions(), command=" ".join(sys.argv), git_commit=git_commit(), ended=None, end_reason=None)
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     write_latest(run_dir)
+    return len(meta["starts"]) - 1
 
 
 def write_latest(run_dir: Path) -> None:

@@ -43,6 +43,7 @@ from impala.inference import InferenceServer
 from impala.metrics import STATUS, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
 from impala.rundir import finish_run_files, prepare_run_directory, run_directory, write_run_files
+from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
 from impala.slots import SlotLedger
 
 log = logging.getLogger("impala")
@@ -91,6 +92,7 @@ class Run:
     learner_model: Any = None  # `model`, or its torch.compile'd wrapper (same parameters) with --compile
     inference: InferenceServer | None = None  # --inference central
     inference_thread: threading.Thread | None = None
+    inference_error: Exception | None = None  # why the inference thread died; the monitor stops the run
     stop_inference: threading.Event = field(default_factory=threading.Event)
     step: int = 0
     updates: int = 0
@@ -102,6 +104,7 @@ class Run:
     skipped_updates: int = 0
     actors: list = field(default_factory=list)
     actor_restarts: list = field(default_factory=list)  # restart times, for the crash-rate limit
+    lives: ActorLives | None = None  # numbers every actor start and hands it its seeds
     learner_threads: list = field(default_factory=list)
     learner_errors: list = field(default_factory=list)
     update_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -215,21 +218,24 @@ def build(config: Config) -> Run:
                              if config.inference == "central" else None),
     )
     step = int(checkpoint["step"]) if checkpoint is not None else 0
-    write_run_files(config, run_dir, resuming)
+    session = write_run_files(config, run_dir, resuming)
     runlog = RunLog(run_dir, purge_step=step if resuming else None)
     runlog.flags(config.to_dict(), step)
     run = Run(config, run_dir, device, model, actor_model, optimizer, scheduler, buffers, channels, slots, ctx, runlog,
-              step=step, start_step=step, saved_step=step if checkpoint is not None else None)
+              step=step, start_step=step, saved_step=step if checkpoint is not None else None,
+              lives=ActorLives(config.seed, session))
     run.amp = use_amp(config.amp, device, model.model)
     # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
     run.learner_model = torch.compile(model) if config.compile else model
     if config.inference == "central":
         run.inference = InferenceServer(model, buffers, channels.inference_positions, device, run.amp,
-                                        config.inference_wait_ms / 1000, seed=config.seed)
+                                        config.inference_wait_ms / 1000,
+                                        seed=sampling_seed(config.seed, session, INFERENCE_STREAM, 0))
     if checkpoint is not None:
         run.updates = int(checkpoint.get("updates", 0))
         run.skipped_updates = int(checkpoint.get("skipped_updates", 0))
         run.episodes = int(checkpoint.get("episodes", 0))
+        run.lives.load_state_dict(checkpoint)
         channels.policy_version.value = run.updates
     return run
 
@@ -247,22 +253,28 @@ def load_state(target: Any, state: dict[str, Any], path: Path) -> None:
 # ----------------------------------------------------------------------------------------- start
 
 
-def start_actor(run: Run, actor_index: int, restart: int = 0) -> Any:
-    """Start actor `actor_index` (its `restart`-th replacement when > 0) and log its pid."""
+def start_actor(run: Run, actor_index: int) -> Any:
+    """Start a new life of actor `actor_index`, with seeds no other life of the run had, and log its pid."""
+    seeds = run.lives.next_life(actor_index, run.config.envs_per_actor)
     pipes = [run.ctx.Pipe() for _ in range(run.config.env_splits)] if run.inference is not None else []
     run.channels.heartbeats[actor_index] = time.monotonic()  # start-up counts as progress until it beats
     process = run.ctx.Process(
         target=_actor_process, name=f"actor-{actor_index}",
         args=(os.getpid(), actor_index, run.config, run.buffers, run.actor_model,
-              run.channels._replace(free_queue=run.slots.free_queue(actor_index)), restart),
+              run.channels._replace(free_queue=run.slots.free_queue(actor_index)), seeds),
         kwargs={"inference_connections": [actor_end for _, actor_end in pipes] if pipes else None},
     )
     process.start()
     for split, (main_end, actor_end) in enumerate(pipes):
         actor_end.close()  # only the actor holds its end, so its death reads as end-of-file here
         run.inference.connect(actor_index * run.config.env_splits + split, main_end)
-    log.info("Actor %d started (pid %d)", actor_index, process.pid)
+    log.info("Actor %d started (pid %d); life %d, env seeds %s", actor_index, process.pid, seeds.life,
+             _seed_range(seeds.env_seeds))
     return process
+
+
+def _seed_range(seeds: tuple[int, ...]) -> str:
+    return f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
 
 
 def start_actors(run: Run) -> None:
@@ -318,9 +330,16 @@ def start_inference(run: Run) -> None:
     """--inference central: the thread that answers actors' requests for actions."""
     if run.inference is None:
         return
-    run.inference_thread = threading.Thread(target=run.inference.serve, args=(run.stop_inference,),
-                                            name="inference", daemon=True)
+    run.inference_thread = threading.Thread(target=_inference_thread, args=(run,), name="inference", daemon=True)
     run.inference_thread.start()
+
+
+def _inference_thread(run: Run) -> None:
+    try:
+        run.inference.serve(run.stop_inference)
+    except Exception as exc:  # logged here with its traceback; the monitor stops the run
+        log.exception("The inference thread failed")
+        run.inference_error = exc
 
 
 def start_learners(run: Run) -> None:
@@ -429,11 +448,7 @@ def monitor(run: Run) -> str:
     last_log_time = last_checkpoint_time = start_time = time.monotonic()
     last_log_step = run.step
     while True:
-        if run.learner_errors:
-            error = run.learner_errors[0]
-            if isinstance(error, TrainingError):
-                raise error
-            raise TrainingError(f"learner thread failed: {error!r}") from error
+        _check_threads(run)
         if run.step >= config.total_steps:
             _drain_episodes(run)  # the last games and a 100% progress line, at total_steps
             now = time.monotonic()
@@ -449,6 +464,20 @@ def monitor(run: Run) -> str:
             _periodic_checkpoint(run)
             last_checkpoint_time = now
         time.sleep(0.05)
+
+
+def _check_threads(run: Run) -> None:
+    """Raise TrainingError when a learner or the inference thread died: without them actors wait forever
+    (and keep beating their heartbeat while they wait for actions)."""
+    if run.learner_errors:
+        error = run.learner_errors[0]
+        if isinstance(error, TrainingError):
+            raise error
+        raise TrainingError(f"learner thread failed: {error!r}") from error
+    if run.inference_error is not None:
+        error = run.inference_error
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise TrainingError(f"the central inference thread failed: {type(error).__name__}: {first_line}") from error
 
 
 def _drain_episodes(run: Run) -> None:
@@ -486,7 +515,7 @@ def _check_actors(run: Run) -> None:
                 f"(--max_actor_restarts {run.config.max_actor_restarts}); last: actor {index}, {how}"
                 + (f"\n{detail}" if detail else ""))
         returned = run.slots.reclaim(index)
-        run.actors[index] = start_actor(run, index, restart=len(run.actor_restarts))
+        run.actors[index] = start_actor(run, index)
         log.warning("Restarted actor %d (%d slots returned; %d restarts in the last %.0f s, at most %d)", index,
                     returned, len(run.actor_restarts), RESTART_WINDOW_S, run.config.max_actor_restarts)
 
@@ -610,6 +639,7 @@ def checkpoint(run: Run) -> None:
             "updates": run.updates,
             "skipped_updates": run.skipped_updates,
             "episodes": run.episodes,
+            **run.lives.state_dict(),
         }
     state.update(flags=run.config.to_dict(), model=run.model.model, observation_shape=list(run.model.observation_shape),
                  num_actions=run.model.num_actions)

@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from impala.actor import ActorChannels, actor_seed, run_actor
+from impala.actor import ActorChannels, run_actor
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.config import Config
 from impala.environment import EnvBatch
 from impala.model import Net
+from impala.seeding import first_life
 
 POLICY_VERSION = 7
 
@@ -136,7 +137,8 @@ def test_rows_replay_against_the_env(rollout: Rollout) -> None:
     """Stepping a fresh copy of the actor's envs with the recorded actions reproduces every row t + 1."""
     config = rollout.config
     T, n = config.unroll_length, config.envs_per_actor
-    env = EnvBatch(config.env, n, actor_seed(config, 0), episodic_life=config.episodic_life)
+    seeds = first_life(config.seed, 0, config.envs_per_actor).env_seeds
+    env = EnvBatch(config.env, n, seeds, episodic_life=config.episodic_life)
     try:
         obs = env.reset()
         for i in range(n):
@@ -238,7 +240,7 @@ def test_atari_splits_step_in_turn_and_replay_like_one_batch() -> None:
     assert rollout.errors == []
     assert not torch.equal(rollout.field(0, 0, "obs")[0], rollout.field(0, 0, "obs")[-1])  # the game moved
     config = rollout.config
-    env = EnvBatch(config.env, 2, actor_seed(config, 0))
+    env = EnvBatch(config.env, 2, first_life(config.seed, 0, config.envs_per_actor).env_seeds)
     try:
         obs = env.reset()
         for i in range(2):

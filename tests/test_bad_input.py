@@ -58,6 +58,8 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--env_splits", "3"], r"--envs_per_actor 2 must be a multiple of --env_splits 3"),
     (["--use_lstm", "--inference", "central"], r"--use_lstm is not supported with --inference central"),
     (["--resume"], r"--resume needs --xpid"),
+    (["--seed", "-5"], r"--seed must be in \[0, 2\^31\) = \[0, 2147483647\], got -5"),
+    (["--seed", str(2**31)], r"--seed must be in \[0, 2\^31\) = \[0, 2147483647\], got 2147483648"),
     (["--unroll_length", "many"], r"invalid int value: 'many'"),
     (["--no_such_flag"], r"unrecognized arguments: --no_such_flag"),
 ])

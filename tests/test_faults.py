@@ -7,13 +7,22 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
+import sys
 import time
 import types
 from pathlib import Path
 
 import pytest
 import torch
-from process_helpers import Training, checkpoint_step, wait_until_gone
+from process_helpers import (
+    REPO_ROOT,
+    SMALL_RUN,
+    Training,
+    checkpoint_step,
+    group_processes,
+    wait_until_gone,
+)
 
 from impala import learner, training
 from impala.config import Config
@@ -78,6 +87,60 @@ def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None
     finally:
         run.close()
     assert checkpoint_step(run.run_dir) >= step_at_restart + 2_000
+
+
+def test_a_killed_actor_under_central_inference_is_replaced_and_the_run_ends_at_its_total(tmp_path: Path) -> None:
+    total_steps = 6_000
+    # While it waits for a fuller batch the inference thread keeps waiting on the dead actor's pipe, which
+    # reads as ready (end of file): the monitor replaces that pipe in the middle of the wait.
+    run = Training(tmp_path, "kill-central", "--inference", "central", "--inference_wait_ms", "20",
+                   total_steps=total_steps)
+    try:
+        run.wait_for_steps(500)
+        victim = run.actor_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        run.wait_for(rf"Actor 0 \(pid {victim}\) died: killed by SIGKILL", timeout=15)
+        run.wait_for(r"Restarted actor 0 \(\d+ slots returned", timeout=15)
+        assert run.wait(timeout=180) == 0
+        assert wait_until_gone(run.pgid, timeout=30) == []
+    finally:
+        run.close()
+    assert "inference thread failed" not in run.text()
+    assert checkpoint_step(run.run_dir) == total_steps
+
+
+# Runs run.py with InferenceServer._act raising on its 200th call: a fault in the inference thread's forward.
+_FAILING_INFERENCE = """
+import sys
+import run
+from impala.inference import InferenceServer
+act, calls = InferenceServer._act, []
+def failing_act(self, clients):
+    calls.append(clients)
+    if len(calls) == 200:
+        raise RuntimeError("injected fault")
+    act(self, clients)
+InferenceServer._act = failing_act
+sys.exit(run.main(sys.argv[1:]))
+"""
+
+
+def test_a_failed_inference_thread_stops_the_run_with_one_line_and_keeps_a_checkpoint(tmp_path: Path) -> None:
+    args = [*SMALL_RUN, "--inference", "central", "--total_steps", "10000000", "--savedir", str(tmp_path),
+            "--xpid", "dead-inference"]
+    process = subprocess.Popen([sys.executable, "-c", _FAILING_INFERENCE, *args], cwd=REPO_ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=120)  # a hang (the fault unnoticed) fails here
+    finally:
+        for pid in group_processes(process.pid):
+            os.kill(pid, signal.SIGKILL)
+        process.wait()
+    assert process.returncode == 1, stdout[-3000:] + stderr
+    assert stderr == "run.py: training failed: the central inference thread failed: RuntimeError: injected fault\n"
+    out_log = (tmp_path / "dead-inference" / "out.log").read_text()
+    assert "Traceback (most recent call last)" in out_log and "RuntimeError: injected fault" in out_log
+    assert checkpoint_step(tmp_path / "dead-inference") > 0  # what was learned before the fault is saved
 
 
 def test_a_hung_actor_is_killed_and_replaced(tmp_path: Path) -> None:

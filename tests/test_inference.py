@@ -153,3 +153,36 @@ def test_an_actor_with_two_splits_is_served_as_two_clients():
         expected, _ = model(obs.transpose(0, 1), done.transpose(0, 1))
     torch.testing.assert_close(buffers["policy_logits"][:, :5], expected.policy_logits.transpose(0, 1))
     torch.testing.assert_close(buffers["baseline"][:, :5], expected.baseline.transpose(0, 1))
+
+
+class _ReconnectOnReceive:
+    """A client's pipe whose next request arrives just as the monitor replaces another client's pipe:
+    the moment `serve_once` still holds the replaced pipe in its snapshot of the connections."""
+
+    def __init__(self, connection, on_receive) -> None:
+        self._connection = connection
+        self._on_receive = on_receive
+
+    def fileno(self) -> int:
+        return self._connection.fileno()
+
+    def recv_bytes(self) -> bytes:
+        self._on_receive()
+        return self._connection.recv_bytes()
+
+    def send_bytes(self, data: bytes) -> None:
+        self._connection.send_bytes(data)
+
+
+def test_a_pipe_replaced_while_a_batch_gathers_is_served_afterwards_not_waited_on_closed():
+    server, buffers, positions, _, ends = make_server(num_actors=2, wait_s=0.3)
+    old_main_end = server.connections[0]
+    new_main_end, new_actor_end = Pipe()
+    server.connections[1] = _ReconnectOnReceive(server.connections[1], lambda: server.connect(0, new_main_end))
+    request(buffers, positions, 1, ends[1], t=0)
+    assert server.serve_once(timeout_s=1.0) == 1  # gathers with client 0's replaced pipe still in its snapshot
+    assert ends[1].poll(1.0), "the client that asked is answered"
+    request(buffers, positions, 0, new_actor_end, t=1)  # the restarted actor asks on its new pipe
+    assert server.serve_once(timeout_s=1.0) == 1
+    assert new_actor_end.poll(1.0) and set(buffers["action"][:ENVS, 1].tolist()) <= {0, 1}
+    assert old_main_end.closed, "the replaced pipe is closed once no snapshot holds it"

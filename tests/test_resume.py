@@ -1,16 +1,23 @@
 """A run stopped with SIGTERM and started again continues where it stopped: same step counter, optimiser and
-schedule, and one continuous curve in the same TensorBoard run."""
+schedule, weights in the learner and the actors, an agent that plays as well, and one continuous curve in the
+same TensorBoard run."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 import signal
 from pathlib import Path
 
 import pytest
-from process_helpers import Training, checkpoint_step, shm_left, wait_until_gone
+import torch
+from process_helpers import Training, checkpoint_step, run_py, shm_left, wait_until_gone
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from impala import training
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from impala.config import Config
+from impala.model import Net
 
 TOTAL_STEPS = 6_000  # a multiple of the 20 steps per update
 
@@ -54,3 +61,55 @@ def test_sigterm_then_resume_reaches_total_steps_with_one_curve(tmp_path: Path) 
     assert steps == sorted(steps), "one curve: no second series starting again from zero"
     assert steps[0] < stopped_at < steps[-1]
     assert len(list(first.run_dir.glob("events.out.tfevents.*"))) == 2  # both sessions in the same run
+
+
+def _cartpole(savedir: Path, total_steps: int) -> Config:
+    return Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=5, batch_size=4,
+                  num_learner_threads=1, hidden_size=16, learning_rate=0.01, total_steps=total_steps,
+                  log_interval_s=0.5, disable_cuda=True, savedir=str(savedir), xpid="weights")
+
+
+@pytest.mark.parametrize("inference", ["actor", "central"])
+def test_a_resumed_run_starts_with_the_checkpoints_weights_in_the_learner_and_the_actors(
+        tmp_path: Path, inference: str) -> None:
+    run_dir = training.train(dataclasses.replace(_cartpole(tmp_path, 400), inference=inference))
+    saved = load_checkpoint(run_dir / CHECKPOINT_NAME)["model_state_dict"]
+    torch.manual_seed(0)
+    untrained = Net((4,), 2, "mlp", False, 16).state_dict()
+    assert any(not torch.equal(saved[k], untrained[k]) for k in saved), "the first session learned"
+    run = training.build(dataclasses.replace(_cartpole(tmp_path, 800), inference=inference, resume=True))
+    try:
+        acting_model = run.inference.model if run.inference is not None else run.actor_model
+        for model in (run.model, run.learner_model, acting_model):
+            state = model.state_dict()
+            assert state.keys() == saved.keys()
+            for key, value in saved.items():
+                assert torch.equal(state[key].cpu(), value), key
+    finally:
+        training.shutdown(run, save=False)
+
+
+def _test_mode_mean(savedir: Path, xpid: str) -> float:
+    result = run_py("--mode", "test", "--env", "CartPole-v1", "--savedir", str(savedir), "--xpid", xpid,
+                    "--test_episodes", "10")
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"Mean return over 10 episodes: ([-\d.]+)", result.stdout)
+    assert match is not None, result.stdout
+    return float(match.group(1))
+
+
+@pytest.mark.slow
+def test_a_resumed_cartpole_agent_plays_as_well_as_before_it_stopped(tmp_path: Path) -> None:
+    readme_command = ("--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
+                      "--batch_size", "8", "--learning_rate", "0.001", "--entropy_cost", "0.01",
+                      "--savedir", str(tmp_path), "--xpid", "cartpole", "--disable_cuda")
+    first = run_py(*readme_command, "--total_steps", "300000", timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    before = _test_mode_mean(tmp_path, "cartpole")
+    assert before >= 450
+    # A few more updates at the end of the decayed learning rate: far too few to learn CartPole again.
+    resumed = run_py(*readme_command, "--total_steps", "304000", timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "Resuming from step 300,000" in resumed.stdout or "Resuming from step 300000" in resumed.stdout
+    assert checkpoint_step(tmp_path / "cartpole") == 304_000
+    assert _test_mode_mean(tmp_path, "cartpole") >= 450

@@ -92,3 +92,17 @@ def test_pong_smoke_run(tmp_path: Path) -> None:
     assert state["num_actions"] == 6
     assert tuple(state["observation_shape"]) == (4, 84, 84)
     assert state["model"] == "shallow"
+
+
+@pytest.mark.parametrize(("env", "seed"), [("PongNoFrameskip-v4", 5000), ("PongNoFrameskip-v4", 2**31 - 1),
+                                           ("CartPole-v1", 5000)])
+def test_any_seed_below_2_31_trains(tmp_path: Path, env: str, seed: int) -> None:
+    """ale-py takes int32 env seeds: every actor's env seeds stay below 2^31 whatever --seed is."""
+    result = _run(["--env", env, "--seed", str(seed), "--num_actors", "2", "--envs_per_actor", "2",
+                   "--unroll_length", "5", "--batch_size", "2", "--total_steps", "100", "--disable_cuda",
+                   "--savedir", str(tmp_path), "--xpid", "seeded"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "died" not in (tmp_path / "seeded" / "out.log").read_text()
+    state = torch.load(tmp_path / "seeded" / "model.tar", map_location="cpu", weights_only=True)
+    assert state["step"] == 100
+    assert state["actor_lives"] == 2 and state["env_seeds_used"] == 4  # one life per actor: none died
