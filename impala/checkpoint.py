@@ -136,8 +136,8 @@ def keep_step_copy(path: Path, step: int, keep: int) -> list[Path]:
 
     A hard link costs no copy and survives the next rename over `path`; where links are refused (some
     network or FUSE file systems) the file is copied. Either is made under a temporary name and renamed,
-    so a kill never leaves a torn copy. "Newest" is by write time, not by step: after a resume from an
-    earlier checkpoint the copies of the abandoned later steps go first. Returns the deleted copies.
+    so a kill never leaves a torn copy. "Newest" is by write time, not by step, so that a run resumed from
+    an earlier checkpoint (--checkpoint best) keeps its new copies. Returns the deleted copies.
     """
     if keep <= 0:
         return []
