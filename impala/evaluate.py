@@ -4,6 +4,7 @@ newest weights, played in the evaluation process that `training` starts). Both g
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -112,16 +113,17 @@ def serve_evaluations(model: Net, config: Config, connection: Connection) -> Non
 
     For each request `(number, step)` it plays `config.eval_episodes` full games with `model` (the shared
     copy the main process fills with the weights of agent step `step` and leaves alone until the answer
-    comes) and answers `(number, step, returns)`.
+    comes) and answers `(number, step, returns, cpu_s)`, `cpu_s` the CPU seconds this process spent on it.
     """
     while True:
         try:
             number, step = connection.recv()
         except EOFError:
             return
+        start_cpu_s = time.process_time()
         returns = play(model, config.env, config.eval_episodes, config.seed + EVAL_SEED_OFFSET + number,
                        greedy=config.eval_actions == "greedy")
-        connection.send((number, step, returns))
+        connection.send((number, step, returns, time.process_time() - start_cpu_s))
 
 
 # Atari plays at 60 frames/s and an agent step is 4 frames; other envs have no common clock.

@@ -766,12 +766,12 @@ def _receive_evaluation(run: Run, evaluator: Evaluator) -> None:
     if message[0] == "error":
         evaluator.error_text = message[1]
         return
-    number, step, returns = message
+    number, step, returns, cpu_s = message
     if evaluator.pending is None or number != evaluator.pending["number"]:
         log.warning("Ignoring an unexpected evaluation (number %s, step %s)", number, step)
         return
     pending, evaluator.pending = evaluator.pending, None
-    _finish_evaluation(run, evaluator, pending, returns)
+    _finish_evaluation(run, evaluator, {**pending, "cpu_s": cpu_s}, returns)
 
 
 def _request_evaluation(run: Run, evaluator: Evaluator) -> None:
@@ -796,10 +796,14 @@ def _request_evaluation(run: Run, evaluator: Evaluator) -> None:
 def _finish_evaluation(run: Run, evaluator: Evaluator, pending: dict, returns: list[float]) -> None:
     """Log the evaluation against the step of the weights it played with; keep the agent if it is the best."""
     mean, std = statistics.fmean(returns), statistics.pstdev(returns)
-    run.runlog.scalars(pending["step"], {"eval/episodic_return_mean": mean, "eval/episodic_return_std": std})
+    scalars = {"eval/episodic_return_mean": mean, "eval/episodic_return_std": std}
+    if "cpu_s" in pending:  # what evaluation costs: CPU seconds per evaluation, against the eval interval
+        scalars["eval/cpu_s"] = pending["cpu_s"]
+    run.runlog.scalars(pending["step"], scalars)
     better = evaluator.best is None or mean > evaluator.best[0]
-    log.info("Evaluation at step %d: mean return %.2f (std %.2f, %d games)%s", pending["step"], mean, std,
-             len(returns), "" if better else f"; the best is {evaluator.best[0]:.2f} at step {evaluator.best[1]}")
+    log.info("Evaluation at step %d: mean return %.2f (std %.2f, %d games, %.2f CPU s)%s", pending["step"], mean,
+             std, len(returns), pending.get("cpu_s", float("nan")),
+             "" if better else f"; the best is {evaluator.best[0]:.2f} at step {evaluator.best[1]}")
     if better:
         _save_best(run, evaluator, pending, returns)
 

@@ -117,13 +117,13 @@ def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
     server = threading.Thread(target=serve_evaluations, args=(model, config, process_end))
     server.start()
     main_end.send((2, 1234))
-    number, step, returns = main_end.recv()
+    number, step, returns, cpu_s = main_end.recv()
     main_end.close()  # end-of-file ends the loop
     server.join(timeout=30)
     assert not server.is_alive()
     assert (number, step) == (2, 1234)
     assert returns == play(model, "CartPole-v1", 3, 7 + EVAL_SEED_OFFSET + 2, greedy=True)
-    assert len(returns) == 3 and all(r >= 1 for r in returns)
+    assert len(returns) == 3 and all(r >= 1 for r in returns) and cpu_s > 0
 
 
 def _fake_run(tmp_path: Path, best: tuple[float, int] | None) -> types.SimpleNamespace:
@@ -135,7 +135,7 @@ def _fake_run(tmp_path: Path, best: tuple[float, int] | None) -> types.SimpleNam
 
 def test_only_a_better_evaluation_replaces_the_best(tmp_path: Path) -> None:
     run_ = _fake_run(tmp_path, best=None)
-    pending = {"number": 1, "step": 100, "updates": 5, "episodes": 9}
+    pending = {"number": 1, "step": 100, "updates": 5, "episodes": 9, "cpu_s": 0.5}
     training._finish_evaluation(run_, run_.evaluator, pending, [20.0, 30.0])
     saved = load_checkpoint(tmp_path / BEST_CHECKPOINT_NAME)
     assert (saved["step"], saved["eval_return_mean"], saved["eval_return_std"]) == (100, 25.0, 5.0)
@@ -155,6 +155,7 @@ def test_only_a_better_evaluation_replaces_the_best(tmp_path: Path) -> None:
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars(EVAL_TAG)] == [(100, 25), (200, 25), (300, 11), (400, 40)]
     assert [e.value for e in events.Scalars("eval/episodic_return_std")] == [5, 0, 1, 0]
+    assert [e.value for e in events.Scalars("eval/cpu_s")] == [0.5] * 4
 
 
 # ---------------------------------------------------------------------------------- whole runs
