@@ -4,6 +4,7 @@ threads, locks and queues.
     main thread: build() -> start_actors() -> start_learners() -> monitor() -> shutdown()
     actor processes: actor.run_actor(), filling slots from their own free pipe into the full queue
     learner threads: take batch_size full slots, update, publish weights to the shared actor model
+    evaluation process (--eval_interval_s): evaluate.serve_evaluations(), full games with a weights snapshot
 """
 
 from __future__ import annotations
