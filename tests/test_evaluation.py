@@ -158,6 +158,22 @@ def test_only_a_better_evaluation_replaces_the_best(tmp_path: Path) -> None:
     assert [e.value for e in events.Scalars("eval/cpu_s")] == [0.5] * 4
 
 
+def test_an_evaluator_that_keeps_dying_ends_evaluation_not_training(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    run_ = _fake_run(tmp_path, best=None)
+    run_.config = Config(env="CartPole-v1", eval_interval_s=1, max_actor_restarts=0)
+    dead = types.SimpleNamespace(pid=4321, exitcode=-9, join=lambda timeout=None: None)
+    run_.evaluator.process, run_.evaluator.connection = dead, types.SimpleNamespace(close=lambda: None)
+    run_.evaluator.pending = {"number": 3, "step": 700}
+    training._replace_evaluator(run_, run_.evaluator)  # with max_actor_restarts 0 the first death is one too many
+    assert run_.evaluator.disabled and run_.evaluator.pending is None
+    assert "Evaluator (pid 4321) died: killed by SIGKILL; the evaluation of step 700 is lost, training goes on" \
+        in caplog.text
+    assert "no more evaluations in this run; training goes on" in caplog.text
+    training._check_evaluator(run_)  # a disabled evaluator is left alone: nothing to poll, nothing started
+    run_.runlog.close()
+
+
 # ---------------------------------------------------------------------------------- whole runs
 
 
@@ -241,3 +257,13 @@ def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path
     assert "New best evaluation" not in text
     assert best_path.read_bytes() == before
     assert checkpoint_step(first.run_dir) == 40_000
+
+    # --checkpoint PATH: a new run that starts from the best agent's weights and step counters.
+    branch = Training(tmp_path, "branch", "--checkpoint", str(best_path), total_steps=first_best["step"] + 2_000)
+    try:
+        assert branch.wait(timeout=120) == 0
+    finally:
+        branch.close()
+    assert f"Resuming from step {first_best['step']}" in branch.text()
+    assert f"Resumed from {best_path} (it holds no optimiser state" in branch.text()
+    assert checkpoint_step(branch.run_dir) == first_best["step"] + 2_000
