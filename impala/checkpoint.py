@@ -9,6 +9,8 @@ one. It is loaded with `torch.load(weights_only=True)`: a checkpoint is data and
 from __future__ import annotations
 
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,9 @@ import torch
 from impala.config import UserError
 
 CHECKPOINT_NAME = "model.tar"
-_TEMPORARY_PREFIX = f".{CHECKPOINT_NAME}.tmp-"
+BEST_CHECKPOINT_NAME = "model_best.tar"  # the agent of the best evaluation so far
+STEP_CHECKPOINT_PATTERN = re.compile(r"model_step_(\d+)\.tar")  # periodic copies kept with --keep_checkpoints
+_TEMPORARY_GLOB = ".*.tar.tmp-*"  # what `save_checkpoint` and `keep_step_copy` write before their rename
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
@@ -45,7 +49,7 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     Call only while no other process writes checkpoints to `directory`.
     """
     removed = []
-    for tmp in Path(directory).glob(f"{_TEMPORARY_PREFIX}*"):
+    for tmp in Path(directory).glob(_TEMPORARY_GLOB):
         tmp.unlink(missing_ok=True)
         removed.append(tmp)
     return removed
@@ -92,3 +96,64 @@ def check_compatible(state: dict[str, Any], *, env: str, model: str, use_lstm: b
     if differences:
         raise UserError(f"checkpoint {path} does not fit this run: " + "; ".join(differences)
                         + " (checkpoint vs flags); pass the run's own flags or use a new --xpid")
+
+
+def find_checkpoint(run_dir: Path | None, choice: str) -> Path:
+    """The file `--checkpoint CHOICE` names: latest (`run_dir`/model.tar), best (`run_dir`/model_best.tar)
+    or a path. UserError, one line, for a best or a path that is not there; a missing model.tar is left to
+    `load_checkpoint`, whose message says to train the run first."""
+    if choice == "latest" and run_dir is not None:
+        return run_dir / CHECKPOINT_NAME
+    if choice == "best" and run_dir is not None:
+        path = run_dir / BEST_CHECKPOINT_NAME
+        if not path.is_file():
+            raise UserError(f"no {BEST_CHECKPOINT_NAME} in {run_dir}: no evaluation finished in that run "
+                            "(train it with --eval_interval_s S), or use --checkpoint latest")
+        return path
+    path = Path(choice).expanduser()
+    if not path.is_file():
+        raise UserError(f"--checkpoint {choice}: no such file; pass latest, best or the path of a checkpoint file")
+    return path
+
+
+def best_so_far(run_dir: Path) -> tuple[float, int] | None:
+    """(mean evaluation return, agent step) recorded in `run_dir`/model_best.tar; None when there is none.
+
+    The file itself is the record a resumed run compares against, so a best written just before a kill
+    is never overwritten by a worse agent, whatever model.tar and meta.json say.
+    """
+    path = run_dir / BEST_CHECKPOINT_NAME
+    if not path.is_file():
+        return None
+    state = load_checkpoint(path)
+    if "eval_return_mean" not in state:
+        raise UserError(f"{path} records no evaluation score; move it away to start a new best")
+    return float(state["eval_return_mean"]), int(state["step"])
+
+
+def keep_step_copy(path: Path, step: int, keep: int) -> list[Path]:
+    """Keep checkpoint `path` also as model_step_STEP.tar beside it; delete all but the `keep` newest copies.
+
+    A hard link costs no copy and survives the next rename over `path`; where links are refused (some
+    network or FUSE file systems) the file is copied. Either is made under a temporary name and renamed,
+    so a kill never leaves a torn copy. "Newest" is by write time, not by step, so that a run resumed from
+    an earlier checkpoint (--checkpoint best) keeps its new copies. Returns the deleted copies.
+    """
+    if keep <= 0:
+        return []
+    target = path.with_name(f"model_step_{step}.tar")
+    tmp = path.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        try:
+            os.link(path, tmp)
+        except OSError:
+            shutil.copyfile(path, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    copies = [p for p in path.parent.iterdir() if STEP_CHECKPOINT_PATTERN.fullmatch(p.name)]
+    copies.sort(key=lambda p: (p.stat().st_mtime_ns, int(STEP_CHECKPOINT_PATTERN.fullmatch(p.name).group(1))))
+    removed = copies[:-keep] if len(copies) > keep else []
+    for old in removed:
+        old.unlink(missing_ok=True)
+    return removed

@@ -111,6 +111,20 @@ class Config:
                                         nargs="*", metavar="XPID")
     video: bool = _flag(False, "test mode: also write the first episode to TensorBoard in SAVEDIR/XPID as an "
                         "animated GIF (IMAGES tab, tag eval/video)")
+    plot_x: str = _flag("steps", "plot mode: x axis, agent steps or wall-clock time since the run's first point",
+                        choices=("steps", "time"))
+
+    # Evaluation while training, and the checkpoints kept.
+    eval_interval_s: float = _flag(0.0, "seconds between evaluations while training: a separate process plays "
+                                   "--eval_episodes full games with the newest weights and model_best.tar keeps "
+                                   "the best agent; 0: no evaluation (see README)")
+    eval_episodes: int = _flag(10, "full-game episodes (no episodic life, unclipped returns) per evaluation")
+    eval_actions: str = _flag("greedy", "actions in evaluations and test mode: greedy (the most likely) or sampled "
+                              "(from the policy, as the actors act)", choices=("greedy", "sampled"))
+    keep_checkpoints: int = _flag(0, "also keep the last K periodic checkpoints beside model.tar, named "
+                                  "model_step_STEP.tar; 0: only model.tar")
+    checkpoint: str = _flag("latest", "test mode and resume: the checkpoint to load: latest (model.tar of the run), "
+                            "best (its model_best.tar) or the PATH of a checkpoint file")
 
     @property
     def slots_needed(self) -> int:
@@ -131,14 +145,16 @@ class Config:
         """Every problem with these values, each with the numbers involved; empty when all is well."""
         problems = []
         positive_ints = ("num_actors", "envs_per_actor", "env_splits", "unroll_length", "total_steps", "batch_size",
-                         "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches")
+                         "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches",
+                         "eval_episodes")
         for name in positive_ints:
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in ("learning_rate", "epsilon", "grad_norm_clipping", "log_interval_s", "checkpoint_interval_s"):
             if not getattr(self, name) > 0:
                 problems.append(f"--{name} must be > 0, got {getattr(self, name)}")
-        for name in ("entropy_cost", "baseline_cost", "momentum", "inference_wait_ms", "actor_timeout_s"):
+        for name in ("entropy_cost", "baseline_cost", "momentum", "inference_wait_ms", "actor_timeout_s",
+                     "eval_interval_s", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**31:  # ale-py takes int32 env seeds
@@ -168,8 +184,8 @@ class Config:
         for name in self.plot_xpids if self.mode == "plot" else ():
             if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
                 problems.append(f"--xpid {name!r} must be a plain name (letters, digits, '.', '_', '-')")
-        if self.mode == "test" and self.xpid is None:
-            problems.append("--mode test needs --xpid NAME of a trained run")
+        if self.mode == "test" and self.xpid is None and self.checkpoint in ("latest", "best"):
+            problems.append("--mode test needs --xpid NAME of a trained run (or --checkpoint PATH)")
         if self.resume and self.xpid is None:
             problems.append("--resume needs --xpid NAME of the run to continue")
         if self.use_lstm and self.inference == "central":

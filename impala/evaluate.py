@@ -1,15 +1,18 @@
-"""Test mode: play full-game episodes with a saved agent and report the mean return."""
+"""Full-game episodes with an agent: test mode (a saved agent) and the evaluations while training (the
+newest weights, played in the evaluation process that `training` starts). Both go through `play`."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
+from impala.checkpoint import find_checkpoint, load_checkpoint
 from impala.config import Config, UserError, run_path
 from impala.environment import EnvBatch, is_atari
 from impala.metrics import RunLog
@@ -19,8 +22,8 @@ log = logging.getLogger("impala")
 
 
 def load_agent(config: Config) -> tuple[Net, dict]:
-    """The model saved in SAVEDIR/XPID, checked against the env it will play."""
-    path = run_path(config.savedir, str(config.xpid)) / CHECKPOINT_NAME
+    """The model `--checkpoint` names (latest or best of SAVEDIR/XPID, or a path), checked against the env."""
+    path = find_checkpoint(_run_dir(config), config.checkpoint)
     state = load_checkpoint(path)
     flags = state["flags"]
     if flags.get("env") != config.env:
@@ -76,23 +79,53 @@ def check_compatible_env(model: Net, env: EnvBatch) -> None:
                         f"{model.num_actions} actions; the env has {env.observation_shape} and {env.num_actions}")
 
 
+def _run_dir(config: Config) -> Path | None:
+    return run_path(config.savedir, config.xpid) if config.xpid else None
+
+
 def test(config: Config) -> float:
-    """Play `config.test_episodes` games greedily and print their mean return."""
+    """Play `config.test_episodes` games (greedy unless --eval_actions sampled) and print their mean return."""
     torch.set_num_threads(1)
     model, state = load_agent(config)
     recorder = EpisodeRecorder() if config.video else None
     returns = play(model, config.env, config.test_episodes, config.seed + 12345,
-                   on_step=recorder.add if recorder is not None else None, fire_on_life_loss=config.fire_on_life_loss)
+                   greedy=config.eval_actions == "greedy", on_step=recorder.add if recorder is not None else None,
+                   fire_on_life_loss=config.fire_on_life_loss)
     mean = float(np.mean(returns))
+    best = (f"; its evaluation while training: {state['eval_return_mean']:.2f}" if "eval_return_mean" in state
+            else "")
     print(f"Mean return over {len(returns)} episodes: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
-          f"checkpoint at step {state['step']})")
+          f"checkpoint at step {state['step']}{best})")
     if recorder is not None:
-        run_dir = run_path(config.savedir, str(config.xpid))
+        run_dir = _run_dir(config) or find_checkpoint(None, config.checkpoint).parent
         write_evaluation(run_dir, int(state["step"]), returns, recorder.frames(), VIDEO_FPS_ATARI
                          if is_atari(config.env) else VIDEO_FPS_OTHER)
         print(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {run_dir} "
               "(IMAGES tab, eval/video)")
     return mean
+
+
+# Evaluation k plays games seeded EVAL_SEED_OFFSET + k after the run's seed: other games than the actors'
+# and the test mode's, and other games in every evaluation, so the best is not chosen on one fixed set.
+EVAL_SEED_OFFSET = 1_000_000
+
+
+def serve_evaluations(model: Net, config: Config, connection: Connection) -> None:
+    """The evaluation process's loop; returns when the main process closes its end of `connection`.
+
+    For each request `(number, step)` it plays `config.eval_episodes` full games with `model` (the shared
+    copy the main process fills with the weights of agent step `step` and leaves alone until the answer
+    comes) and answers `(number, step, returns, cpu_s)`, `cpu_s` the CPU seconds this process spent on it.
+    """
+    while True:
+        try:
+            number, step = connection.recv()
+        except EOFError:
+            return
+        start_cpu_s = time.process_time()
+        returns = play(model, config.env, config.eval_episodes, config.seed + EVAL_SEED_OFFSET + number,
+                       greedy=config.eval_actions == "greedy")
+        connection.send((number, step, returns, time.process_time() - start_cpu_s))
 
 
 # Atari plays at 60 frames/s and an agent step is 4 frames; other envs have no common clock.

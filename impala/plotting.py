@@ -1,11 +1,14 @@
-"""Plot mode: episodic return against agent steps for one or several runs, to a PNG.
+"""Plot mode: episodic return against agent steps (or wall time) for one or several runs, to a PNG.
 
     python run.py --mode plot --savedir runs --xpid A B        # or: python -m impala.plotting --xpid A B
     python run.py --mode plot --savedir runs --plot_out cmp.png  # every run in SAVEDIR
+    python run.py --mode plot --xpid A B --plot_x time         # against wall-clock time
 
 Returns come from each run's TensorBoard event files (`charts/episodic_return`, one point per finished
 episode), or, for a run without them, from `logs.csv` (`charts/mean_return_100`). Each run is drawn
 faintly as recorded and boldly as a rolling mean, so that runs can be compared without TensorBoard.
+Evaluations while training (`eval/episodic_return_mean`: full games, no episodic life) are drawn in the
+same colour, dashed with a marker per evaluation.
 """
 
 from __future__ import annotations
@@ -25,18 +28,39 @@ from matplotlib.ticker import EngFormatter
 from impala.config import Config, UserError, parse_config, run_path
 
 RETURN_TAG = "charts/episodic_return"
+EVAL_TAG = "eval/episodic_return_mean"
 CSV_RETURN_COLUMN = "charts/mean_return_100"
 MAX_SMOOTHING_EPISODES = 100  # the usual "mean of the last 100 episodes"
 
 
 @dataclass
+class Series:
+    """[N] agent steps, wall-clock seconds since the run's first point (None from a CSV) and values, by step."""
+
+    steps: np.ndarray
+    times: np.ndarray | None
+    values: np.ndarray
+
+    @staticmethod
+    def empty() -> Series:
+        return Series(np.empty(0, np.int64), None, np.empty(0))
+
+    def sorted(self) -> Series:
+        order = np.argsort(self.steps, kind="stable")
+        return Series(self.steps[order], None if self.times is None else self.times[order], self.values[order])
+
+
+@dataclass
 class Curve:
-    """One run's returns: `steps` and `returns` are [N] arrays sorted by agent step."""
+    """One run's returns: `steps` and `returns` are [N] arrays sorted by agent step; `evaluation` holds the
+    evaluations while training (empty without them)."""
 
     name: str
     steps: np.ndarray
     returns: np.ndarray
     env: str | None = None
+    times: np.ndarray | None = None  # [N] wall-clock seconds; None for a run with only a logs.csv
+    evaluation: Series | None = None
 
 
 def plot(config: Config) -> Path:
@@ -49,14 +73,20 @@ def plot(config: Config) -> Path:
     if not names:
         raise UserError(f"no runs to plot in {savedir}; train one first or pass --savedir DIR")
     curves = [load_curve(savedir, name) for name in names]
+    if config.plot_x == "time":
+        without = [c.name for c in curves if c.times is None]
+        if without:
+            raise UserError(f"run(s) {', '.join(without)} have no TensorBoard event files, so no wall times: "
+                            "plot them with --plot_x steps")
     out = Path(config.plot_out).expanduser() if config.plot_out else savedir / "returns.png"
-    figure = returns_figure(curves)
+    figure = returns_figure(curves, x=config.plot_x)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(out, dpi=120)
     except OSError as exc:
         raise UserError(f"cannot write the plot {out}: {exc.strerror or exc}") from None
-    print(f"Wrote {out}: episodic return of {', '.join(names)}")
+    print(f"Wrote {out}: episodic return of {', '.join(names)} against "
+          f"{'agent steps' if config.plot_x == 'steps' else 'wall-clock time'}")
     return out
 
 
@@ -75,37 +105,42 @@ def load_curve(savedir: Path, name: str) -> Curve:
     if not run_dir.is_dir():
         existing = find_runs(savedir)
         raise UserError(f"no run {name!r} in {savedir} (runs there: {', '.join(existing) or 'none'})")
-    steps, returns = _returns_from_events(run_dir)
-    if len(steps) == 0:
-        steps, returns = _returns_from_csv(run_dir / "logs.csv")
-    if len(steps) == 0:
+    series = _series_from_events(run_dir, (RETURN_TAG, EVAL_TAG))
+    if len(series[RETURN_TAG].steps) == 0 and len(series[EVAL_TAG].steps) == 0:
+        series = {RETURN_TAG: _series_from_csv(run_dir / "logs.csv", CSV_RETURN_COLUMN),
+                  EVAL_TAG: _series_from_csv(run_dir / "logs.csv", EVAL_TAG)}
+    returns, evaluation = series[RETURN_TAG].sorted(), series[EVAL_TAG].sorted()
+    if len(returns.steps) == 0 and len(evaluation.steps) == 0:
         raise UserError(f"run {name!r} in {savedir} has no finished episode to plot yet")
-    order = np.argsort(steps, kind="stable")
-    return Curve(name, steps[order], returns[order], _env_of(run_dir))
+    return Curve(name, returns.steps, returns.values, _env_of(run_dir), returns.times, evaluation)
 
 
-def _returns_from_events(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+def _series_from_events(run_dir: Path, tags: Sequence[str]) -> dict[str, Series]:
+    """Each tag's points, with wall times counted from the first point of any of `tags`."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # size_guidance 0 keeps every point: the default reservoir would keep a random 10,000.
     accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 1, "tensors": 1})
     accumulator.Reload()
-    if RETURN_TAG not in accumulator.Tags()["scalars"]:
-        return np.empty(0), np.empty(0)
-    events = accumulator.Scalars(RETURN_TAG)
-    return np.array([e.step for e in events], np.int64), np.array([e.value for e in events], np.float64)
+    found = accumulator.Tags()["scalars"]
+    events = {tag: accumulator.Scalars(tag) if tag in found else [] for tag in tags}
+    start = min((e.wall_time for points in events.values() for e in points), default=0.0)
+    return {tag: Series(np.array([e.step for e in points], np.int64),
+                        np.array([e.wall_time - start for e in points], np.float64),
+                        np.array([e.value for e in points], np.float64)) if points else Series.empty()
+            for tag, points in events.items()}
 
 
-def _returns_from_csv(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    steps, returns = [], []
+def _series_from_csv(path: Path, column: str) -> Series:
+    steps, values = [], []
     if path.is_file():
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
-                value = row.get(CSV_RETURN_COLUMN) or ""
+                value = row.get(column) or ""
                 if value and math.isfinite(float(value)):
                     steps.append(int(float(row["step"])))
-                    returns.append(float(value))
-    return np.array(steps, np.int64), np.array(returns, np.float64)
+                    values.append(float(value))
+    return Series(np.array(steps, np.int64), None, np.array(values, np.float64))
 
 
 def _env_of(run_dir: Path) -> str | None:
@@ -130,25 +165,34 @@ def smoothing_window(num_points: int) -> int:
     return max(1, min(MAX_SMOOTHING_EPISODES, num_points // 10))
 
 
-def returns_figure(curves: Sequence[Curve], colors: Mapping[str, str] | None = None) -> Figure:
-    """A figure of every curve, raw and smoothed, with the run names in the legend.
+def returns_figure(curves: Sequence[Curve], colors: Mapping[str, str] | None = None, x: str = "steps") -> Figure:
+    """A figure of every curve, raw and smoothed, and its evaluations, with the run names in the legend.
 
-    Uses matplotlib's object API with the Agg canvas, so no display and no global backend change are needed.
+    `x`: "steps" (agent steps) or "time" (wall-clock hours since each run's first point; every curve needs
+    `times`). Uses matplotlib's object API with the Agg canvas: no display, no global backend change.
     """
     figure = Figure(figsize=(8, 5), layout="constrained")
     axes = figure.add_subplot()
     envs = {c.env for c in curves}
     for i, curve in enumerate(curves):
         color = (colors or {}).get(curve.name, f"C{i % 10}")
-        window = smoothing_window(len(curve.returns))
-        axes.plot(curve.steps, curve.returns, color=color, alpha=0.2, linewidth=0.8)
         label = curve.name if len(envs) == 1 or curve.env is None else f"{curve.name} ({curve.env})"
-        axes.plot(curve.steps, smooth(curve.returns, window), color=color, linewidth=2, label=label)
+        if len(curve.returns):
+            xs = curve.steps if x == "steps" else curve.times / 3600
+            window = smoothing_window(len(curve.returns))
+            axes.plot(xs, curve.returns, color=color, alpha=0.2, linewidth=0.8)
+            axes.plot(xs, smooth(curve.returns, window), color=color, linewidth=2, label=label)
+        evaluation = curve.evaluation
+        if evaluation is not None and len(evaluation.steps):
+            xs = evaluation.steps if x == "steps" else evaluation.times / 3600
+            axes.plot(xs, evaluation.values, color=color, linestyle="--", marker="o", markersize=3, linewidth=1.2,
+                      label=f"{label}: evaluation")
     single_env = next(iter(envs)) if len(envs) == 1 else None
     axes.set_title("Episodic return" + (f": {single_env}" if single_env else ""))
-    axes.set_xlabel("agent steps")
-    axes.set_ylabel("episodic return (bold: rolling mean)")
-    axes.xaxis.set_major_formatter(EngFormatter())
+    axes.set_xlabel("agent steps" if x == "steps" else "wall-clock hours since the run's first point")
+    axes.set_ylabel("episodic return (bold: rolling mean; dashed: evaluations)")
+    if x == "steps":
+        axes.xaxis.set_major_formatter(EngFormatter())
     axes.grid(alpha=0.3)
     axes.legend(loc="best")
     return figure

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from impala.checkpoint import CHECKPOINT_NAME, remove_stale_temporaries
+from impala.checkpoint import CHECKPOINT_NAME, find_checkpoint, remove_stale_temporaries
 from impala.config import LATEST_NAME, Config, UserError, run_path
 
 
@@ -24,11 +24,20 @@ def run_directory(config: Config) -> tuple[Path, bool]:
     """The run's directory and whether it resumes an existing run. Writes nothing."""
     xpid = config.xpid or f"{config.env.replace('/', '_')}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_dir = run_path(config.savedir, xpid)
-    resuming = (run_dir / CHECKPOINT_NAME).is_file()
+    resuming = resume_checkpoint(config, run_dir) is not None
     if config.resume and not resuming:
         raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from; "
                         "drop --resume to start a new run")
     return run_dir, resuming
+
+
+def resume_checkpoint(config: Config, run_dir: Path) -> Path | None:
+    """The checkpoint a training run continues from: with `--checkpoint latest` (the default) the run's
+    model.tar when there is one (else None: a new run); with best or a PATH that file, which must exist."""
+    if config.checkpoint == "latest":
+        path = run_dir / CHECKPOINT_NAME
+        return path if path.is_file() else None
+    return find_checkpoint(run_dir, config.checkpoint)
 
 
 def prepare_run_directory(run_dir: Path) -> None:
@@ -82,6 +91,16 @@ def finish_run_files(run_dir: Path, reason: str, step: int) -> None:
     if meta.get("starts"):  # this session's length; a resumed run has one start per session
         meta["duration_s"] = round((ended - datetime.fromisoformat(meta["starts"][-1])).total_seconds())
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def record_best(run_dir: Path, best: dict[str, float | int | str]) -> None:
+    """Record the best evaluation so far (step, mean and spread of its returns) in meta.json, atomically."""
+    meta_path = run_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta["best_evaluation"] = best
+    tmp = meta_path.with_name(f".meta.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp, meta_path)
 
 
 def versions() -> dict[str, str]:

@@ -4,6 +4,7 @@ threads, locks and queues.
     main thread: build() -> start_actors() -> start_learners() -> monitor() -> shutdown()
     actor processes: actor.run_actor(), filling slots from their own free pipe into the full queue
     learner threads: take batch_size full slots, update, publish weights to the shared actor model
+    evaluation process (--eval_interval_s): evaluate.serve_evaluations(), full games with a weights snapshot
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import os
 import queue
 import select
 import signal
+import statistics
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,17 +35,28 @@ from impala.actor import ActorChannels, run_actor
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.channels import RecordQueue, StopFlag
 from impala.checkpoint import (
+    BEST_CHECKPOINT_NAME,
     CHECKPOINT_NAME,
+    best_so_far,
     check_compatible,
+    keep_step_copy,
     load_checkpoint,
     save_checkpoint,
 )
 from impala.config import Config, UserError
 from impala.environment import EnvBatch, is_atari
+from impala.evaluate import serve_evaluations
 from impala.inference import InferenceServer
 from impala.metrics import STATUS, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
-from impala.rundir import finish_run_files, prepare_run_directory, run_directory, write_run_files
+from impala.rundir import (
+    finish_run_files,
+    prepare_run_directory,
+    record_best,
+    resume_checkpoint,
+    run_directory,
+    write_run_files,
+)
 from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
 from impala.slots import SlotLedger
 
@@ -57,6 +71,7 @@ ACTOR_JOIN_TIMEOUT_S = 5.0  # then terminate, then kill: shutdown is bounded wha
 RESTART_WINDOW_S = 600.0
 ACTOR_NICENESS = 10
 LOCK_PROBE_S = 1.0  # live processes hold a queue lock for microseconds; one held this long belongs to the dead
+EVALUATOR_NICENESS = 19  # evaluation plays with the CPU time actors and learners leave; it is never in their way
 
 
 class TrainingError(RuntimeError):
@@ -70,6 +85,26 @@ class Stopped(Exception):
         super().__init__(reason)
         self.reason = reason
         self.exit_code = 128 + signum
+
+
+@dataclass
+class Evaluator:
+    """The evaluation process (--eval_interval_s > 0) and what the monitor knows of it.
+
+    Only the monitor thread uses it. The monitor writes the newest weights into `model`, a shared CPU copy,
+    only while no evaluation is pending, and the evaluation process reads it only while one is: no lock.
+    """
+
+    model: Net
+    best: tuple[float, int] | None  # (mean return, agent step) recorded in model_best.tar
+    process: Any = None
+    connection: Any = None  # the main end of the pipe to `process`
+    pending: dict | None = None  # counters of the weights being evaluated: number, step, updates, episodes
+    requested: int = 0  # evaluations asked for in this session; numbers their games' seeds
+    last_request_s: float = field(default_factory=time.monotonic)
+    error_text: str = ""  # the traceback a failing evaluator sent before it died
+    deaths: list = field(default_factory=list)  # times of deaths, for the crash-rate limit
+    disabled: bool = False
 
 
 @dataclass
@@ -93,6 +128,8 @@ class Run:
     inference: InferenceServer | None = None  # --inference central
     inference_thread: threading.Thread | None = None
     inference_error: Exception | None = None  # why the inference thread died; the monitor stops the run
+    evaluator: Evaluator | None = None  # --eval_interval_s > 0
+    resumed_from: Path | None = None
     stop_inference: threading.Event = field(default_factory=threading.Event)
     step: int = 0
     updates: int = 0
@@ -167,8 +204,8 @@ def build(config: Config) -> Run:
     except ValueError as exc:
         raise UserError(str(exc)) from None
     run_dir, resuming = run_directory(config)
-    checkpoint_path = run_dir / CHECKPOINT_NAME
-    checkpoint = load_checkpoint(checkpoint_path) if resuming else None
+    checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
+    checkpoint = load_checkpoint(checkpoint_path) if checkpoint_path is not None else None
     if checkpoint is not None:
         check_compatible(checkpoint, env=config.env, model=model.model, use_lstm=config.use_lstm,
                          hidden_size=config.hidden_size, observation_shape=observation_shape,
@@ -181,6 +218,7 @@ def build(config: Config) -> Run:
     actor_model.load_state_dict(model.state_dict())
     actor_model.share_memory()
     actor_model.eval()
+    evaluator = make_evaluator(config, run_dir, observation_shape, num_actions)
 
     device = select_device(config)
     if device.type == "cpu":
@@ -190,7 +228,8 @@ def build(config: Config) -> Run:
     model = model.to(device)
     optimizer, scheduler = learner.make_optimizer(model, config)
     if checkpoint is not None:
-        load_state(optimizer, checkpoint["optimizer_state_dict"], checkpoint_path)
+        if "optimizer_state_dict" in checkpoint:  # model_best.tar holds weights only: the optimiser starts afresh
+            load_state(optimizer, checkpoint["optimizer_state_dict"], checkpoint_path)
         scheduler = learner.make_schedule(optimizer, config, start_step=int(checkpoint["step"]))
 
     core_shapes = model.core_state_shapes()
@@ -225,6 +264,7 @@ def build(config: Config) -> Run:
               step=step, start_step=step, saved_step=step if checkpoint is not None else None,
               lives=ActorLives(config.seed, session))
     run.amp = use_amp(config.amp, device, model.model)
+    run.evaluator, run.resumed_from = evaluator, checkpoint_path
     # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
     run.learner_model = torch.compile(model) if config.compile else model
     if config.inference == "central":
@@ -456,6 +496,7 @@ def monitor(run: Run) -> str:
             return "finished"
         _drain_episodes(run)
         _check_actors(run)
+        _check_evaluator(run)
         now = time.monotonic()
         if now - last_log_time >= config.log_interval_s:
             _log_progress(run, now - last_log_time, run.step - last_log_step, now - start_time)
@@ -646,6 +687,18 @@ def checkpoint(run: Run) -> None:
     save_checkpoint(run.run_dir / CHECKPOINT_NAME, state)
     run.saved_step = state["step"]
     log.info("Saved checkpoint at step %d to %s", state["step"], run.run_dir / CHECKPOINT_NAME)
+    _keep_step_copy(run, state["step"])
+
+
+def _keep_step_copy(run: Run, step: int) -> None:
+    """--keep_checkpoints: model.tar also as model_step_STEP.tar; a failure costs only the copy."""
+    try:
+        removed = keep_step_copy(run.run_dir / CHECKPOINT_NAME, step, run.config.keep_checkpoints)
+    except OSError as exc:
+        log.error("Could not keep a copy of the checkpoint at step %d: %s (model.tar is saved)", step, exc)
+        return
+    for path in removed:
+        log.info("Removed %s (--keep_checkpoints %d)", path.name, run.config.keep_checkpoints)
 
 
 def _periodic_checkpoint(run: Run) -> None:
@@ -674,6 +727,192 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+# ------------------------------------------------------------------------------------ evaluation
+
+
+def make_evaluator(config: Config, run_dir: Path, observation_shape: tuple[int, ...],
+                   num_actions: int) -> Evaluator | None:
+    """The evaluator's shared model and the best score so far (None without --eval_interval_s).
+
+    Reads model_best.tar now, in `build`, so a damaged one is refused before anything is written.
+    """
+    if not config.eval_interval_s:
+        return None
+    model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
+    model.share_memory()
+    model.eval()
+    return Evaluator(model, best_so_far(run_dir))
+
+
+def start_evaluator(run: Run) -> None:
+    """Start the evaluation process and log its pid; a no-op without --eval_interval_s."""
+    evaluator = run.evaluator
+    if evaluator is None or evaluator.disabled:
+        return
+    main_end, process_end = run.ctx.Pipe()
+    process = run.ctx.Process(target=_evaluator_process, name="evaluator",
+                              args=(os.getpid(), run.config, evaluator.model, process_end))
+    process.start()
+    process_end.close()  # only the evaluator holds its end, so its death reads as end-of-file here
+    evaluator.process, evaluator.connection, evaluator.error_text = process, main_end, ""
+    log.info("Evaluator started (pid %d): %d %s full games every %g s", process.pid, run.config.eval_episodes,
+             run.config.eval_actions, run.config.eval_interval_s)
+
+
+def _evaluator_process(main_pid: int, config: Config, model: Net, connection: Any) -> None:
+    """The body of the evaluation process: die with the run, stay out of everyone's way, play (`evaluate`)."""
+    _die_with_main_process(main_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when evaluation stops
+    torch.set_num_threads(1)
+    faulthandler.enable()
+    with contextlib.suppress(OSError):
+        os.nice(EVALUATOR_NICENESS)
+    try:
+        serve_evaluations(model, config, connection)
+    except Exception:
+        with contextlib.suppress(OSError):
+            connection.send(("error", traceback.format_exc()))  # for the report of its death
+        raise
+
+
+def _check_evaluator(run: Run) -> None:
+    """Take a finished evaluation, replace a dead evaluator, ask for the next evaluation when one is due."""
+    evaluator = run.evaluator
+    if evaluator is None or evaluator.disabled:
+        return
+    _receive_evaluation(run, evaluator)
+    if not evaluator.process.is_alive():
+        _replace_evaluator(run, evaluator)
+    elif evaluator.pending is None and time.monotonic() - evaluator.last_request_s >= run.config.eval_interval_s:
+        _request_evaluation(run, evaluator)
+
+
+def _receive_evaluation(run: Run, evaluator: Evaluator) -> None:
+    try:
+        if not evaluator.connection.poll():
+            return
+        message = evaluator.connection.recv()
+    except (EOFError, OSError):
+        return  # it died: the liveness check reports it once the process is reaped
+    if message[0] == "error":
+        evaluator.error_text = message[1]
+        return
+    number, step, returns, cpu_s = message
+    if evaluator.pending is None or number != evaluator.pending["number"]:
+        log.warning("Ignoring an unexpected evaluation (number %s, step %s)", number, step)
+        return
+    pending, evaluator.pending = evaluator.pending, None
+    _finish_evaluation(run, evaluator, {**pending, "cpu_s": cpu_s}, returns)
+
+
+def _request_evaluation(run: Run, evaluator: Evaluator) -> None:
+    """Copy the newest weights into the evaluator's model and ask for an evaluation of them.
+
+    The copy is taken under `update_lock`, between two updates, as a checkpoint's is: the weights and the
+    step recorded with them belong together. The learner waits at most for one copy of the weights.
+    """
+    with run.update_lock, torch.no_grad():
+        for target, source in zip(evaluator.model.state_dict().values(), run.model.state_dict().values()):
+            target.copy_(source)
+        counters = {"step": run.step, "updates": run.updates, "episodes": run.episodes}
+    evaluator.requested += 1
+    evaluator.last_request_s = time.monotonic()
+    try:
+        evaluator.connection.send((evaluator.requested, counters["step"]))
+    except OSError:
+        return  # it died: the liveness check replaces it
+    evaluator.pending = {"number": evaluator.requested, **counters}
+
+
+def _finish_evaluation(run: Run, evaluator: Evaluator, pending: dict, returns: list[float]) -> None:
+    """Log the evaluation against the step of the weights it played with; keep the agent if it is the best."""
+    mean, std = statistics.fmean(returns), statistics.pstdev(returns)
+    scalars = {"eval/episodic_return_mean": mean, "eval/episodic_return_std": std}
+    if "cpu_s" in pending:  # what evaluation costs: CPU seconds per evaluation, against the eval interval
+        scalars["eval/cpu_s"] = pending["cpu_s"]
+    run.runlog.scalars(pending["step"], scalars)
+    better = evaluator.best is None or mean > evaluator.best[0]
+    log.info("Evaluation at step %d: mean return %.2f (std %.2f, %d games, %.2f CPU s)%s", pending["step"], mean,
+             std, len(returns), pending.get("cpu_s", float("nan")),
+             "" if better else f"; the best is {evaluator.best[0]:.2f} at step {evaluator.best[1]}")
+    if better:
+        _save_best(run, evaluator, pending, returns)
+
+
+def _save_best(run: Run, evaluator: Evaluator, pending: dict, returns: list[float]) -> None:
+    """Write model_best.tar (atomically, as model.tar) and record it in meta.json. A failed write is reported
+    and training goes on; the best stays the previous one, so the next better evaluation tries again."""
+    mean, std = statistics.fmean(returns), statistics.pstdev(returns)
+    state = {
+        "model_state_dict": {k: v.detach().clone() for k, v in evaluator.model.state_dict().items()},
+        "step": pending["step"], "updates": pending["updates"], "episodes": pending["episodes"],
+        "eval_return_mean": mean, "eval_return_std": std, "eval_returns": list(returns),
+        "eval_actions": run.config.eval_actions, "flags": run.config.to_dict(), "model": run.model.model,
+        "observation_shape": list(run.model.observation_shape), "num_actions": run.model.num_actions,
+    }
+    path = run.run_dir / BEST_CHECKPOINT_NAME
+    try:
+        save_checkpoint(path, state)
+        record_best(run.run_dir, {"step": pending["step"], "episodic_return_mean": mean,
+                                  "episodic_return_std": std, "episodes": len(returns),
+                                  "actions": run.config.eval_actions, "checkpoint": BEST_CHECKPOINT_NAME})
+    except OSError as exc:
+        log.error("Could not save the best agent (step %d, mean return %.2f) to %s: %s; training goes on",
+                  pending["step"], mean, path, exc)
+        return
+    evaluator.best = (mean, pending["step"])
+    log.info("New best evaluation: mean return %.2f at step %d, saved to %s", mean, pending["step"], path)
+
+
+def _replace_evaluator(run: Run, evaluator: Evaluator) -> None:
+    """Report a dead evaluator and start another; evaluators that keep dying end evaluation, never training."""
+    process = evaluator.process
+    process.join()
+    evaluator.connection.close()
+    lost = f"the evaluation of step {evaluator.pending['step']} is lost" if evaluator.pending else "no evaluation lost"
+    detail = evaluator.error_text.strip()
+    log.error("Evaluator (pid %d) died: %s; %s, training goes on%s", process.pid,
+              _exit_description(process.exitcode), lost, f"\n{detail}" if detail else "")
+    now = time.monotonic()
+    evaluator.pending, evaluator.last_request_s = None, now
+    evaluator.deaths = [t for t in evaluator.deaths if now - t < RESTART_WINDOW_S] + [now]
+    if len(evaluator.deaths) > run.config.max_actor_restarts:
+        evaluator.disabled = True
+        log.error("The evaluator died %d times within %.0f s (--max_actor_restarts %d): no more evaluations "
+                  "in this run; training goes on", len(evaluator.deaths), RESTART_WINDOW_S,
+                  run.config.max_actor_restarts)
+        return
+    start_evaluator(run)
+    log.warning("Restarted the evaluator (%d deaths in the last %.0f s)", len(evaluator.deaths), RESTART_WINDOW_S)
+
+
+def _stop_evaluator(run: Run) -> None:
+    """Stop the evaluation process. An evaluation that finished is logged; one still playing is dropped
+    (a full game can take minutes: shutdown does not wait for it)."""
+    evaluator = run.evaluator
+    if evaluator is None or evaluator.process is None:
+        return
+    if not evaluator.disabled:
+        _receive_evaluation(run, evaluator)
+    process = evaluator.process
+    evaluator.connection.close()
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=ACTOR_JOIN_TIMEOUT_S)
+    if process.is_alive():
+        process.kill()
+    process.join()
+
+
+def _log_resume_details(run: Run) -> None:
+    if run.resumed_from is not None and run.resumed_from.name != CHECKPOINT_NAME:
+        log.info("Resumed from %s%s", run.resumed_from, "" if run.optimizer.state else
+                 " (it holds no optimiser state: the optimiser starts afresh)")
+    if run.evaluator is not None and run.evaluator.best is not None:
+        log.info("Best evaluation so far: mean return %.2f at step %d (%s); only a better one replaces it",
+                 *run.evaluator.best, BEST_CHECKPOINT_NAME)
+
+
 # -------------------------------------------------------------------------------------- shutdown
 
 
@@ -690,6 +929,7 @@ def shutdown(run: Run, save: bool) -> None:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
     try:
         _join_actors(run)
+        _stop_evaluator(run)
         run.stop_inference.set()
         if run.inference_thread is not None:
             run.inference_thread.join(timeout=LEARNER_JOIN_TIMEOUT_S)
@@ -798,9 +1038,11 @@ def _run(run: Run) -> Path:
                  ", bfloat16 autocast" if run.amp else "")
         if run.start_step:
             log.info("Resuming from step %d (update %d)", run.start_step, run.updates)
+        _log_resume_details(run)
         start_inference(run)
         start_actors(run)
         start_learners(run)
+        start_evaluator(run)
         reason = monitor(run)
     except KeyboardInterrupt:
         reason = "interrupted"

@@ -108,3 +108,43 @@ def test_command_line_plots_several_runs_and_other_modes_take_one_xpid(savedir: 
                              cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
     assert refused.returncode == 2
     assert refused.stderr.strip().count("\n") == 0 and "--xpid takes one name" in refused.stderr
+
+
+def _evaluated_run(savedir: Path, name: str, start_s: float) -> None:
+    """Training returns every 100 steps and 1 s, evaluations every 1,000 steps, starting at wall time `start_s`."""
+    run_dir = savedir / name
+    run_dir.mkdir(parents=True)
+    (run_dir / "flags.json").write_text(json.dumps({"env": "CartPole-v1"}))
+    with SummaryWriter(str(run_dir)) as writer:
+        for i in range(50):
+            writer.add_scalar(plotting.RETURN_TAG, 20.0 + i, 100 * i, walltime=start_s + i)
+            if i % 10 == 5:
+                writer.add_scalar(plotting.EVAL_TAG, 100.0 + i, 100 * i, walltime=start_s + i + 0.5)
+
+
+def test_evaluations_are_drawn_with_the_training_return_against_steps_or_wall_time(tmp_path: Path) -> None:
+    _evaluated_run(tmp_path, "a", start_s=1_000_000.0)
+    _evaluated_run(tmp_path, "b", start_s=2_000_000.0)
+    curve = plotting.load_curve(tmp_path, "a")
+    assert curve.evaluation.steps.tolist() == [500, 1500, 2500, 3500, 4500]
+    assert curve.evaluation.values.tolist() == [105.0, 115.0, 125.0, 135.0, 145.0]
+    assert curve.times[0] == 0 and curve.evaluation.times.tolist() == [5.5, 15.5, 25.5, 35.5, 45.5]
+    curves = [curve, plotting.load_curve(tmp_path, "b")]
+    axes = plotting.returns_figure(curves, x="time").axes[0]
+    assert [t.get_text() for t in axes.get_legend().get_texts()] == ["a", "a: evaluation", "b", "b: evaluation"]
+    assert "wall-clock hours" in axes.get_xlabel()
+    raw, _, evaluation = axes.get_lines()[:3]
+    assert raw.get_xdata()[-1] == pytest.approx(49 / 3600)  # each run from its own first point, in hours
+    assert evaluation.get_xdata().tolist() == pytest.approx([t / 3600 for t in (5.5, 15.5, 25.5, 35.5, 45.5)])
+    assert evaluation.get_linestyle() == "--"
+    steps_axes = plotting.returns_figure(curves).axes[0]
+    assert steps_axes.get_lines()[2].get_xdata().tolist() == [500, 1500, 2500, 3500, 4500]
+    out = tmp_path / "time.png"
+    plotting.plot(parse_config(["--mode", "plot", "--savedir", str(tmp_path), "--xpid", "a", "b",
+                                "--plot_x", "time", "--plot_out", str(out)]))
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_wall_time_needs_event_files(savedir: Path) -> None:
+    with pytest.raises(UserError, match=r"csv-only have no TensorBoard event files.*--plot_x steps"):
+        plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--plot_x", "time"]))

@@ -147,7 +147,8 @@ def test_plot_of_the_run_shows_its_learning_curve(trained: TrainedRun) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     curve = plotting.load_curve(trained.savedir, "cartpole")
     legend = plotting.returns_figure([curve]).axes[0].get_legend()
-    assert [t.get_text() for t in legend.get_texts()] == ["cartpole"]
+    # Test mode wrote its mean return as an evaluation (eval/episodic_return_mean at the checkpoint's step).
+    assert [t.get_text() for t in legend.get_texts()] == ["cartpole", "cartpole: evaluation"]
     smoothed = plotting.smooth(curve.returns, plotting.smoothing_window(len(curve.returns)))
     assert smoothed[-1] > 2 * smoothed[0]  # it learned: a random CartPole policy averages about 22
 

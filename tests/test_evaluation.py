@@ -1,0 +1,269 @@
+"""Evaluation while training and the checkpoints kept: the evaluation process plays the games test mode
+plays, model_best.tar holds the best evaluation (and a worse one never replaces it, resumed or not), a
+killed evaluator is reported and replaced while training goes on, --keep_checkpoints keeps the newest
+copies, and --checkpoint picks what test mode and resume load."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import types
+from multiprocessing import Pipe
+from pathlib import Path
+
+import pytest
+import torch
+from process_helpers import Training, checkpoint_step, run_py, wait_until_gone
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import run
+from impala import training
+from impala.checkpoint import (
+    BEST_CHECKPOINT_NAME,
+    CHECKPOINT_NAME,
+    best_so_far,
+    find_checkpoint,
+    keep_step_copy,
+    load_checkpoint,
+    save_checkpoint,
+)
+from impala.config import Config, UserError, parse_config
+from impala.evaluate import EVAL_SEED_OFFSET, play, serve_evaluations
+from impala.metrics import RunLog
+from impala.model import Net
+
+EVAL_TAG = "eval/episodic_return_mean"
+CARTPOLE_MAX_RETURN = 500.0  # CartPole-v1 truncates a game at 500 steps: no evaluation can score more
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    return Net((4,), 2, "mlp", False, 32)
+
+
+def _state(model: Net, step: int, **extra: object) -> dict:
+    return {"model_state_dict": model.state_dict(), "step": step, "flags": {"env": "CartPole-v1", "hidden_size": 32},
+            "model": "mlp", "observation_shape": [4], "num_actions": 2, **extra}
+
+
+# ----------------------------------------------------------------------------------- flags and files
+
+
+def test_flags_parse_and_are_validated() -> None:
+    config = parse_config(["--eval_interval_s", "10", "--eval_episodes", "5", "--eval_actions", "sampled",
+                           "--keep_checkpoints", "3", "--checkpoint", "best"])
+    assert (config.eval_interval_s, config.eval_episodes, config.eval_actions) == (10.0, 5, "sampled")
+    assert (config.keep_checkpoints, config.checkpoint) == (3, "best")
+    assert Config().eval_interval_s == 0  # off unless asked for: no CPU spent on it by default
+    problems = Config(eval_interval_s=-1, eval_episodes=0, keep_checkpoints=-2).validate()
+    assert "--eval_interval_s must be >= 0, got -1" in problems
+    assert "--eval_episodes must be >= 1, got 0" in problems
+    assert "--keep_checkpoints must be >= 0, got -2" in problems
+    assert Config(mode="test", checkpoint="some/model.tar").validate() == []  # a path needs no --xpid
+    assert any("--mode test needs --xpid" in p for p in Config(mode="test", checkpoint="best").validate())
+
+
+def test_keep_step_copy_keeps_the_newest_copies_whole(tmp_path: Path) -> None:
+    model = _net()
+    path = tmp_path / CHECKPOINT_NAME
+    for step in (100, 200, 300):
+        save_checkpoint(path, _state(model, step))
+        removed = keep_step_copy(path, step, keep=2)
+        time.sleep(0.01)  # distinct write times on coarse-grained file systems
+    assert [p.name for p in removed] == ["model_step_100.tar"]
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == [CHECKPOINT_NAME, "model_step_200.tar", "model_step_300.tar"]  # no temporary left
+    assert load_checkpoint(tmp_path / "model_step_200.tar")["step"] == 200  # the old one, not model.tar's
+    # Resumed from an earlier step: its copy is the newest written, whatever the step numbers say.
+    save_checkpoint(path, _state(model, 150))
+    assert [p.name for p in keep_step_copy(path, 150, keep=2)] == ["model_step_200.tar"]
+    assert keep_step_copy(path, 260, keep=0) == [] and not (tmp_path / "model_step_260.tar").exists()
+
+
+def test_find_checkpoint_names_what_is_missing(tmp_path: Path) -> None:
+    assert find_checkpoint(tmp_path, "latest") == tmp_path / CHECKPOINT_NAME
+    with pytest.raises(UserError, match=r"no model_best.tar in .*--eval_interval_s"):
+        find_checkpoint(tmp_path, "best")
+    with pytest.raises(UserError, match=r"--checkpoint nowhere.tar: no such file"):
+        find_checkpoint(tmp_path, "nowhere.tar")
+    save_checkpoint(tmp_path / BEST_CHECKPOINT_NAME, _state(_net(), 40, eval_return_mean=12.5))
+    assert find_checkpoint(tmp_path, "best") == tmp_path / BEST_CHECKPOINT_NAME
+    assert best_so_far(tmp_path) == (12.5, 40)
+    assert best_so_far(tmp_path / "elsewhere") is None
+
+
+@pytest.mark.parametrize("mode", ["test", "train"])
+def test_a_bad_checkpoint_path_is_one_line_and_exit_2(capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                      mode: str) -> None:
+    argv = ["--mode", mode, "--env", "CartPole-v1", "--savedir", str(tmp_path), "--xpid", "x",
+            "--checkpoint", str(tmp_path / "missing.tar")]
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py: error: --checkpoint ") and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()  # nothing was created
+
+
+# ------------------------------------------------------------------------------ the evaluation itself
+
+
+def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
+    """One loop for both: an evaluation answers with exactly `play`'s returns for its seed."""
+    model, config = _net(), Config(env="CartPole-v1", eval_episodes=3, seed=7)
+    main_end, process_end = Pipe()
+    server = threading.Thread(target=serve_evaluations, args=(model, config, process_end))
+    server.start()
+    main_end.send((2, 1234))
+    number, step, returns, cpu_s = main_end.recv()
+    main_end.close()  # end-of-file ends the loop
+    server.join(timeout=30)
+    assert not server.is_alive()
+    assert (number, step) == (2, 1234)
+    assert returns == play(model, "CartPole-v1", 3, 7 + EVAL_SEED_OFFSET + 2, greedy=True)
+    assert len(returns) == 3 and all(r >= 1 for r in returns) and cpu_s > 0
+
+
+def _fake_run(tmp_path: Path, best: tuple[float, int] | None) -> types.SimpleNamespace:
+    model = _net()
+    evaluator = training.Evaluator(_net(), best)
+    return types.SimpleNamespace(config=Config(env="CartPole-v1", eval_interval_s=1, hidden_size=32), run_dir=tmp_path,
+                                 model=model, runlog=RunLog(tmp_path), evaluator=evaluator)
+
+
+def test_only_a_better_evaluation_replaces_the_best(tmp_path: Path) -> None:
+    run_ = _fake_run(tmp_path, best=None)
+    pending = {"number": 1, "step": 100, "updates": 5, "episodes": 9, "cpu_s": 0.5}
+    training._finish_evaluation(run_, run_.evaluator, pending, [20.0, 30.0])
+    saved = load_checkpoint(tmp_path / BEST_CHECKPOINT_NAME)
+    assert (saved["step"], saved["eval_return_mean"], saved["eval_return_std"]) == (100, 25.0, 5.0)
+    assert saved["eval_returns"] == [20.0, 30.0] and saved["updates"] == 5
+    assert all(torch.equal(v, run_.evaluator.model.state_dict()[k]) for k, v in saved["model_state_dict"].items())
+    first = (tmp_path / BEST_CHECKPOINT_NAME).read_bytes()
+    for step, returns in ((200, [25.0, 25.0]), (300, [10.0, 12.0])):  # equal, then worse: both kept out
+        training._finish_evaluation(run_, run_.evaluator, {**pending, "step": step}, returns)
+    assert (tmp_path / BEST_CHECKPOINT_NAME).read_bytes() == first
+    training._finish_evaluation(run_, run_.evaluator, {**pending, "step": 400}, [40.0, 40.0])
+    assert load_checkpoint(tmp_path / BEST_CHECKPOINT_NAME)["step"] == 400
+    assert run_.evaluator.best == (40.0, 400)
+    meta = json.loads((tmp_path / "meta.json").read_text())["best_evaluation"]
+    assert (meta["step"], meta["episodic_return_mean"], meta["episodes"]) == (400, 40.0, 2)
+    run_.runlog.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars(EVAL_TAG)] == [(100, 25), (200, 25), (300, 11), (400, 40)]
+    assert [e.value for e in events.Scalars("eval/episodic_return_std")] == [5, 0, 1, 0]
+    assert [e.value for e in events.Scalars("eval/cpu_s")] == [0.5] * 4
+
+
+def test_an_evaluator_that_keeps_dying_ends_evaluation_not_training(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    run_ = _fake_run(tmp_path, best=None)
+    run_.config = Config(env="CartPole-v1", eval_interval_s=1, max_actor_restarts=0)
+    dead = types.SimpleNamespace(pid=4321, exitcode=-9, join=lambda timeout=None: None)
+    run_.evaluator.process, run_.evaluator.connection = dead, types.SimpleNamespace(close=lambda: None)
+    run_.evaluator.pending = {"number": 3, "step": 700}
+    training._replace_evaluator(run_, run_.evaluator)  # with max_actor_restarts 0 the first death is one too many
+    assert run_.evaluator.disabled and run_.evaluator.pending is None
+    assert "Evaluator (pid 4321) died: killed by SIGKILL; the evaluation of step 700 is lost, training goes on" \
+        in caplog.text
+    assert "no more evaluations in this run; training goes on" in caplog.text
+    training._check_evaluator(run_)  # a disabled evaluator is left alone: nothing to poll, nothing started
+    run_.runlog.close()
+
+
+# ---------------------------------------------------------------------------------- whole runs
+
+
+LEARNING_RUN = ["--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
+                "--batch_size", "8", "--learning_rate", "0.001", "--entropy_cost", "0.01", "--log_interval_s", "1"]
+
+
+@pytest.mark.slow
+def test_a_run_evaluates_keeps_its_best_and_test_mode_plays_it(tmp_path: Path) -> None:
+    result = run_py(*LEARNING_RUN, "--total_steps", "60000", "--eval_interval_s", "2", "--eval_episodes", "5",
+                    "--keep_checkpoints", "2", "--checkpoint_interval_s", "3", "--savedir", str(tmp_path),
+                    "--xpid", "evaluated", timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "evaluated"
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    evaluations = events.Scalars(EVAL_TAG)
+    assert len(evaluations) >= 2, "evaluations while training, not only at the end"
+    assert all(0 <= e.step <= 60_000 for e in evaluations)  # against the step of the weights played
+    assert len(events.Scalars("eval/episodic_return_std")) == len(evaluations)
+    best = max(evaluations, key=lambda e: e.value)
+    saved = load_checkpoint(run_dir / BEST_CHECKPOINT_NAME)
+    assert saved["eval_return_mean"] == pytest.approx(best.value, rel=1e-6)
+    assert saved["step"] == min(e.step for e in evaluations if e.value == best.value)  # the first to reach it
+    meta = json.loads((run_dir / "meta.json").read_text())["best_evaluation"]
+    assert (meta["step"], meta["episodic_return_mean"]) == (saved["step"], saved["eval_return_mean"])
+    with open(run_dir / "logs.csv") as f:
+        assert EVAL_TAG in f.readline()  # the CSV has the column too
+    copies = sorted(p.name for p in run_dir.glob("model_step_*.tar"))
+    assert 1 <= len(copies) <= 2 and "model_step_60000.tar" in copies
+
+    played = run_py("--mode", "test", "--env", "CartPole-v1", "--savedir", str(tmp_path), "--xpid", "evaluated",
+                    "--checkpoint", "best", "--test_episodes", "3")
+    assert played.returncode == 0, played.stderr
+    assert f"checkpoint at step {saved['step']}; its evaluation while training: {saved['eval_return_mean']:.2f}" \
+        in played.stdout
+
+
+@pytest.mark.slow
+def test_a_killed_evaluator_is_reported_and_replaced_and_training_reaches_its_total(tmp_path: Path) -> None:
+    total = 100_000
+    run_ = Training(tmp_path, "kill-eval", "--eval_interval_s", "1", "--eval_episodes", "2", total_steps=total)
+    try:
+        victim = int(run_.wait_for(r"Evaluator started \(pid (\d+)\)").group(1))
+        run_.wait_for(r"Evaluation at step \d+")
+        os.kill(victim, signal.SIGKILL)
+        died = run_.wait_for(rf"Evaluator \(pid {victim}\) died: killed by SIGKILL; .*training goes on", timeout=15)
+        run_.wait_for(r"Restarted the evaluator", timeout=15)
+        assert run_.wait(timeout=120) == 0
+        assert wait_until_gone(run_.pgid, timeout=30) == []
+    finally:
+        run_.close()
+    assert checkpoint_step(run_.run_dir) == total
+    after = run_.text()[died.end():]
+    replacement = re.search(r"Evaluator started \(pid (\d+)\)", after)
+    assert replacement and int(replacement.group(1)) != victim
+    assert "Evaluation at step" in after[replacement.end():], "the replacement evaluates"
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path) -> None:
+    first = Training(tmp_path, "resumed", "--eval_interval_s", "1", "--eval_episodes", "2", total_steps=20_000)
+    try:
+        assert first.wait(timeout=120) == 0
+    finally:
+        first.close()
+    best_path = first.run_dir / BEST_CHECKPOINT_NAME
+    first_best = load_checkpoint(best_path)
+    # Make the recorded best unbeatable, so every evaluation of the resumed run is worse (or equal).
+    save_checkpoint(best_path, {**first_best, "eval_return_mean": CARTPOLE_MAX_RETURN})
+    before = best_path.read_bytes()
+
+    second = Training(tmp_path, "resumed", "--eval_interval_s", "1", "--eval_episodes", "2", total_steps=40_000)
+    try:
+        assert second.wait(timeout=120) == 0
+    finally:
+        second.close()
+    text = second.text().split("Resuming from step")[1]
+    assert f"Best evaluation so far: mean return 500.00 at step {first_best['step']}" in text
+    assert re.search(r"Evaluation at step \d+: .*; the best is 500.00", text), "the resumed run evaluated"
+    assert "New best evaluation" not in text
+    assert best_path.read_bytes() == before
+    assert checkpoint_step(first.run_dir) == 40_000
+
+    # --checkpoint PATH: a new run that starts from the best agent's weights and step counters.
+    branch = Training(tmp_path, "branch", "--checkpoint", str(best_path), total_steps=first_best["step"] + 2_000)
+    try:
+        assert branch.wait(timeout=120) == 0
+    finally:
+        branch.close()
+    assert f"Resuming from step {first_best['step']}" in branch.text()
+    assert f"Resumed from {best_path} (it holds no optimiser state" in branch.text()
+    assert checkpoint_step(branch.run_dir) == first_best["step"] + 2_000
