@@ -47,7 +47,7 @@ class Config:
                                "(in ale-py's thread), the actor chooses actions for the next; pays where cores "
                                "are free (see BENCHMARKS.md)")
     num_buffers: int | None = _flag(None, "shared rollout slots (default: 2 x envs of all actors + batch_size)")
-    unroll_length: int = _flag(80, "agent steps per unroll (T)")
+    unroll_length: int = _flag(32, "agent steps per unroll (T)")
     inference: str = _flag("actor", "where actions are computed: 'actor' (each actor, on CPU) or 'central' "
                            "(one thread in the main process batches all actors on the learner's device)",
                            choices=("actor", "central"))
@@ -56,14 +56,14 @@ class Config:
 
     # Learning.
     total_steps: int = _flag(10_000_000, "agent steps to train for (1 agent step = frame skip frames on Atari)")
-    batch_size: int = _flag(8, "unrolls per learner update (B)")
+    batch_size: int = _flag(32, "unrolls per learner update (B)")
     num_learner_threads: int = _flag(2, "learner threads; updates are serialised, extra threads prepare batches")
     model: str = _flag("auto", "network: shallow (IMPALA/TorchBeast Atari net), resnet (deep IMPALA ResNet), "
                        "mlp (vector observations) or auto (shallow for images, mlp for vectors)",
                        choices=("auto", "shallow", "resnet", "mlp"))
     use_lstm: bool = _flag(False, "add an LSTM core, reset at episode ends")
     hidden_size: int = _flag(256, "width of the MLP layers and of the LSTM core")
-    entropy_cost: float = _flag(0.0006, "entropy bonus weight")
+    entropy_cost: float = _flag(0.01, "entropy bonus weight")
     baseline_cost: float = _flag(0.5, "baseline (value) loss weight")
     discounting: float = _flag(0.99, "discount factor gamma")
     reward_clipping: str = _flag("abs_one", "reward clipping for learning: abs_one (to [-1, 1]) or none",
@@ -74,22 +74,23 @@ class Config:
                                     "after every lost life, as Baselines' and TorchBeast's wrappers do (training "
                                     "and test mode)", negatable=True)
 
-    policy_loss: str = _flag("impala", "policy loss: impala (V-trace policy gradient, losses summed over time "
+    policy_loss: str = _flag("ppo", "policy loss: impala (V-trace policy gradient, losses summed over time "
                              "and batch as in the paper) or ppo (PPO's clipped surrogate on V-trace advantages "
                              "normalised per minibatch, losses averaged; Sample Factory's APPO)",
                              choices=("impala", "ppo"))
     ppo_clip: float = _flag(0.1, "ppo: clip range of the probability ratio pi/mu")
-    epochs: int = _flag(1, "passes over each batch of unrolls")
-    minibatches: int = _flag(1, "gradient steps per pass: the batch split along its unrolls")
-    vtrace_lambda: float = _flag(1.0, "lambda of the V-trace targets (1: the paper's; lower trades variance for bias)")
+    epochs: int = _flag(2, "passes over each batch of unrolls")
+    minibatches: int = _flag(4, "gradient steps per pass: the batch split along its unrolls into this many "
+                             "near-equal parts (at most batch_size)")
+    vtrace_lambda: float = _flag(0.95, "lambda of the V-trace targets (1: the paper's; lower trades variance for bias)")
 
     # Optimiser (PyTorch's RMSprop adds epsilon outside the square root).
-    optimizer: str = _flag("rmsprop", "rmsprop or adam", choices=("rmsprop", "adam"))
-    learning_rate: float = _flag(0.00048, "learning rate, decayed linearly to 0 over total_steps")
+    optimizer: str = _flag("adam", "adam or rmsprop", choices=("rmsprop", "adam"))
+    learning_rate: float = _flag(0.00025, "learning rate, decayed linearly to 0 over total_steps")
     alpha: float = _flag(0.99, "RMSprop smoothing constant")
     momentum: float = _flag(0.0, "RMSprop momentum")
-    epsilon: float = _flag(0.01, "optimizer epsilon")
-    grad_norm_clipping: float = _flag(40.0, "global gradient-norm clipping threshold")
+    epsilon: float = _flag(1e-5, "optimizer epsilon (TorchBeast's RMSprop used 0.01)")
+    grad_norm_clipping: float = _flag(0.5, "global gradient-norm clipping threshold")
 
     # Devices and speed.
     disable_cuda: bool = _flag(False, "learn on the CPU even when a GPU is present")
@@ -165,8 +166,8 @@ class Config:
             problems.append(f"--ppo_clip must be in (0, 1), got {self.ppo_clip}")
         if not 0 <= self.vtrace_lambda <= 1:
             problems.append(f"--vtrace_lambda must be in [0, 1], got {self.vtrace_lambda}")
-        if self.minibatches >= 1 and self.batch_size % self.minibatches:
-            problems.append(f"--batch_size {self.batch_size} must be a multiple of --minibatches {self.minibatches}")
+        if self.minibatches > self.batch_size >= 1:
+            problems.append(f"--minibatches {self.minibatches} must be at most --batch_size {self.batch_size}")
         if not 0 <= self.alpha < 1:
             problems.append(f"--alpha must be in [0, 1), got {self.alpha}")
         if self.env_splits >= 1 and self.envs_per_actor % self.env_splits:

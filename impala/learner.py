@@ -134,20 +134,20 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
     steps once per batch. Returns the stats averaged over the steps, as Python floats.
     """
     batch_size = batch["obs"].shape[1]
-    size = batch_size // config.minibatches
+    parts = min(config.minibatches, batch_size)
     totals: dict[str, float] = {}
     for _ in range(config.epochs):
-        order = torch.randperm(batch_size) if config.minibatches > 1 else torch.arange(batch_size)
-        for start in range(0, batch_size, size):
-            columns = order[start:start + size].to(batch["obs"].device)
-            if size == batch_size:
+        order = torch.randperm(batch_size) if parts > 1 else torch.arange(batch_size)
+        for columns in torch.tensor_split(order, parts):  # near-equal parts, sizes differing by at most one
+            if parts == 1:
                 part, part_state = batch, core_state
             else:
+                columns = columns.to(batch["obs"].device)
                 part = {k: v.index_select(1, columns) for k, v in batch.items()}
                 part_state = tuple(s.index_select(1, columns) for s in core_state)
             for key, value in _step(model, optimizer, part, part_state, config, amp).items():
                 totals[key] = totals.get(key, 0.0) + value
-    steps = config.epochs * config.minibatches
+    steps = config.epochs * parts
     values = {k: v / steps for k, v in totals.items()}
     values["skipped"] = totals["skipped"]
     values["learning_rate"] = scheduler.get_last_lr()[0]

@@ -15,15 +15,16 @@ from impala.config import Config, UserError, build_parser, config_from_dict, par
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_defaults_follow_torchbeast() -> None:
+def test_defaults_are_the_atari_settings_measured_in_results() -> None:
+    """PPO's clipped surrogate on V-trace advantages with CleanRL's Atari settings (RESULTS.md)."""
     config = Config()
     assert config.mode == "train"
     assert config.env == "PongNoFrameskip-v4"
-    assert (config.unroll_length, config.batch_size) == (80, 8)
-    assert config.learning_rate == pytest.approx(0.00048)
-    assert (config.alpha, config.momentum, config.epsilon) == (0.99, 0.0, 0.01)
-    assert config.entropy_cost == pytest.approx(0.0006)
-    assert (config.baseline_cost, config.discounting, config.grad_norm_clipping) == (0.5, 0.99, 40.0)
+    assert (config.unroll_length, config.batch_size, config.num_actors, config.envs_per_actor) == (32, 32, 4, 8)
+    assert (config.policy_loss, config.ppo_clip, config.epochs, config.minibatches) == ("ppo", 0.1, 2, 4)
+    assert (config.optimizer, config.learning_rate, config.epsilon) == ("adam", 0.00025, 1e-5)
+    assert (config.entropy_cost, config.vtrace_lambda) == (0.01, 0.95)
+    assert (config.baseline_cost, config.discounting, config.grad_norm_clipping) == (0.5, 0.99, 0.5)
     assert config.reward_clipping == "abs_one"
     assert config.episodic_life is True
     assert config.use_lstm is False
@@ -50,7 +51,7 @@ def test_parse_config_without_flags_gives_defaults() -> None:
 def test_parse_config_reads_every_kind_of_flag() -> None:
     config = parse_config([
         "--env", "CartPole-v1", "--num_actors", "2", "--learning_rate", "0.001", "--use_lstm",
-        "--no-episodic_life", "--model", "mlp", "--num_buffers", "40", "--plot_xpids", "a", "b",
+        "--no-episodic_life", "--model", "mlp", "--num_buffers", "100", "--plot_xpids", "a", "b",
         "--xpid", "run-1",
     ])
     assert config.env == "CartPole-v1"
@@ -59,7 +60,7 @@ def test_parse_config_reads_every_kind_of_flag() -> None:
     assert config.use_lstm is True
     assert config.episodic_life is False
     assert config.model == "mlp"
-    assert config.num_buffers == 40
+    assert config.num_buffers == 100
     assert config.plot_xpids == ("a", "b")
     assert config.xpid == "run-1"
 

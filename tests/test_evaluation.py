@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from process_helpers import Training, checkpoint_step, run_py, wait_until_gone
+from process_helpers import IMPALA_RULE, Training, checkpoint_step, run_py, wait_until_gone
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import run
@@ -178,7 +178,7 @@ def test_an_evaluator_that_keeps_dying_ends_evaluation_not_training(tmp_path: Pa
 
 
 LEARNING_RUN = ["--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
-                "--batch_size", "8", "--learning_rate", "0.001", "--entropy_cost", "0.01", "--log_interval_s", "1"]
+                "--batch_size", "8", "--learning_rate", "0.001", *IMPALA_RULE, "--entropy_cost", "0.01", "--log_interval_s", "1"]
 
 
 @pytest.mark.slow

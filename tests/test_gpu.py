@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from process_helpers import IMPALA_RULE
 
 from impala import learner
 from impala.buffers import BufferSpec, create_buffers
@@ -51,7 +52,7 @@ def test_a_gpu_update_from_pinned_staging_moves_the_weights_and_reports_finite_s
 @pytest.mark.parametrize("inference", ["actor", "central", "central --env_splits 2"])
 def test_a_short_run_learns_on_the_gpu(tmp_path, inference):
     command = [sys.executable, "run.py", "--env", "CartPole-v1", "--inference", *inference.split(), "--num_actors", "2",
-               "--envs_per_actor", "4", "--unroll_length", "5", "--batch_size", "8", "--learning_rate", "0.001",
+               "--envs_per_actor", "4", "--unroll_length", "5", "--batch_size", "8", "--learning_rate", "0.001", *IMPALA_RULE,
                "--entropy_cost", "0.01", "--total_steps", str(GPU_RUN_STEPS), "--savedir", str(tmp_path),
                "--xpid", "gpu"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)

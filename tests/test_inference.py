@@ -11,6 +11,7 @@ from multiprocessing import Pipe
 from pathlib import Path
 
 import torch
+from process_helpers import IMPALA_RULE
 
 from impala.actor import RemotePolicy
 from impala.buffers import BufferSpec, create_buffers
@@ -103,7 +104,7 @@ def test_remote_policy_returns_the_actions_the_server_wrote():
 
 def test_training_with_central_inference_learns_cartpole(tmp_path):
     command = [sys.executable, "run.py", "--env", "CartPole-v1", "--inference", "central", "--num_actors", "2",
-               "--envs_per_actor", "4", "--unroll_length", "5", "--batch_size", "8", "--learning_rate", "0.001",
+               "--envs_per_actor", "4", "--unroll_length", "5", "--batch_size", "8", "--learning_rate", "0.001", *IMPALA_RULE,
                "--entropy_cost", "0.01", "--total_steps", "40000", "--savedir", str(tmp_path), "--xpid", "central",
                "--log_interval_s", "1"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)

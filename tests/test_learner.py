@@ -20,8 +20,11 @@ NUM_ACTIONS = 3
 
 
 def _config(**overrides: object) -> Config:
+    # The IMPALA loss, one step per batch: what the hand computations below write out.
     values = {"env": "CartPole-v1", "unroll_length": 3, "batch_size": 1, "discounting": 0.9, "entropy_cost": 0.01,
-              "baseline_cost": 0.5, "reward_clipping": "none", "grad_norm_clipping": 1e9, "learning_rate": 0.1}
+              "baseline_cost": 0.5, "reward_clipping": "none", "grad_norm_clipping": 1e9, "learning_rate": 0.1,
+              "policy_loss": "impala", "optimizer": "rmsprop", "epsilon": 0.01, "epochs": 1, "minibatches": 1,
+              "vtrace_lambda": 1.0}
     values.update(overrides)
     return Config(**values)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from process_helpers import Training, checkpoint_step, run_py, shm_left, wait_until_gone
+from process_helpers import IMPALA_RULE, Training, checkpoint_step, run_py, shm_left, wait_until_gone
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from impala import training
@@ -101,7 +101,7 @@ def _test_mode_mean(savedir: Path, xpid: str) -> float:
 @pytest.mark.slow
 def test_a_resumed_cartpole_agent_plays_as_well_as_before_it_stopped(tmp_path: Path) -> None:
     readme_command = ("--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
-                      "--batch_size", "8", "--learning_rate", "0.001", "--entropy_cost", "0.01",
+                      "--batch_size", "8", "--learning_rate", "0.001", *IMPALA_RULE, "--entropy_cost", "0.01",
                       "--savedir", str(tmp_path), "--xpid", "cartpole", "--disable_cuda")
     first = run_py(*readme_command, "--total_steps", "300000", timeout=600)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from process_helpers import IMPALA_RULE
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
@@ -30,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 TOTAL_STEPS = 20_000
 STEPS_PER_UPDATE = 5 * 8  # unroll_length x batch_size below
 TRAIN_FLAGS = ["--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
-               "--batch_size", "8", "--learning_rate", "0.001", "--entropy_cost", "0.01",
+               "--batch_size", "8", "--learning_rate", "0.001", *IMPALA_RULE, "--entropy_cost", "0.01",
                "--total_steps", str(TOTAL_STEPS), "--log_interval_s", "1", "--checkpoint_interval_s", "600"]
 
 EXPECTED_TAGS = {

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from process_helpers import IMPALA_RULE
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +32,7 @@ def cartpole_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     savedir = tmp_path_factory.mktemp("runs")
     result = _run([
         "--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
-        "--batch_size", "8", "--learning_rate", "0.001", "--entropy_cost", "0.01", "--total_steps", "60000",
+        "--batch_size", "8", "--learning_rate", "0.001", *IMPALA_RULE, "--entropy_cost", "0.01", "--total_steps", "60000",
         "--log_interval_s", "1", "--disable_cuda", "--savedir", str(savedir), "--xpid", "cartpole",
     ])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
