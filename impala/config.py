@@ -81,7 +81,7 @@ class Config:
     ppo_clip: float = _flag(0.1, "ppo: clip range of the probability ratio pi/mu")
     epochs: int = _flag(2, "passes over each batch of unrolls")
     minibatches: int = _flag(4, "gradient steps per pass: the batch split along its unrolls into this many "
-                             "near-equal parts (at most batch_size)")
+                             "near-equal parts (one unroll each where B is smaller)")
     vtrace_lambda: float = _flag(0.95, "lambda of the V-trace targets (1: the paper's; lower trades variance for bias)")
 
     # Optimiser (PyTorch's RMSprop adds epsilon outside the square root).
@@ -166,8 +166,6 @@ class Config:
             problems.append(f"--ppo_clip must be in (0, 1), got {self.ppo_clip}")
         if not 0 <= self.vtrace_lambda <= 1:
             problems.append(f"--vtrace_lambda must be in [0, 1], got {self.vtrace_lambda}")
-        if self.minibatches > self.batch_size >= 1:
-            problems.append(f"--minibatches {self.minibatches} must be at most --batch_size {self.batch_size}")
         if not 0 <= self.alpha < 1:
             problems.append(f"--alpha must be in [0, 1), got {self.alpha}")
         if self.env_splits >= 1 and self.envs_per_actor % self.env_splits:

@@ -130,7 +130,7 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
            ) -> dict[str, float]:
     """`--epochs` passes over the batch, each `--minibatches` gradient steps on a share of its unrolls.
 
-    A non-finite loss or gradient is not applied: `stats["skipped"]` counts those steps. The schedule
+    A step whose loss or gradient is not finite is not applied, and `stats["skipped"]` is then 1. The schedule
     steps once per batch. Returns the stats averaged over the steps, as Python floats.
     """
     batch_size = batch["obs"].shape[1]
@@ -149,7 +149,7 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
                 totals[key] = totals.get(key, 0.0) + value
     steps = config.epochs * parts
     values = {k: v / steps for k, v in totals.items()}
-    values["skipped"] = totals["skipped"]
+    values["skipped"] = 1.0 if totals["skipped"] else 0.0  # a batch with a non-finite step counts as skipped
     values["learning_rate"] = scheduler.get_last_lr()[0]
     with warnings.catch_warnings():  # a skipped first update steps the schedule before the optimizer: intended
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
