@@ -22,6 +22,10 @@ class UserError(Exception):
     """
 
 
+class TrainingError(RuntimeError):
+    """The run stopped because of a fault in the run itself (actors crashing, numerical failure)."""
+
+
 def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import faulthandler
 import functools
 import logging
 import os
-import queue
-import select
 import signal
 import statistics
 import threading
@@ -28,12 +25,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from impala import learner
-from impala.actor import ActorChannels, run_actor
+from impala.actor_pool import (
+    ACTOR_JOIN_TIMEOUT_S,
+    RESTART_WINDOW_S,
+    LocalActorPool,
+    die_with_main_process,
+    exit_description,
+    keep_freed_memory,
+    process_context,
+)
 from impala.buffers import Buffers, BufferSpec, create_buffers
-from impala.channels import RecordQueue, StopFlag
 from impala.checkpoint import (
     BEST_CHECKPOINT_NAME,
     CHECKPOINT_NAME,
@@ -43,7 +46,7 @@ from impala.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from impala.config import Config, UserError
+from impala.config import Config, TrainingError, UserError
 from impala.environment import EnvBatch, is_atari
 from impala.evaluate import serve_evaluations
 from impala.inference import InferenceServer
@@ -58,24 +61,11 @@ from impala.rundir import (
     write_run_files,
 )
 from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
-from impala.slots import SlotLedger
 
 log = logging.getLogger("impala")
 
-# Actor processes come from a fork server: a clean process started before any learner thread or CUDA
-# context exists, so (unlike plain fork) a restarted actor never inherits a held lock or a CUDA
-# state, and (unlike spawn) it does not re-import torch for every actor.
-START_METHOD = "forkserver"
 LEARNER_JOIN_TIMEOUT_S = 10.0  # a learner in the middle of an update finishes it; the checkpoint waits for it
-ACTOR_JOIN_TIMEOUT_S = 5.0  # then terminate, then kill: shutdown is bounded whatever an env does
-RESTART_WINDOW_S = 600.0
-ACTOR_NICENESS = 10
-LOCK_PROBE_S = 1.0  # live processes hold a queue lock for microseconds; one held this long belongs to the dead
 EVALUATOR_NICENESS = 19  # evaluation plays with the CPU time actors and learners leave; it is never in their way
-
-
-class TrainingError(RuntimeError):
-    """The run stopped because of a fault in the run itself (actors crashing, numerical failure)."""
 
 
 class Stopped(Exception):
@@ -119,8 +109,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: Any
     buffers: Buffers
-    channels: ActorChannels  # each actor gets these with its own free pipe from `slots`
-    slots: SlotLedger
+    pool: LocalActorPool  # the actors; learners take full slots from `pool.slots`
     ctx: Any
     runlog: RunLog
     amp: bool = False  # bfloat16 autocast in the learner
@@ -135,13 +124,9 @@ class Run:
     updates: int = 0
     start_step: int = 0
     saved_step: int | None = None  # the step of the newest checkpoint on disk
-    last_hang_check: float = field(default_factory=time.monotonic)
     final_save_error: OSError | None = None
     bad_updates_in_a_row: int = 0
     skipped_updates: int = 0
-    actors: list = field(default_factory=list)
-    actor_restarts: list = field(default_factory=list)  # restart times, for the crash-rate limit
-    lives: ActorLives | None = None  # numbers every actor start and hands it its seeds
     learner_threads: list = field(default_factory=list)
     learner_errors: list = field(default_factory=list)
     update_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -157,29 +142,6 @@ class Run:
 
 
 # ----------------------------------------------------------------------------------------- build
-
-
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
-
-
-def keep_freed_memory() -> None:
-    """Let glibc's malloc reuse freed memory instead of returning it to the kernel.
-
-    A CPU learner update allocates and frees tensors of tens of MB (the float copy of a [T+1, B]
-    batch of frames alone is 73 MB). Above its mmap threshold glibc maps each one afresh and unmaps
-    it on free, so every update page-faults its whole working set in again: measured here, a third of
-    the learner's CPU time went to the kernel. Raising the thresholds keeps those pages in the heap,
-    and one arena for all threads lets a learner thread's big blocks grow the main heap (a thread's
-    own arena is capped at 64 MB and falls back to mmap). Call it before starting threads.
-    A no-op where the C library is not glibc.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None)
-        libc.mallopt(_M_ARENA_MAX, 1)
-        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
-        libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
 
 
 def select_device(config: Config) -> torch.device:
@@ -238,45 +200,31 @@ def build(config: Config) -> Run:
     buffers = create_buffers(spec)
     prepare_run_directory(run_dir)  # the last check; nothing in the directory changed before it
 
-    ctx = mp.get_context(START_METHOD)
-    if START_METHOD == "forkserver":
-        ctx.set_forkserver_preload(["impala.training"])  # what every actor imports, imported once
-    # Slot numbers and episodes travel in RecordQueues, which survive an actor killed at any instant. Only
-    # tracebacks, sent by an actor that is dying anyway, use a multiprocessing.Queue.
-    full_queue = RecordQueue(ctx, "q", capacity=spec.num_buffers)
-    slots = SlotLedger(ctx, buffers["slot_owner"], config.num_actors, full_queue)
-    channels = ActorChannels(
-        free_queue=None,  # per actor: slots.free_queue(actor_index)
-        full_queue=full_queue,
-        episode_queue=RecordQueue(ctx, "qdq", capacity=4096),  # (actor index, return, length)
-        error_queue=ctx.Queue(),
-        stop_event=StopFlag(ctx), policy_version=ctx.Value("q", 0, lock=False),
-        heartbeats=ctx.Array("d", config.num_actors, lock=False),
-        inference_positions=(torch.full((config.num_actors * config.env_splits,
-                                         config.envs_per_actor // config.env_splits + 1), -1).share_memory_()
-                             if config.inference == "central" else None),
-    )
     step = int(checkpoint["step"]) if checkpoint is not None else 0
     session = write_run_files(config, run_dir, resuming)
+    ctx = process_context()
+    lives = ActorLives(config.seed, session)
+    if checkpoint is not None:
+        lives.load_state_dict(checkpoint)
+    pool = LocalActorPool(config, ctx, buffers, actor_model, lives,
+                          policy_version=int(checkpoint.get("updates", 0)) if checkpoint is not None else 0)
     runlog = RunLog(run_dir, purge_step=step if resuming else None)
     runlog.flags(config.to_dict(), step)
-    run = Run(config, run_dir, device, model, actor_model, optimizer, scheduler, buffers, channels, slots, ctx, runlog,
-              step=step, start_step=step, saved_step=step if checkpoint is not None else None,
-              lives=ActorLives(config.seed, session))
+    run = Run(config, run_dir, device, model, actor_model, optimizer, scheduler, buffers, pool, ctx, runlog,
+              step=step, start_step=step, saved_step=step if checkpoint is not None else None)
     run.amp = use_amp(config.amp, device, model.model)
     run.evaluator, run.resumed_from = evaluator, checkpoint_path
     # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
     run.learner_model = torch.compile(model) if config.compile else model
     if config.inference == "central":
-        run.inference = InferenceServer(model, buffers, channels.inference_positions, device, run.amp,
+        run.inference = pool.inference = InferenceServer(model, buffers, pool.channels.inference_positions, device,
+                                                         run.amp,
                                         config.inference_wait_ms / 1000,
                                         seed=sampling_seed(config.seed, session, INFERENCE_STREAM, 0))
     if checkpoint is not None:
         run.updates = int(checkpoint.get("updates", 0))
         run.skipped_updates = int(checkpoint.get("skipped_updates", 0))
         run.episodes = int(checkpoint.get("episodes", 0))
-        run.lives.load_state_dict(checkpoint)
-        channels.policy_version.value = run.updates
     return run
 
 
@@ -293,77 +241,8 @@ def load_state(target: Any, state: dict[str, Any], path: Path) -> None:
 # ----------------------------------------------------------------------------------------- start
 
 
-def start_actor(run: Run, actor_index: int) -> Any:
-    """Start a new life of actor `actor_index`, with seeds no other life of the run had, and log its pid."""
-    seeds = run.lives.next_life(actor_index, run.config.envs_per_actor)
-    pipes = [run.ctx.Pipe() for _ in range(run.config.env_splits)] if run.inference is not None else []
-    run.channels.heartbeats[actor_index] = time.monotonic()  # start-up counts as progress until it beats
-    process = run.ctx.Process(
-        target=_actor_process, name=f"actor-{actor_index}",
-        args=(os.getpid(), actor_index, run.config, run.buffers, run.actor_model,
-              run.channels._replace(free_queue=run.slots.free_queue(actor_index)), seeds),
-        kwargs={"inference_connections": [actor_end for _, actor_end in pipes] if pipes else None},
-    )
-    process.start()
-    for split, (main_end, actor_end) in enumerate(pipes):
-        actor_end.close()  # only the actor holds its end, so its death reads as end-of-file here
-        run.inference.connect(actor_index * run.config.env_splits + split, main_end)
-    log.info("Actor %d started (pid %d); life %d, env seeds %s", actor_index, process.pid, seeds.life,
-             _seed_range(seeds.env_seeds))
-    return process
-
-
-def _seed_range(seeds: tuple[int, ...]) -> str:
-    return f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
-
-
 def start_actors(run: Run) -> None:
-    run.actors = [start_actor(run, i) for i in range(run.config.num_actors)]
-
-
-def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None:
-    """The body of an actor process: die with the run, report crashes, act (`actor.run_actor`)."""
-    _die_with_main_process(main_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
-    torch.set_num_threads(1)  # batched inference is cheapest per sample with one thread per actor
-    faulthandler.enable()  # a segfault in an env prints the Python stack to stderr before the process dies
-    # Actors run ahead of the learner until the free slots run out; on a machine with fewer cores than
-    # processes the learner is the bottleneck, so it should win every contended core.
-    with contextlib.suppress(OSError):
-        os.nice(ACTOR_NICENESS)
-    keep_freed_memory()
-    run_actor(*actor_args, **actor_kwargs)
-
-
-def _die_with_main_process(main_pid: int) -> None:
-    """End this actor as soon as the main process is gone (a kill -9 of run.py runs no shutdown).
-
-    Not left to the fork server: every process it starts inherits its "alive" pipe, so it outlives the
-    main process for as long as any actor does. A pidfd turns readable when `main_pid` exits (Linux 5.3+);
-    elsewhere the watch polls once a second.
-    """
-    try:
-        pidfd = os.pidfd_open(main_pid)
-    except ProcessLookupError:
-        os._exit(1)  # gone already
-    except (AttributeError, OSError):
-        pidfd = None
-
-    def watch() -> None:
-        if pidfd is not None:
-            select.select([pidfd], [], [])
-        else:
-            while True:
-                time.sleep(1.0)
-                try:
-                    os.kill(main_pid, 0)
-                except ProcessLookupError:
-                    break
-                except PermissionError:
-                    pass
-        os._exit(1)
-
-    threading.Thread(target=watch, name="main-process-watch", daemon=True).start()
+    run.pool.start()
 
 
 def start_inference(run: Run) -> None:
@@ -392,12 +271,12 @@ def start_learners(run: Run) -> None:
 def _take_full_slots(run: Run) -> list[int] | None:
     slots = []
     while len(slots) < run.config.batch_size:
-        slot = run.slots.take_full(timeout_s=0.2)
+        slot = run.pool.slots.take_full(timeout_s=0.2)
         if slot is not None:
             slots.append(slot)
         elif run.stop_learning.is_set():
             for slot in slots:  # give them back so a later run of this process could use them
-                run.slots.give_back(slot)
+                run.pool.slots.give_back(slot)
             return None
     return slots
 
@@ -423,7 +302,7 @@ def _learn(run: Run) -> None:
         staging.fill(run.buffers, slots)
         versions = run.buffers["policy_version"][slots].clone()
         for slot in slots:
-            run.slots.give_back(slot)
+            run.pool.slots.give_back(slot)
         batch, core_state = staging.to(run.device)
         copy_end = time.perf_counter()
         with run.update_lock:
@@ -435,7 +314,7 @@ def _learn(run: Run) -> None:
             # update() ends by reading its stats as floats, which waits for the device: on CUDA this phase
             # also holds the tail of the non-blocking host-to-device copy.
             publish_start = time.perf_counter()
-            _publish(run)
+            run.pool.publish(run.model, run.updates + 1)
             publish_end = time.perf_counter()
             run.step += config.steps_per_update
             run.updates += 1
@@ -443,16 +322,6 @@ def _learn(run: Run) -> None:
                          "update_lock_wait": update_start - copy_end,
                          "forward_backward": publish_start - update_start, "publish": publish_end - publish_start}
             _record(run, stats, float((run.updates - 1 - versions).float().mean()), timings_s)
-
-
-def _publish(run: Run) -> None:
-    """Copy the learner's weights into the actors' shared model (central inference acts with the learner's
-    own model, so there nothing is copied) and count the new policy version."""
-    if run.inference is None:
-        with torch.no_grad():
-            for target, source in zip(run.actor_model.parameters(), run.model.parameters()):
-                target.copy_(source, non_blocking=False)
-    run.channels.policy_version.value = run.updates + 1
 
 
 def _record(run: Run, stats: dict[str, float], policy_lag: float, timings_s: dict[str, float] | None = None) -> None:
@@ -495,7 +364,7 @@ def monitor(run: Run) -> str:
             _log_progress(run, max(now - last_log_time, 1e-3), run.step - last_log_step, now - start_time)
             return "finished"
         _drain_episodes(run)
-        _check_actors(run)
+        run.pool.check()
         _check_evaluator(run)
         now = time.monotonic()
         if now - last_log_time >= config.log_interval_s:
@@ -522,101 +391,11 @@ def _check_threads(run: Run) -> None:
 
 
 def _drain_episodes(run: Run) -> None:
-    while True:
-        try:
-            _, episode_return, episode_length = run.channels.episode_queue.get_nowait()
-        except queue.Empty:
-            return
+    for episode_return, episode_length in run.pool.episodes():
         run.episode_returns.append(episode_return)
         run.episodes += 1
         run.runlog.scalar("charts/episodic_return", episode_return, run.step)
         run.runlog.scalar("charts/episodic_length", episode_length, run.step)
-
-
-def _check_actors(run: Run) -> None:
-    """Replace every actor that died or hung: report it (with the traceback it sent, if any), free the queue
-    locks and the slots it held, start a new one. Too many deaths raise TrainingError instead."""
-    _kill_hung_actors(run)
-    dead = [(index, process) for index, process in enumerate(run.actors) if not process.is_alive()]
-    if not dead:
-        return
-    for _, process in dead:
-        process.join()
-    tracebacks = _actor_tracebacks(run)  # read after the join: an actor flushes its traceback before it exits
-    _release_queue_locks(run.channels)
-    for index, process in dead:
-        detail = tracebacks.get(index, "").strip()
-        how = _exit_description(process.exitcode)
-        log.error("Actor %d (pid %d) died: %s%s", index, process.pid, how, f"\n{detail}" if detail else "")
-        now = time.monotonic()
-        run.actor_restarts = [t for t in run.actor_restarts if now - t < RESTART_WINDOW_S] + [now]
-        if len(run.actor_restarts) > run.config.max_actor_restarts:
-            raise TrainingError(
-                f"actors died {len(run.actor_restarts)} times within {RESTART_WINDOW_S:.0f} s "
-                f"(--max_actor_restarts {run.config.max_actor_restarts}); last: actor {index}, {how}"
-                + (f"\n{detail}" if detail else ""))
-        returned = run.slots.reclaim(index)
-        run.actors[index] = start_actor(run, index)
-        log.warning("Restarted actor %d (%d slots returned; %d restarts in the last %.0f s, at most %d)", index,
-                    returned, len(run.actor_restarts), RESTART_WINDOW_S, run.config.max_actor_restarts)
-
-
-def _kill_hung_actors(run: Run) -> None:
-    """Kill every actor that showed no progress for --actor_timeout_s (an env stuck in a step): the caller
-    then replaces it like any actor that died."""
-    timeout_s = run.config.actor_timeout_s
-    if not timeout_s:
-        return
-    now = time.monotonic()
-    monitor_gap_s, run.last_hang_check = now - run.last_hang_check, now
-    if monitor_gap_s > timeout_s / 2:
-        # This process was not running either (Ctrl-Z, a stopped container): the actors' silence is not
-        # theirs. Give every actor a new grace period instead.
-        for index in range(len(run.actors)):
-            run.channels.heartbeats[index] = now
-        return
-    for index, process in enumerate(run.actors):
-        silent_s = now - run.channels.heartbeats[index]
-        if silent_s > timeout_s and process.is_alive():
-            log.error("Actor %d (pid %d) made no progress for %.0f s (--actor_timeout_s %g); killing it", index,
-                      process.pid, silent_s, timeout_s)
-            process.kill()
-            process.join(timeout=5)
-            run.channels.heartbeats[index] = now  # one report per timeout if even SIGKILL does not end it
-
-
-def _actor_tracebacks(run: Run) -> dict[int, str]:
-    tracebacks = {}
-    while True:
-        try:
-            index, text = run.channels.error_queue.get_nowait()
-        except (queue.Empty, OSError, ValueError):
-            return tracebacks
-        tracebacks[index] = text
-
-
-def _exit_description(exitcode: int | None) -> str:
-    if exitcode is not None and exitcode < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-exitcode).name}"
-    return f"exit code {exitcode}"
-
-
-def _release_queue_locks(channels: ActorChannels) -> None:
-    """Free a multiprocessing.Queue lock a killed actor may have been holding (the RecordQueues have none).
-
-    An actor writes to the error queue only while it dies of an exception, and its feeder thread holds the
-    write lock for one small write, so a lock still taken after LOCK_PROBE_S belongs to a process that
-    died; left alone it would block the next actor that fails. A `multiprocessing.Lock` may be released by
-    any process. (`_wlock` is a private attribute of `multiprocessing.Queue`, stable since Python 3.4.)
-    """
-    locks = {"error_queue write": getattr(channels.error_queue, "_wlock", None)}
-    for name, lock in locks.items():
-        if lock is None:
-            continue
-        if not lock.acquire(timeout=LOCK_PROBE_S):
-            log.warning("The dead actor held the %s lock; releasing it", name)
-        lock.release()
 
 
 def _log_progress(run: Run, interval_s: float, interval_steps: int, elapsed_s: float) -> None:
@@ -667,7 +446,7 @@ def _frames_per_step(env_id: str) -> int:
 
 def _queue_sizes(run: Run) -> dict[str, float]:
     """Slots waiting for a learner (full) and for an actor (free): which side is the bottleneck."""
-    return {"stats/full_queue_size": run.slots.full_size(), "stats/free_queue_size": run.slots.free_size()}
+    return {"stats/full_queue_size": run.pool.slots.full_size(), "stats/free_queue_size": run.pool.slots.free_size()}
 
 
 def checkpoint(run: Run) -> None:
@@ -680,7 +459,7 @@ def checkpoint(run: Run) -> None:
             "updates": run.updates,
             "skipped_updates": run.skipped_updates,
             "episodes": run.episodes,
-            **run.lives.state_dict(),
+            **run.pool.lives.state_dict(),
         }
     state.update(flags=run.config.to_dict(), model=run.model.model, observation_shape=list(run.model.observation_shape),
                  num_actions=run.model.num_actions)
@@ -761,7 +540,7 @@ def start_evaluator(run: Run) -> None:
 
 def _evaluator_process(main_pid: int, config: Config, model: Net, connection: Any) -> None:
     """The body of the evaluation process: die with the run, stay out of everyone's way, play (`evaluate`)."""
-    _die_with_main_process(main_pid)
+    die_with_main_process(main_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when evaluation stops
     torch.set_num_threads(1)
     faulthandler.enable()
@@ -872,7 +651,7 @@ def _replace_evaluator(run: Run, evaluator: Evaluator) -> None:
     lost = f"the evaluation of step {evaluator.pending['step']} is lost" if evaluator.pending else "no evaluation lost"
     detail = evaluator.error_text.strip()
     log.error("Evaluator (pid %d) died: %s; %s, training goes on%s", process.pid,
-              _exit_description(process.exitcode), lost, f"\n{detail}" if detail else "")
+              exit_description(process.exitcode), lost, f"\n{detail}" if detail else "")
     now = time.monotonic()
     evaluator.pending, evaluator.last_request_s = None, now
     evaluator.deaths = [t for t in evaluator.deaths if now - t < RESTART_WINDOW_S] + [now]
@@ -922,13 +701,13 @@ def shutdown(run: Run, save: bool) -> None:
     Bounded in time (learners LEARNER_JOIN_TIMEOUT_S, actors ACTOR_JOIN_TIMEOUT_S, then terminate and
     kill); on return no actor process, fork server or queue thread of the run is left.
     """
-    run.channels.stop_event.set()
+    run.pool.channels.stop_event.set()
     run.stop_learning.set()
     deadline = time.monotonic() + LEARNER_JOIN_TIMEOUT_S
     for thread in run.learner_threads:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
     try:
-        _join_actors(run)
+        run.pool.stop(functools.partial(_drain_episodes, run))
         _stop_evaluator(run)
         run.stop_inference.set()
         if run.inference_thread is not None:
@@ -940,49 +719,8 @@ def shutdown(run: Run, save: bool) -> None:
                 run.final_save_error = exc
                 log.error("Could not save the final checkpoint at step %d: %s (%s)", run.step, exc, _last_saved(run))
     finally:
-        run.channels.error_queue.cancel_join_thread()  # nobody reads it any more: never block on flushing it
-        run.slots.close()
-        for q in (run.channels.episode_queue, run.channels.error_queue):
-            q.close()
         run.runlog.close()
-        _stop_fork_server()
-
-
-def _join_actors(run: Run) -> None:
-    """Wait for actors to see the stop flag, reading their queues meanwhile (an exiting process first
-    flushes what it put, and would block on a full pipe); then terminate, then kill, the stragglers."""
-    deadline = time.monotonic() + ACTOR_JOIN_TIMEOUT_S
-    while time.monotonic() < deadline and any(process.is_alive() for process in run.actors):
-        _drain_episodes(run)
-        for text in _actor_tracebacks(run).values():
-            log.error("An actor failed while stopping:\n%s", text.strip())
-        time.sleep(0.02)
-    for process in run.actors:
-        if process.is_alive():
-            log.warning("Actor %s (pid %d) did not stop in %.0f s; terminating it", process.name, process.pid,
-                        ACTOR_JOIN_TIMEOUT_S)
-            process.terminate()
-            process.join(timeout=2)
-        if process.is_alive():
-            process.kill()
-        process.join()
-
-
-def _stop_fork_server() -> None:
-    """Stop the fork server once every actor is joined.
-
-    It would otherwise live as long as this Python process: harmless for `run.py`, which exits next, but
-    a long-lived caller (a notebook, a test session) would keep an idle, torch-importing process per run.
-    The next run starts a fresh one. `_stop` is the multiprocessing internal its own tests use (Python 3.8+).
-    The resource tracker is left running: the queues' semaphores still unregister with it when they are
-    garbage-collected, and it exits with this process, unlinking whatever is left in /dev/shm.
-    """
-    if START_METHOD != "forkserver":
-        return
-    from multiprocessing import forkserver
-
-    with contextlib.suppress(AttributeError, OSError, ChildProcessError):
-        forkserver._forkserver._stop()
+        run.pool.close()
 
 
 class _Terminated(Exception):

@@ -25,6 +25,7 @@ from process_helpers import (
 )
 
 from impala import learner, training
+from impala.actor_pool import LocalActorPool
 from impala.config import Config
 from impala.model import Net
 
@@ -296,11 +297,11 @@ def test_a_paused_main_process_does_not_take_its_actors_for_hung() -> None:
     grace period. An actor silent while the monitor ran is killed."""
     now = time.monotonic()
     actors = [_FakeActor(), _FakeActor()]
-    run = types.SimpleNamespace(config=Config(actor_timeout_s=10), actors=actors, last_hang_check=now - 600,
+    run = types.SimpleNamespace(config=Config(actor_timeout_s=10), processes=actors, last_hang_check=now - 600,
                                 channels=types.SimpleNamespace(heartbeats=[now - 600, now - 600]))
-    training._kill_hung_actors(run)
+    LocalActorPool.kill_hung(run)
     assert not any(actor.killed for actor in actors)
     assert all(beat >= now for beat in run.channels.heartbeats)
     run.channels.heartbeats[1] = now - 60  # silent for a minute while the monitor kept checking
-    training._kill_hung_actors(run)
+    LocalActorPool.kill_hung(run)
     assert [actor.killed for actor in actors] == [False, True]
