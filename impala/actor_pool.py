@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import faulthandler
 import logging
+import multiprocessing.queues
 import os
 import queue
 import select
@@ -34,7 +35,7 @@ import torch.multiprocessing as mp
 
 from impala.actor import ActorChannels, run_actor
 from impala.buffers import Buffers
-from impala.channels import RecordQueue, StopFlag
+from impala.channels import RecordQueue, SharedFloats, StopFlag
 from impala.config import Config, TrainingError
 from impala.inference import InferenceServer
 from impala.model import Net
@@ -131,16 +132,19 @@ class LocalActorPool:
         full_queue = RecordQueue(ctx, "q", capacity=len(buffers["slot_owner"]))
         self.slots = SlotLedger(ctx, buffers["slot_owner"], config.num_actors, full_queue)
         positions = None
+        # What the pool itself reads and closes; the actors see them through `channels`.
+        self._episodes = RecordQueue(ctx, "qdq", capacity=4096)  # (actor index, return, length)
+        self._errors: multiprocessing.queues.Queue[tuple[int, str]] = ctx.Queue()  # (actor index, traceback text)
+        self.heartbeats: SharedFloats = ctx.Array("d", config.num_actors, lock=False)  # each actor's last sign of progress
         if config.inference == "central":
             positions = torch.full((config.num_actors * config.env_splits,
                                     config.envs_per_actor // config.env_splits + 1), -1).share_memory_()
         self.channels = ActorChannels(
             free_queue=None,  # per actor: slots.free_queue(actor_index)
             full_queue=full_queue,
-            episode_queue=RecordQueue(ctx, "qdq", capacity=4096),  # (actor index, return, length)
-            error_queue=ctx.Queue(),  # type: ignore[attr-defined]
-            stop_event=StopFlag(ctx), policy_version=ctx.Value("q", policy_version, lock=False),  # type: ignore[attr-defined]
-            heartbeats=ctx.Array("d", config.num_actors, lock=False),  # type: ignore[attr-defined]
+            episode_queue=self._episodes, error_queue=self._errors,
+            stop_event=StopFlag(ctx), policy_version=ctx.Value("q", policy_version, lock=False),
+            heartbeats=self.heartbeats,
             inference_positions=positions,
         )
         self.processes: list[Any] = []  # multiprocessing.Process of each actor's current life
@@ -156,8 +160,8 @@ class LocalActorPool:
         """Start a new life of actor `actor_index`, with seeds no other life of the run had, and log its pid."""
         config = self.config
         seeds = self.lives.next_life(actor_index, config.envs_per_actor)
-        pipes = [self.ctx.Pipe() for _ in range(config.env_splits)] if self.inference is not None else []  # type: ignore[attr-defined]
-        self.channels.heartbeats[actor_index] = time.monotonic()  # start-up counts as progress until it beats
+        pipes = [self.ctx.Pipe() for _ in range(config.env_splits)] if self.inference is not None else []
+        self.heartbeats[actor_index] = time.monotonic()  # start-up counts as progress until it beats
         process = self.ctx.Process(  # type: ignore[attr-defined]
             target=_actor_process, name=f"actor-{actor_index}",
             args=(os.getpid(), actor_index, config, self.buffers, self.actor_model,
@@ -185,10 +189,10 @@ class LocalActorPool:
         self.channels.policy_version.value = version
 
     def episodes(self) -> list[tuple[float, int]]:
-        finished = []
+        finished: list[tuple[float, int]] = []
         while True:
             try:
-                _, episode_return, episode_length = self.channels.episode_queue.get_nowait()
+                _, episode_return, episode_length = self._episodes.get_nowait()
             except queue.Empty:
                 return finished
             finished.append((episode_return, episode_length))
@@ -205,7 +209,7 @@ class LocalActorPool:
         for _, process in dead:
             process.join()
         tracebacks = self.tracebacks()  # read after the join: an actor flushes its traceback before it exits
-        _release_queue_locks(self.channels)
+        _release_queue_locks(self._errors)
         for index, process in dead:
             self._replace(index, process, tracebacks.get(index, "").strip())
 
@@ -232,7 +236,7 @@ class LocalActorPool:
             return
         now = time.monotonic()
         monitor_gap_s, self.last_hang_check = now - self.last_hang_check, now
-        heartbeats = self.channels.heartbeats
+        heartbeats = self.heartbeats
         if monitor_gap_s > timeout_s / 2:
             # This process was not running either (Ctrl-Z, a stopped container): the actors' silence is not
             # theirs. Give every actor a new grace period instead.
@@ -250,10 +254,10 @@ class LocalActorPool:
 
     def tracebacks(self) -> dict[int, str]:
         """actor index -> the traceback it sent before dying, for every one sent since the last call."""
-        tracebacks = {}
+        tracebacks: dict[int, str] = {}
         while True:
             try:
-                index, text = self.channels.error_queue.get_nowait()
+                index, text = self._errors.get_nowait()
             except (queue.Empty, OSError, ValueError):
                 return tracebacks
             tracebacks[index] = text
@@ -282,10 +286,10 @@ class LocalActorPool:
 
     def close(self) -> None:
         """Close every channel and stop the fork server; after `stop`."""
-        self.channels.error_queue.cancel_join_thread()  # nobody reads it any more: never block on flushing it
+        self._errors.cancel_join_thread()  # nobody reads it any more: never block on flushing it
         self.slots.close()
-        for q in (self.channels.episode_queue, self.channels.error_queue):
-            q.close()
+        self._episodes.close()
+        self._errors.close()
         stop_fork_server()
 
 
@@ -345,7 +349,7 @@ def exit_description(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def _release_queue_locks(channels: ActorChannels) -> None:
+def _release_queue_locks(error_queue: Any) -> None:
     """Free a multiprocessing.Queue lock a killed actor may have been holding (the RecordQueues have none).
 
     An actor writes to the error queue only while it dies of an exception, and its feeder thread holds the
@@ -353,7 +357,7 @@ def _release_queue_locks(channels: ActorChannels) -> None:
     died; left alone it would block the next actor that fails. A `multiprocessing.Lock` may be released by
     any process. (`_wlock` is a private attribute of `multiprocessing.Queue`, stable since Python 3.4.)
     """
-    locks = {"error_queue write": getattr(channels.error_queue, "_wlock", None)}
+    locks = {"error_queue write": getattr(error_queue, "_wlock", None)}
     for name, lock in locks.items():
         if lock is None:
             continue

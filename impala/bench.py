@@ -242,8 +242,9 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
     recycled = _CountingQueue()  # free and full at once: a handed-over slot is free again
     for slot in range(spec.num_buffers):
         recycled.put(slot)
+    errors: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
     channels = ActorChannels(free_queue=recycled, full_queue=recycled, episode_queue=queue.SimpleQueue(),
-                             error_queue=queue.SimpleQueue(), stop_event=threading.Event(),
+                             error_queue=errors, stop_event=threading.Event(),
                              policy_version=types.SimpleNamespace(value=0))
     actor = threading.Thread(target=run_actor, args=(0, dataclasses.replace(config, inference="actor"), buffers,
                                                      model, channels), daemon=True)
@@ -252,7 +253,7 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
         """Wait until more than `after` slots were handed over; (slots, wall, CPU) at that moment."""
         while recycled.puts <= after:
             if not actor.is_alive():
-                raise RuntimeError(channels.error_queue.get()[1] if not channels.error_queue.empty()
+                raise RuntimeError(errors.get()[1] if not errors.empty()
                                    else "the actor stopped")
             time.sleep(0.001)
         return recycled.puts, time.perf_counter(), time.process_time()

@@ -14,7 +14,45 @@ import struct
 import sys
 import termios
 import time
-from typing import Any
+from typing import Any, Protocol
+
+
+class SlotQueue(Protocol):
+    """A queue of records between processes: a `RecordQueue`, or a `queue.Queue` when an actor runs inline."""
+
+    def put(self, item: Any) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+
+    def get_nowait(self) -> Any: ...
+
+
+class ErrorQueue(Protocol):
+    """Where a dying actor puts (actor index, traceback text): a `multiprocessing.Queue`."""
+
+    def put(self, item: tuple[int, str]) -> None: ...
+
+
+class StopSignal(Protocol):
+    """A `StopFlag`, or a `threading.Event` when an actor runs inline."""
+
+    def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+
+class SharedInt(Protocol):
+    """A shared integer: `multiprocessing.Value("q", lock=False)`."""
+
+    value: int
+
+
+class SharedFloats(Protocol):
+    """Shared floats by index: `multiprocessing.Array("d", n, lock=False)`, or a list inline."""
+
+    def __getitem__(self, index: int, /) -> float: ...
+
+    def __setitem__(self, index: int, value: float, /) -> None: ...
 
 
 class StopFlag:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 class UserError(Exception):
@@ -218,9 +218,27 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(f"--{f.name}", action=action, default=f.default, help=help_text)
             continue
         if "nargs" not in meta:
-            meta["type"] = _arg_type(f.type)
+            meta["type"] = _arg_type(str(f.type))
         parser.add_argument(f"--{f.name}", default=f.default, help=help_text, **meta)
     return parser
+
+
+def to_flags(config: Config, names: Sequence[str]) -> list[str]:
+    """The `run.py` flags that set the fields `names` of `config`: `parse_config`'s rules turned around.
+
+    A bool without a `--no-` form is left out when false; a None is left out (the flag's default).
+    """
+    negatable = {f.name for f in dataclasses.fields(Config) if f.metadata.get("negatable")}
+    argv: list[str] = []
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool):
+            argv += [f"--{name}"] if value else ([f"--no-{name}"] if name in negatable else [])
+        elif isinstance(value, tuple):
+            argv += [f"--{name}", *map(str, value)] if value else []
+        elif value is not None:
+            argv += [f"--{name}", str(value)]
+    return argv
 
 
 def _arg_type(annotation: str) -> Any:
@@ -229,7 +247,7 @@ def _arg_type(annotation: str) -> Any:
 
 
 class _ErrorRaisingParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print usage and exit; we want one line
+    def error(self, message: str) -> NoReturn:  # argparse would print usage and exit; we want one line
         raise UserError(message)
 
 
@@ -238,7 +256,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     parser = build_parser()
     parser.__class__ = _ErrorRaisingParser
     args = parser.parse_args(argv)
-    values = vars(args)
+    values: dict[str, Any] = vars(args)
     values["plot_xpids"] = tuple(values["plot_xpids"] or ())
     problems = []
     names = values["xpid"] or []  # a list: plot mode compares several runs, every other mode takes one
@@ -259,7 +277,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
 def config_from_dict(values: dict[str, Any]) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (e.g. stored in a checkpoint), ignoring unknown keys."""
     names = {f.name for f in dataclasses.fields(Config)}
-    kept = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
+    kept: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
     return Config(**kept)
 
 

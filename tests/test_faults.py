@@ -27,6 +27,7 @@ from process_helpers import (
 from impala import learner, training
 from impala.actor_pool import LocalActorPool
 from impala.config import Config
+from impala.metrics import IntervalStats
 from impala.model import Net
 
 T, B = 5, 4
@@ -56,13 +57,13 @@ def test_a_non_finite_update_is_skipped_and_leaves_the_weights_alone() -> None:
 
 def test_a_run_of_non_finite_updates_stops_learning_with_a_clear_error() -> None:
     config = Config(max_bad_updates=3)
-    run = types.SimpleNamespace(config=config, skipped_updates=0, bad_updates_in_a_row=0, learner_errors=[],
-                                stop_learning=training.threading.Event(), step=100,
-                                timing_sum_s=training.collections.defaultdict(float), timing_count=0)
+    run = types.SimpleNamespace(config=config, learner_errors=[], stop_learning=training.threading.Event(),
+                                state=types.SimpleNamespace(skipped_updates=0, bad_updates_in_a_row=0, step=100),
+                                stats=IntervalStats())
     bad = {"skipped": 1.0, "total_loss": float("nan"), "grad_norm": float("nan")}
     for _ in range(2):
         training._record(run, bad, 0.0)
-    assert run.skipped_updates == 2 and not run.stop_learning.is_set()
+    assert run.state.skipped_updates == 2 and not run.stop_learning.is_set()
     training._record(run, bad, 0.0)
     assert run.stop_learning.is_set()
     assert isinstance(run.learner_errors[0], training.TrainingError)
@@ -298,10 +299,10 @@ def test_a_paused_main_process_does_not_take_its_actors_for_hung() -> None:
     now = time.monotonic()
     actors = [_FakeActor(), _FakeActor()]
     run = types.SimpleNamespace(config=Config(actor_timeout_s=10), processes=actors, last_hang_check=now - 600,
-                                channels=types.SimpleNamespace(heartbeats=[now - 600, now - 600]))
+                                heartbeats=[now - 600, now - 600])
     LocalActorPool.kill_hung(run)
     assert not any(actor.killed for actor in actors)
-    assert all(beat >= now for beat in run.channels.heartbeats)
-    run.channels.heartbeats[1] = now - 60  # silent for a minute while the monitor kept checking
+    assert all(beat >= now for beat in run.heartbeats)
+    run.heartbeats[1] = now - 60  # silent for a minute while the monitor kept checking
     LocalActorPool.kill_hung(run)
     assert [actor.killed for actor in actors] == [False, True]

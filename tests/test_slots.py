@@ -77,9 +77,9 @@ def test_no_slot_is_lost_or_doubled_when_actors_are_killed_at_random_moments(tmp
         training.start_actors(run)
         training.start_learners(run)
         deadline = time.monotonic() + 60
-        while run.step == 0 and time.monotonic() < deadline:
+        while run.state.step == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert run.step > 0, "no update within 60 s"
+        assert run.state.step > 0, "no update within 60 s"
         for _ in range(20):
             time.sleep(rng.uniform(0.0, 0.3))
             index = rng.randrange(config.num_actors)
@@ -89,11 +89,11 @@ def test_no_slot_is_lost_or_doubled_when_actors_are_killed_at_random_moments(tmp
             kills += 1
             run.pool.check()
             assert run.pool.processes[index].pid != victim.pid
-        step = run.step
+        step = run.state.step
         deadline = time.monotonic() + 30
-        while run.step < step + 200 and time.monotonic() < deadline:  # and training goes on
+        while run.state.step < step + 200 and time.monotonic() < deadline:  # and training goes on
             time.sleep(0.05)
-        assert run.step >= step + 200
+        assert run.state.step >= step + 200
         assert not run.learner_errors
     finally:
         run.pool.channels.stop_event.set()
