@@ -119,12 +119,12 @@ def from_logits(
     )
 
 
-@torch.no_grad()
 def _clip(rhos: torch.Tensor, threshold: float | None) -> torch.Tensor:
     """min(threshold, rho); `rhos` themselves without a threshold."""
     return rhos if threshold is None else torch.clamp(rhos, max=threshold)
 
 
+@torch.no_grad()
 def from_importance_weights(
     log_rhos: torch.Tensor,
     discounts: torch.Tensor,
