@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import cast
 
 import torch
 
@@ -41,6 +41,7 @@ from impala.environment import EnvBatch, is_atari
 from impala.evaluator import Evaluator, check_evaluator, make_evaluator, start_evaluator, stop_evaluator
 from impala.inference import InferenceServer
 from impala.learner import LearnerState
+from impala.learners import Learners
 from impala.metrics import STATUS, IntervalStats, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
 from impala.rundir import finish_run_files, prepare_run_directory, resume_checkpoint, run_directory, write_run_files
@@ -82,17 +83,14 @@ class Run:
     buffers: Buffers  # the shared-memory slots
     pool: LocalActorPool  # the actors; learners take full slots from `pool.slots` and publish through it
     runlog: RunLog  # TensorBoard and CSV; the monitor's alone
-    amp: bool = False  # bfloat16 autocast in the learner
-    learner_model: Any = None  # `state.model`, or its torch.compile'd wrapper (same parameters) with --compile
+    learners: Learners  # the learner threads
+    amp: bool = False  # bfloat16 autocast in the learner and central inference
     inference: InferenceThread | None = None  # --inference central
     evaluator: Evaluator | None = None  # --eval_interval_s > 0; the monitor's alone
     resumed_from: Path | None = None  # the checkpoint this session started from
     saved_step: int | None = None  # the step of the newest checkpoint on disk; written by whoever saves
     stats: IntervalStats = field(default_factory=IntervalStats)  # learners add under `update_lock`
     update_lock: threading.Lock = field(default_factory=threading.Lock)  # one update, or one copy of the weights
-    stop_learning: threading.Event = field(default_factory=threading.Event)
-    learner_threads: list[threading.Thread] = field(default_factory=list)
-    learner_errors: list[Exception] = field(default_factory=list)  # why learning stopped; the monitor raises
 
 
 # ----------------------------------------------------------------------------------------- build
@@ -167,11 +165,14 @@ def build(config: Config) -> Run:
     state.lives.session = session
     runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
     runlog.flags(config.to_dict(), state.step)
-    run = Run(config, run_dir, device, state, buffers, _actor_pool(config, ctx, buffers, state, actor_model), runlog,
-              amp=use_amp(config.amp, device, model.model), evaluator=evaluator, resumed_from=checkpoint_path,
-              saved_step=state.step if checkpoint is not None else None)
+    pool = _actor_pool(config, ctx, buffers, state, actor_model)
+    amp, stats, update_lock = use_amp(config.amp, device, model.model), IntervalStats(), threading.Lock()
     # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
-    run.learner_model = torch.compile(model) if config.compile else model
+    learner_model = cast(Net, torch.compile(model)) if config.compile else model  # the wrapper acts as a Net
+    learners = Learners(config, state, buffers, pool, device, learner_model, amp, stats, update_lock)
+    run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
+              resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None, stats=stats,
+              update_lock=update_lock)
     if config.inference == "central":
         positions = run.pool.channels.inference_positions
         assert positions is not None, "made by the pool for --inference central"
@@ -216,85 +217,7 @@ def _inference_thread(inference: InferenceThread) -> None:
 
 
 def start_learners(run: Run) -> None:
-    for i in range(run.config.num_learner_threads):
-        thread = threading.Thread(target=_learner_thread, args=(run,), name=f"learner-{i}", daemon=True)
-        thread.start()
-        run.learner_threads.append(thread)
-
-
-def _take_full_slots(run: Run) -> list[int] | None:
-    slots: list[int] = []
-    while len(slots) < run.config.batch_size:
-        slot = run.pool.slots.take_full(timeout_s=0.2)
-        if slot is not None:
-            slots.append(slot)
-        elif run.stop_learning.is_set():
-            for slot in slots:  # give them back so a later run of this process could use them
-                run.pool.slots.give_back(slot)
-            return None
-    return slots
-
-
-def _learner_thread(run: Run) -> None:
-    try:
-        _learn(run)
-    except Exception as exc:  # logged here with its traceback; the monitor stops the run
-        log.exception("Learner thread %s failed", threading.current_thread().name)
-        run.learner_errors.append(exc)
-        run.stop_learning.set()
-
-
-def _learn(run: Run) -> None:
-    config, state = run.config, run.state
-    staging = learner.BatchStaging(run.buffers, config.batch_size, pin=run.device.type == "cuda")
-    while not run.stop_learning.is_set():
-        wait_start = time.perf_counter()
-        slots = _take_full_slots(run)
-        if slots is None:
-            return
-        copy_start = time.perf_counter()
-        staging.fill(run.buffers, slots)
-        versions = run.buffers["policy_version"][slots].clone()
-        for slot in slots:
-            run.pool.slots.give_back(slot)
-        batch, core_state = staging.to(run.device)
-        copy_end = time.perf_counter()
-        with run.update_lock:
-            if state.step >= config.total_steps or run.stop_learning.is_set():
-                return
-            update_start = time.perf_counter()
-            stats = learner.update(run.learner_model, state.optimizer, state.scheduler, batch, core_state, config,
-                                   run.amp)
-            # update() ends by reading its stats as floats, which waits for the device: on CUDA this phase
-            # also holds the tail of the non-blocking host-to-device copy.
-            publish_start = time.perf_counter()
-            run.pool.publish(state.model, state.updates + 1)
-            publish_end = time.perf_counter()
-            state.step += config.steps_per_update
-            state.updates += 1
-            timings_s = {"wait_batch": copy_start - wait_start, "host_to_device": copy_end - copy_start,
-                         "update_lock_wait": update_start - copy_end,
-                         "forward_backward": publish_start - update_start, "publish": publish_end - publish_start}
-            _record(run, stats, float((state.updates - 1 - versions).float().mean()), timings_s)
-
-
-def _record(run: Run, stats: dict[str, float], policy_lag: float, timings_s: dict[str, float] | None = None) -> None:
-    """Count one update in the stats `_log_progress` averages, or as skipped. Caller holds `update_lock`."""
-    run.stats.add_timings(timings_s or {})  # skipped updates took time too
-    state = run.state
-    if not stats["skipped"]:
-        state.bad_updates_in_a_row = 0
-        run.stats.add_update(stats, policy_lag)
-        return
-    state.skipped_updates += 1
-    state.bad_updates_in_a_row += 1
-    log.warning("Skipped a non-finite update at step %d (loss %s, grad norm %s)",
-                state.step, stats["total_loss"], stats["grad_norm"])
-    if state.bad_updates_in_a_row >= run.config.max_bad_updates:
-        run.learner_errors.append(TrainingError(
-            f"{state.bad_updates_in_a_row} non-finite updates in a row; stopping with the last good "
-            "checkpoint (try a lower --learning_rate or --grad_norm_clipping)"))
-        run.stop_learning.set()
+    run.learners.start()
 
 
 # --------------------------------------------------------------------------------------- monitor
@@ -328,8 +251,8 @@ def monitor(run: Run) -> str:
 def _check_threads(run: Run) -> None:
     """Raise TrainingError when a learner or the inference thread died: without them actors wait forever
     (and keep beating their heartbeat while they wait for actions)."""
-    if run.learner_errors:
-        error = run.learner_errors[0]
+    if run.learners.errors:
+        error = run.learners.errors[0]
         if isinstance(error, TrainingError):
             raise error
         raise TrainingError(f"learner thread failed: {error!r}") from error
@@ -446,10 +369,7 @@ def shutdown(run: Run, save: bool) -> OSError | None:
     terminate and kill); on return no actor process, fork server or queue thread of the run is left.
     """
     run.pool.channels.stop_event.set()
-    run.stop_learning.set()
-    deadline = time.monotonic() + LEARNER_JOIN_TIMEOUT_S
-    for thread in run.learner_threads:
-        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    run.learners.stop(LEARNER_JOIN_TIMEOUT_S)
     save_error = None
     try:
         run.pool.stop(functools.partial(_drain_episodes, run))
@@ -550,7 +470,7 @@ def _end(run: Run, reason: str) -> OSError | None:
     try:
         with _signals_ignored():
             # A numerical failure keeps the last good checkpoint; any other ending saves the current state.
-            save_error = shutdown(run, save=not run.learner_errors)
+            save_error = shutdown(run, save=not run.learners.errors)
             try:
                 finish_run_files(run.run_dir, reason, run.state.step)
             except OSError as exc:

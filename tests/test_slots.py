@@ -94,11 +94,11 @@ def test_no_slot_is_lost_or_doubled_when_actors_are_killed_at_random_moments(tmp
         while run.state.step < step + 200 and time.monotonic() < deadline:  # and training goes on
             time.sleep(0.05)
         assert run.state.step >= step + 200
-        assert not run.learner_errors
+        assert not run.learners.errors
     finally:
         run.pool.channels.stop_event.set()
-        run.stop_learning.set()
-        for thread in run.learner_threads:
+        run.learners.stop_event.set()
+        for thread in run.learners.threads:
             thread.join(timeout=10)
         run.pool.stop(functools.partial(training._drain_episodes, run))
         for index in range(config.num_actors):  # slots the stopped actors had taken, back in their pipes
