@@ -1,7 +1,7 @@
 """The actor loop: step a batch of envs with one batched policy forward and write unrolls into slots.
 
-`run_actor` is the body of an actor process; `training.py` creates the process, the queues and the
-shared model and passes them in. It can also be called inline for a fixed number of unrolls.
+`run_actor` is the body of an actor process; `actor_pool.py` creates the process and the queues and
+passes them in, with the shared model `training.py` made. It can also be called inline for a fixed number of unrolls.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from impala.seeding import LifeSeeds, first_life
 
 
 class ActorChannels(NamedTuple):
-    """What connects an actor to the main process (all created by `training.py`)."""
+    """What connects an actor to the main process (all created by `actor_pool.LocalActorPool`)."""
 
     free_queue: SlotQueue | None  # slot numbers this actor may fill (its own pipe, slots.py); None until assigned
     full_queue: SlotQueue  # slot numbers of finished unrolls, for the learner

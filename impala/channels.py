@@ -1,6 +1,6 @@
 """Channels between the main process and its actors that a process killed at any instant cannot break.
 
-Defined here, created only by `training.py` (which owns every process, thread and queue of a run).
+Defined here, created only by `actor_pool.py` (which owns the actor processes of a run and every channel to them).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class RecordQueue:
     other actor stalls for good. Here every `put` is one `write` of one record and every `get` one `read`
     of one record on a non-blocking pipe; the kernel makes each atomic (records are far below PIPE_BUF),
     so there is no lock to keep and no half-read record. Readers wait with `select`, holding nothing.
-    Created by `training.py`; picklable only while starting a process (it carries two pipe ends).
+    Created by `actor_pool.py`; picklable only while starting a process (it carries two pipe ends).
     The subset of the `queue.Queue` interface that actors and learners use: put, get, get_nowait, qsize.
     """
 

@@ -1,6 +1,6 @@
 """One learner update: assemble a batch of slots, V-trace targets, the IMPALA loss, an RMSprop step.
 
-Nothing here starts a thread or touches a queue: `training.py` calls these from its learner threads.
+Nothing here starts a thread or touches a queue: `learners.py` calls these from its learner threads.
 """
 
 from __future__ import annotations
