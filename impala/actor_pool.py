@@ -5,6 +5,7 @@ however they were filled; a pool owns the actors that fill them.
     while training:
         pool.check()        replace actors that died or hung; TrainingError when they keep dying
         pool.publish(...)   (learner threads) new weights for the actors, with their policy version
+    pool.request_stop()     actors finish their unroll or wait (shutdown, before the learners are joined)
     pool.stop(drain)        stop flag, join with a timeout, terminate, kill
     pool.close()            the channels and the fork server
 
@@ -72,6 +73,9 @@ class ActorPool(Protocol):
 
     def episodes(self) -> list[tuple[float, int]]:
         """(return, length) of every full game finished since the last call."""
+
+    def request_stop(self) -> None:
+        """Tell every actor to stop, without waiting."""
 
     def stop(self, drain: Callable[[], None]) -> None:
         """Stop every actor, bounded in time; `drain` is called while waiting (actors may flush episodes)."""
@@ -263,6 +267,9 @@ class LocalActorPool:
             tracebacks[index] = text
 
     # ------------------------------------------------------------------------------------- stop
+
+    def request_stop(self) -> None:
+        self.channels.stop_event.set()
 
     def stop(self, drain: Callable[[], None]) -> None:
         """Set the stop flag and wait for actors to see it, calling `drain` meanwhile (an exiting process first

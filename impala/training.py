@@ -368,7 +368,7 @@ def shutdown(run: Run, save: bool) -> OSError | None:
     Bounded in time (learners LEARNER_JOIN_TIMEOUT_S, actors actor_pool.ACTOR_JOIN_TIMEOUT_S, then
     terminate and kill); on return no actor process, fork server or queue thread of the run is left.
     """
-    run.pool.channels.stop_event.set()
+    run.pool.request_stop()
     run.learners.stop(LEARNER_JOIN_TIMEOUT_S)
     save_error = None
     try:
