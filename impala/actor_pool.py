@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
 
 import torch
@@ -217,7 +218,7 @@ class LocalActorPool:
         for index, process in dead:
             self._replace(index, process, tracebacks.get(index, "").strip())
 
-    def _replace(self, index: int, process: Any, detail: str) -> None:
+    def _replace(self, index: int, process: BaseProcess, detail: str) -> None:
         how = exit_description(process.exitcode)
         log.error("Actor %d (pid %d) died: %s%s", index, process.pid, how, f"\n{detail}" if detail else "")
         now = time.monotonic()
@@ -356,7 +357,7 @@ def exit_description(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def _release_queue_locks(error_queue: Any) -> None:
+def _release_queue_locks(error_queue: multiprocessing.queues.Queue[tuple[int, str]]) -> None:
     """Free a multiprocessing.Queue lock a killed actor may have been holding (the RecordQueues have none).
 
     An actor writes to the error queue only while it dies of an exception, and its feeder thread holds the

@@ -14,6 +14,7 @@ import struct
 import sys
 import termios
 import time
+from multiprocessing.context import BaseContext
 from typing import Any, Protocol
 
 
@@ -59,7 +60,7 @@ class StopFlag:
     """Tells actors to finish. Unlike `multiprocessing.Event`, reading it takes no lock, so an actor killed
     at any instant cannot leave the other actors, or the shutdown, blocked on it."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: BaseContext) -> None:
         self._value = ctx.Value("b", 0, lock=False)
 
     def set(self) -> None:
@@ -82,7 +83,7 @@ class RecordQueue:
     The subset of the `queue.Queue` interface that actors and learners use: put, get, get_nowait, qsize.
     """
 
-    def __init__(self, ctx: Any, fmt: str, capacity: int = 0) -> None:
+    def __init__(self, ctx: BaseContext, fmt: str, capacity: int = 0) -> None:
         """`capacity`: records the pipe must hold without blocking a writer (the pipe is grown to fit)."""
         self._fmt = fmt
         self._size = struct.calcsize(fmt)
