@@ -1,7 +1,7 @@
 """The actor loop: step a batch of envs with one batched policy forward and write unrolls into slots.
 
-`run_actor` is the body of an actor process; `training.py` creates the process, the queues and the
-shared model and passes them in. It can also be called inline for a fixed number of unrolls.
+`run_actor` is the body of an actor process; `actor_pool.py` creates the process and the queues and
+passes them in, with the shared model `training.py` made. It can also be called inline for a fixed number of unrolls.
 """
 
 from __future__ import annotations
@@ -9,32 +9,34 @@ from __future__ import annotations
 import queue
 import time
 import traceback
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from impala.buffers import Buffers
+from impala.channels import ErrorQueue, SharedFloats, SharedInt, SlotQueue, StopSignal
 from impala.config import Config
-from impala.environment import EnvBatch
+from impala.environment import EnvBatch, Step
 from impala.model import Net, sample_actions, use_amp
 from impala.seeding import LifeSeeds, first_life
 
 
 class ActorChannels(NamedTuple):
-    """What connects an actor to the main process (all created by `training.py`)."""
+    """What connects an actor to the main process (all created by `actor_pool.LocalActorPool`)."""
 
-    free_queue: Any  # slot numbers this actor may fill (its own pipe, slots.py)
-    full_queue: Any  # slot numbers of finished unrolls, for the learner
-    episode_queue: Any  # (actor_index, return, length) of every finished full game
-    error_queue: Any  # (actor_index, traceback text) when the actor dies of an exception
-    stop_event: Any  # set by the main process: finish and return
-    policy_version: Any  # shared int: learner updates applied to the shared model
+    free_queue: SlotQueue | None  # slot numbers this actor may fill (its own pipe, slots.py); None until assigned
+    full_queue: SlotQueue  # slot numbers of finished unrolls, for the learner
+    episode_queue: SlotQueue  # (actor_index, return, length) of every finished full game
+    error_queue: ErrorQueue  # (actor_index, traceback text) when the actor dies of an exception
+    stop_event: StopSignal  # set by the main process: finish and return
+    policy_version: SharedInt  # learner updates applied to the shared model
     # --inference central: [num_actors x env_splits, envs per split + 1] int64, each split's slots and row
-    inference_positions: Any = None
+    inference_positions: torch.Tensor | None = None
     # [num_actors] float64: each actor's last sign of progress (time.monotonic, one clock for all processes)
-    heartbeats: Any = None
+    heartbeats: SharedFloats | None = None
 
 
 class Heartbeat:
@@ -47,6 +49,15 @@ class Heartbeat:
     def __call__(self) -> None:
         if self._heartbeats is not None:
             self._heartbeats[self._index] = time.monotonic()
+
+
+class Policy(Protocol):
+    """Chooses the actions at row t of the slots `index` and writes action, logits and baseline there."""
+
+    core_state: tuple[torch.Tensor, ...]
+
+    def __call__(self, buffers: Buffers, index: torch.Tensor, t: int, row: dict[str, torch.Tensor]
+                 ) -> torch.Tensor: ...
 
 
 class StopActing(Exception):
@@ -81,10 +92,10 @@ class RemotePolicy:
     `connection` and waits for one byte back; by then the thread has written the actions into the slots.
     """
 
-    core_state = ()  # central inference has no recurrent core
+    core_state: tuple[torch.Tensor, ...] = ()  # central inference has no recurrent core
 
-    def __init__(self, connection: Any, positions: torch.Tensor, stop_event: Any,
-                 heartbeat: Any = lambda: None) -> None:
+    def __init__(self, connection: Connection, positions: torch.Tensor, stop_event: StopSignal,
+                 heartbeat: Callable[[], None] = lambda: None) -> None:
         self.connection = connection
         self.positions = positions
         self.stop_event = stop_event
@@ -102,9 +113,10 @@ class RemotePolicy:
         return buffers["action"][index, t]
 
 
-def _take_slots(free_queue: Any, count: int, stop_event: Any, heartbeat: Any = lambda: None) -> list[int] | None:
+def _take_slots(free_queue: SlotQueue, count: int, stop_event: StopSignal,
+                heartbeat: Callable[[], None] = lambda: None) -> list[int] | None:
     """`count` slot numbers from this actor's free pipe; None when stopped."""
-    slots = []
+    slots: list[int] = []
     while len(slots) < count:
         try:
             slots.append(free_queue.get(timeout=0.2))
@@ -117,7 +129,7 @@ def _take_slots(free_queue: Any, count: int, stop_event: Any, heartbeat: Any = l
 
 def run_actor(actor_index: int, config: Config, buffers: Buffers, model: Net, channels: ActorChannels,
               seeds: LifeSeeds | None = None, max_unrolls: int | None = None,
-              inference_connections: Any = None) -> None:
+              inference_connections: list[Connection] | None = None) -> None:
     """Fill slots until `channels.stop_event` is set (or `max_unrolls` unrolls per env are done).
 
     `seeds`: this life's env seeds and sampling seed (default: the actor's first life in a new run).
@@ -135,7 +147,7 @@ def run_actor(actor_index: int, config: Config, buffers: Buffers, model: Net, ch
 
 
 def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channels: ActorChannels,
-         seeds: LifeSeeds, max_unrolls: int | None, inference_connections: Any) -> None:
+         seeds: LifeSeeds, max_unrolls: int | None, inference_connections: list[Connection] | None) -> None:
     """Run the actor's env splits in turn: each acts until it has sent actions to its envs, then the next
     one acts while those envs step (ale-py steps them in its own thread). One split acts and waits."""
     heartbeat = Heartbeat(channels, actor_index)
@@ -151,7 +163,9 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
             env = EnvBatch(config.env, per_split, split_seeds, episodic_life=config.episodic_life,
                            fire_on_life_loss=config.fire_on_life_loss)
             envs.append(env)
+            policy: Policy
             if inference_connections is not None:
+                assert channels.inference_positions is not None
                 positions = channels.inference_positions[actor_index * splits + split]
                 policy = RemotePolicy(inference_connections[split], positions, channels.stop_event, heartbeat)
             else:
@@ -168,7 +182,7 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
             env.close()
 
 
-def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChannels, env: EnvBatch, policy: Any,
+def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChannels, env: EnvBatch, policy: Policy,
                 max_unrolls: int | None, heartbeat: Heartbeat) -> Iterator[None]:
     """One env split's acting, as a generator that yields while its envs step; ends when stopped."""
     n = env.num_envs
@@ -183,6 +197,7 @@ def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChann
     }
     unrolls = 0
     while not channels.stop_event.is_set() and (max_unrolls is None or unrolls < max_unrolls):
+        assert channels.free_queue is not None, "each actor is given its own free pipe"
         slots = _take_slots(channels.free_queue, n, channels.stop_event, heartbeat)
         if slots is None:
             return
@@ -201,14 +216,15 @@ def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChann
             step = env.recv()
             heartbeat()
             row = _row_from_step(step)
-            for i in np.flatnonzero(step.game_over):
-                channels.episode_queue.put((actor_index, float(step.episode_return[i]), int(step.episode_step[i])))
+            for game in np.flatnonzero(step.game_over):
+                channels.episode_queue.put((actor_index, float(step.episode_return[game]),
+                                            int(step.episode_step[game])))
         for slot in slots:  # the main process marks them as the learners' when it takes them (slots.py)
             channels.full_queue.put(slot)
         unrolls += 1
 
 
-def _row_from_step(step: Any) -> dict[str, torch.Tensor]:
+def _row_from_step(step: Step) -> dict[str, torch.Tensor]:
     return {
         "obs": torch.from_numpy(step.obs),
         "done": torch.from_numpy(step.done),

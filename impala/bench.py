@@ -53,10 +53,10 @@ from impala import learner
 from impala.actor import ActorChannels, run_actor
 from impala.buffers import BufferSpec
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from impala.config import Config, UserError
+from impala.config import Config, UserError, to_flags
 from impala.environment import EnvBatch
 from impala.model import Net, sample_actions, use_amp
-from impala.training import select_device
+from impala.training import learner_threads, probe_env, select_device
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPONENTS = ("env", "inference", "learner", "actor", "e2e")
@@ -114,13 +114,6 @@ def torch_threads(count: int) -> Any:
         torch.set_num_threads(previous)
 
 
-def learner_threads(config: Config, device: torch.device) -> int:
-    """Torch threads of the learner, as `training.build` sets them: the cores the actors leave, on CPU."""
-    if device.type == "cpu":
-        return max(1, len(os.sched_getaffinity(0)) - config.num_actors)
-    return torch.get_num_threads()
-
-
 @dataclass(frozen=True)
 class EnvShape:
     observation_shape: tuple[int, ...]
@@ -130,13 +123,10 @@ class EnvShape:
 
 
 def env_shape(config: Config) -> EnvShape:
-    probe = EnvBatch(config.env, 1, config.seed)
-    try:
-        dtype = torch.uint8 if probe.observation_dtype.kind == "u" else torch.float32
-        model = Net(probe.observation_shape, probe.num_actions, config.model, config.use_lstm, config.hidden_size)
-        return EnvShape(probe.observation_shape, dtype, probe.num_actions, model.model)
-    finally:
-        probe.close()
+    """The env's shapes as the trainer probes them (`training.probe_env`), and the model `--model` names."""
+    observation_shape, dtype, num_actions = probe_env(config)
+    model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
+    return EnvShape(observation_shape, dtype, num_actions, model.model)
 
 
 def bench_env(config: Config, seconds: float) -> dict[str, Any]:
@@ -242,8 +232,9 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
     recycled = _CountingQueue()  # free and full at once: a handed-over slot is free again
     for slot in range(spec.num_buffers):
         recycled.put(slot)
+    errors: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
     channels = ActorChannels(free_queue=recycled, full_queue=recycled, episode_queue=queue.SimpleQueue(),
-                             error_queue=queue.SimpleQueue(), stop_event=threading.Event(),
+                             error_queue=errors, stop_event=threading.Event(),
                              policy_version=types.SimpleNamespace(value=0))
     actor = threading.Thread(target=run_actor, args=(0, dataclasses.replace(config, inference="actor"), buffers,
                                                      model, channels), daemon=True)
@@ -252,7 +243,7 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
         """Wait until more than `after` slots were handed over; (slots, wall, CPU) at that moment."""
         while recycled.puts <= after:
             if not actor.is_alive():
-                raise RuntimeError(channels.error_queue.get()[1] if not channels.error_queue.empty()
+                raise RuntimeError(errors.get()[1] if not errors.empty()
                                    else "the actor stopped")
             time.sleep(0.001)
         return recycled.puts, time.perf_counter(), time.process_time()
@@ -413,14 +404,7 @@ def run_argv(config: Config, savedir: str, extra: Sequence[str] = ()) -> list[st
     """`python run.py ...` with `config`'s bench flags, except those `extra` sets, then `extra`."""
     overridden = {token[2:].split("=")[0].removeprefix("no-") for token in extra if token.startswith("--")}
     argv = [sys.executable, "run.py", "--savedir", savedir, "--xpid", "bench"]
-    for name in CONFIG_FLAGS:
-        if name in overridden:
-            continue
-        value = getattr(config, name)
-        if isinstance(value, bool):
-            argv += [f"--{name}"] if value else ([] if name == "disable_cuda" else [f"--no-{name}"])
-        elif value is not None:
-            argv += [f"--{name}", str(value)]
+    argv += to_flags(config, [name for name in CONFIG_FLAGS if name not in overridden])
     return argv + list(extra)
 
 

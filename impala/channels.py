@@ -1,6 +1,6 @@
 """Channels between the main process and its actors that a process killed at any instant cannot break.
 
-Defined here, created only by `training.py` (which owns every process, thread and queue of a run).
+Defined here, created only by `actor_pool.py` (which owns the actor processes of a run and every channel to them).
 """
 
 from __future__ import annotations
@@ -14,14 +14,53 @@ import struct
 import sys
 import termios
 import time
-from typing import Any
+from multiprocessing.context import BaseContext
+from typing import Any, Protocol
+
+
+class SlotQueue(Protocol):
+    """A queue of records between processes: a `RecordQueue`, or a `queue.Queue` when an actor runs inline."""
+
+    def put(self, item: Any) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+
+    def get_nowait(self) -> Any: ...
+
+
+class ErrorQueue(Protocol):
+    """Where a dying actor puts (actor index, traceback text): a `multiprocessing.Queue`."""
+
+    def put(self, item: tuple[int, str]) -> None: ...
+
+
+class StopSignal(Protocol):
+    """A `StopFlag`, or a `threading.Event` when an actor runs inline."""
+
+    def set(self) -> None: ...
+
+    def is_set(self) -> bool: ...
+
+
+class SharedInt(Protocol):
+    """A shared integer: `multiprocessing.Value("q", lock=False)`."""
+
+    value: int
+
+
+class SharedFloats(Protocol):
+    """Shared floats by index: `multiprocessing.Array("d", n, lock=False)`, or a list inline."""
+
+    def __getitem__(self, index: int, /) -> float: ...
+
+    def __setitem__(self, index: int, value: float, /) -> None: ...
 
 
 class StopFlag:
     """Tells actors to finish. Unlike `multiprocessing.Event`, reading it takes no lock, so an actor killed
     at any instant cannot leave the other actors, or the shutdown, blocked on it."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: BaseContext) -> None:
         self._value = ctx.Value("b", 0, lock=False)
 
     def set(self) -> None:
@@ -40,11 +79,11 @@ class RecordQueue:
     other actor stalls for good. Here every `put` is one `write` of one record and every `get` one `read`
     of one record on a non-blocking pipe; the kernel makes each atomic (records are far below PIPE_BUF),
     so there is no lock to keep and no half-read record. Readers wait with `select`, holding nothing.
-    Created by `training.py`; picklable only while starting a process (it carries two pipe ends).
+    Created by `actor_pool.py`; picklable only while starting a process (it carries two pipe ends).
     The subset of the `queue.Queue` interface that actors and learners use: put, get, get_nowait, qsize.
     """
 
-    def __init__(self, ctx: Any, fmt: str, capacity: int = 0) -> None:
+    def __init__(self, ctx: BaseContext, fmt: str, capacity: int = 0) -> None:
         """`capacity`: records the pipe must hold without blocking a writer (the pipe is grown to fit)."""
         self._fmt = fmt
         self._size = struct.calcsize(fmt)

@@ -69,7 +69,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"checkpoint {path} is not a readable checkpoint ({reason[:200]}); it may be truncated "
                         "or not a checkpoint: restore it or start a new run with another --xpid") from None
-    required = {"model_state_dict": dict, "flags": dict, "step": int, "observation_shape": (list, tuple),
+    required: dict[str, type | tuple[type, ...]] = {"model_state_dict": dict, "flags": dict, "step": int, "observation_shape": (list, tuple),
                 "num_actions": int}
     if not isinstance(state, dict) or any(not isinstance(state.get(key), kind) for key, kind in required.items()):
         raise UserError(f"checkpoint {path} is not an impala checkpoint (no model, flags or step counters in it)")
@@ -152,8 +152,14 @@ def keep_step_copy(path: Path, step: int, keep: int) -> list[Path]:
     finally:
         tmp.unlink(missing_ok=True)
     copies = [p for p in path.parent.iterdir() if STEP_CHECKPOINT_PATTERN.fullmatch(p.name)]
-    copies.sort(key=lambda p: (p.stat().st_mtime_ns, int(STEP_CHECKPOINT_PATTERN.fullmatch(p.name).group(1))))
+    copies.sort(key=lambda p: (p.stat().st_mtime_ns, _step_of(p)))
     removed = copies[:-keep] if len(copies) > keep else []
     for old in removed:
         old.unlink(missing_ok=True)
     return removed
+
+
+def _step_of(copy: Path) -> int:
+    match = STEP_CHECKPOINT_PATTERN.fullmatch(copy.name)
+    assert match is not None
+    return int(match.group(1))

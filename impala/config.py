@@ -12,7 +12,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 
 class UserError(Exception):
@@ -20,6 +20,10 @@ class UserError(Exception):
 
     `run.py` prints its message as one line and exits with code 2, without a traceback.
     """
+
+
+class TrainingError(RuntimeError):
+    """The run stopped because of a fault in the run itself (actors crashing, numerical failure)."""
 
 
 def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
@@ -55,7 +59,7 @@ class Config:
                                      "running a partial batch (0: serve whoever is ready)")
 
     # Learning.
-    total_steps: int = _flag(10_000_000, "agent steps to train for (1 agent step = frame skip frames on Atari)")
+    total_steps: int = _flag(5_000_000, "agent steps to train for (1 agent step = frame skip frames on Atari)")
     batch_size: int = _flag(32, "unrolls per learner update (B)")
     num_learner_threads: int = _flag(2, "learner threads; updates are serialised, extra threads prepare batches")
     model: str = _flag("auto", "network: shallow (IMPALA/TorchBeast Atari net), resnet (deep IMPALA ResNet), "
@@ -213,9 +217,27 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(f"--{f.name}", action=action, default=f.default, help=help_text)
             continue
         if "nargs" not in meta:
-            meta["type"] = _arg_type(f.type)
+            meta["type"] = _arg_type(str(f.type))
         parser.add_argument(f"--{f.name}", default=f.default, help=help_text, **meta)
     return parser
+
+
+def to_flags(config: Config, names: Sequence[str]) -> list[str]:
+    """The `run.py` flags that set the fields `names` of `config`: `parse_config`'s rules turned around.
+
+    A bool without a `--no-` form is left out when false; a None is left out (the flag's default).
+    """
+    negatable = {f.name for f in dataclasses.fields(Config) if f.metadata.get("negatable")}
+    argv: list[str] = []
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool):
+            argv += [f"--{name}"] if value else ([f"--no-{name}"] if name in negatable else [])
+        elif isinstance(value, tuple):
+            argv += [f"--{name}", *map(str, value)] if value else []
+        elif value is not None:
+            argv += [f"--{name}", str(value)]
+    return argv
 
 
 def _arg_type(annotation: str) -> Any:
@@ -224,7 +246,7 @@ def _arg_type(annotation: str) -> Any:
 
 
 class _ErrorRaisingParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print usage and exit; we want one line
+    def error(self, message: str) -> NoReturn:  # argparse would print usage and exit; we want one line
         raise UserError(message)
 
 
@@ -233,7 +255,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     parser = build_parser()
     parser.__class__ = _ErrorRaisingParser
     args = parser.parse_args(argv)
-    values = vars(args)
+    values: dict[str, Any] = vars(args)
     values["plot_xpids"] = tuple(values["plot_xpids"] or ())
     problems = []
     names = values["xpid"] or []  # a list: plot mode compares several runs, every other mode takes one
@@ -254,7 +276,7 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
 def config_from_dict(values: dict[str, Any]) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (e.g. stored in a checkpoint), ignoring unknown keys."""
     names = {f.name for f in dataclasses.fields(Config)}
-    kept = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
+    kept: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
     return Config(**kept)
 
 

@@ -87,6 +87,7 @@ class EnvBatch:
         self._lives = np.zeros(num_envs, np.int64)
         spec = env_spec(env_id)
         self._atari = spec.entry_point == "ale_py.env:AtariEnv"
+        self._env: Any  # an ale-py or gymnasium vector env, or _OneVectorEnvEach: the same calls on each
         if self._atari:
             self._fire_on_life_loss = fire_on_life_loss and _needs_fire_after_life_loss(spec)
             self._env = (_OneVectorEnvEach(spec, num_envs) if self._fire_on_life_loss
@@ -201,7 +202,7 @@ def _needs_fire_after_life_loss(spec: gym.envs.registration.EnvSpec) -> bool:
 
     ale_py.ALEInterface.setLoggerMode(ale_py.LoggerMode.Error)  # no banner from every actor
     ale = ale_py.ALEInterface()
-    ale.loadROM(roms.get_rom_path(spec.kwargs["game"]))
+    ale.loadROM(roms.get_rom_path(spec.kwargs["game"]))  # type: ignore[arg-type]  # a missing ROM fails in ale-py
     actions = ale.getMinimalActionSet() if not spec.kwargs.get("full_action_space", False) else ale.getLegalActionSet()
     return len(actions) > FIRE and actions[FIRE] == ale_py.Action.FIRE and ale.lives() > 0
 

@@ -70,7 +70,7 @@ def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True,
             obs, done = torch.from_numpy(step.obs), torch.from_numpy(step.done)
     finally:
         env.close()
-    return [float(r) for r in returns]
+    return [float(r) for r in returns if r is not None]  # every one is set by now
 
 
 def check_compatible_env(model: Net, env: EnvBatch) -> None:

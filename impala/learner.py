@@ -1,6 +1,6 @@
 """One learner update: assemble a batch of slots, V-trace targets, the IMPALA loss, an RMSprop step.
 
-Nothing here starts a thread or touches a queue: `training.py` calls these from its learner threads.
+Nothing here starts a thread or touches a queue: `learners.py` calls these from its learner threads.
 """
 
 from __future__ import annotations
@@ -9,13 +9,17 @@ import contextlib
 import math
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
 
 import torch
 
 from impala import losses, vtrace
 from impala.buffers import Buffers
-from impala.config import Config
+from impala.config import Config, UserError
 from impala.model import CoreState, Net
+from impala.seeding import ActorLives
 
 # The fields the learner reads, time-major in a batch: [T + 1, B, ...].
 BATCH_KEYS = ("obs", "done", "reward", "action", "policy_logits")
@@ -150,7 +154,7 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
     steps = config.epochs * parts
     values = {k: v / steps for k, v in totals.items()}
     values["skipped"] = 1.0 if totals["skipped"] else 0.0  # a batch with a non-finite step counts as skipped
-    values["learning_rate"] = scheduler.get_last_lr()[0]
+    values["learning_rate"] = float(scheduler.get_last_lr()[0])
     with warnings.catch_warnings():  # a skipped first update steps the schedule before the optimizer: intended
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
         scheduler.step()
@@ -174,3 +178,66 @@ def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.T
         optimizer.step()
     values["skipped"] = 0.0 if finite else 1.0
     return values
+
+
+@dataclass
+class LearnerState:
+    """What a checkpoint saves and a resume restores: the learner's model, optimiser and schedule, the run's
+    counters and the actor lives handed out (`seeding.ActorLives`). `state_dict()` is the checkpoint's
+    content, bar the flags and shapes; a new counter is one name in COUNTERS and one field.
+
+    Learner threads change it under the run's update lock; the monitor reads the counters without it
+    (a snapshot) and takes the lock for `state_dict()`, so a checkpoint falls between two updates.
+    """
+
+    COUNTERS: ClassVar[tuple[str, ...]] = ("step", "updates", "skipped_updates", "episodes")
+
+    model: Net  # the learner's, on its device
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    lives: ActorLives  # numbers every actor start and hands it its seeds
+    step: int = 0  # agent steps learned from
+    updates: int = 0  # updates applied (the policy version)
+    skipped_updates: int = 0  # non-finite updates skipped, run-wide
+    episodes: int = 0  # full games finished by the actors
+    bad_updates_in_a_row: int = 0  # the current streak of skipped updates; not saved
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model and optimiser state copied to the CPU, the counters and the lives."""
+        return {
+            "model_state_dict": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer_state_dict": _to_cpu(self.optimizer.state_dict()),
+            **{name: getattr(self, name) for name in self.COUNTERS},
+            **self.lives.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], config: Config, path: Path) -> None:
+        """Continue from checkpoint `state` (read from `path`): weights, optimiser state when it has one
+        (model_best.tar has none: the optimiser starts afresh), the schedule at its step, the counters.
+        A state that does not fit this model is the checkpoint's fault: a UserError naming it."""
+        _load(self.model, state["model_state_dict"], path)
+        if "optimizer_state_dict" in state:
+            _load(self.optimizer, state["optimizer_state_dict"], path)
+        for name in self.COUNTERS:
+            setattr(self, name, int(state.get(name, 0)))
+        self.scheduler = make_schedule(self.optimizer, config, start_step=self.step)
+        self.lives.load_state_dict(state)
+
+
+def _load(target: Any, state: dict[str, Any], path: Path) -> None:
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"checkpoint {path} does not fit this run's {type(target).__name__}: "
+                        f"{first_line[:300]}") from None
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value

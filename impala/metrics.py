@@ -15,6 +15,7 @@ anywhere else (a pipe, a file, CI, `docker logs`); `out.log` always gets plain l
 
 from __future__ import annotations
 
+import collections
 import csv
 import io
 import logging
@@ -174,6 +175,68 @@ def video_summary(tag: str, frames: np.ndarray, fps: float) -> Summary:
     return Summary(value=[Summary.Value(tag=tag, image=image)])
 
 
+# ------------------------------------------------------------------------------- interval stats
+
+
+LOSS_TAGS = {"total_loss": "losses/total_loss", "pg_loss": "losses/pg_loss", "baseline_loss": "losses/baseline_loss",
+             "entropy_loss": "losses/entropy_loss", "learning_rate": "charts/learning_rate",
+             "grad_norm": "stats/grad_norm", "rho_mean": "stats/rho_mean",
+             "rho_clipped_fraction": "stats/rho_clipped_fraction"}
+
+
+class IntervalStats:
+    """What the learners record per update, summed until the monitor takes the means of a log interval,
+    and the returns of the last 100 games.
+
+    Not locked: learner threads add and the monitor takes under the run's update lock; `add_episode` and
+    `mean_return_100` are the monitor's alone.
+    """
+
+    def __init__(self) -> None:
+        self.episode_returns: collections.deque[float] = collections.deque(maxlen=100)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._sums: dict[str, float] = collections.defaultdict(float)
+        self._count = 0
+        self._policy_lag_sum = 0.0
+        self._timing_sums_s: dict[str, float] = collections.defaultdict(float)  # per learner phase
+        self._timing_count = 0
+
+    def add_timings(self, timings_s: Mapping[str, float]) -> None:
+        """One update's phase times, in seconds (skipped updates took time too)."""
+        for phase, seconds in timings_s.items():
+            self._timing_sums_s[phase] += seconds
+        self._timing_count += 1 if timings_s else 0
+
+    def add_update(self, stats: Mapping[str, float], policy_lag: float) -> None:
+        """One applied update's stats (`learner.update`) and its mean policy lag in updates."""
+        for key, value in stats.items():
+            self._sums[key] += value
+        self._count += 1
+        self._policy_lag_sum += policy_lag
+
+    def take(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(loss and update scalars, timing scalars): the means since the last call, which are reset."""
+        sums, count, lag = self._sums, self._count, self._policy_lag_sum
+        timing_sums, timing_count = self._timing_sums_s, self._timing_count
+        self._reset()
+        update_scalars = {}
+        if count:
+            update_scalars = {tag: sums[key] / count for key, tag in LOSS_TAGS.items()}
+            update_scalars["stats/policy_lag"] = lag / count  # in learner updates
+        timings = {f"timing/{phase}_ms": 1000.0 * seconds / timing_count for phase, seconds in timing_sums.items()}
+        return update_scalars, timings
+
+    def add_episode(self, episode_return: float) -> None:
+        self.episode_returns.append(episode_return)
+
+    def mean_return_100(self) -> float:
+        """Mean return of the last 100 games; NaN before the first."""
+        returns = self.episode_returns
+        return sum(returns) / len(returns) if returns else float("nan")
+
+
 # --------------------------------------------------------------------------------------- console
 
 
@@ -234,7 +297,7 @@ class ConsoleHandler(logging.Handler):
 
     def end_status(self) -> None:
         """Leave the last status line on screen and move below it."""
-        with self.lock:
+        with self.lock:  # type: ignore[union-attr]  # created by Handler.__init__
             if self._status is not None and _is_terminal(sys.stdout):
                 sys.stdout.write("\n")
                 sys.stdout.flush()

@@ -102,6 +102,7 @@ class Net(nn.Module):
             model = "shallow" if len(observation_shape) == 3 else "mlp"
         if model in ("shallow", "resnet") and len(observation_shape) != 3:
             raise ValueError(f"--model {model} needs image observations [C, H, W], got shape {observation_shape}")
+        self.torso: ShallowTorso | ResNetTorso | MLPTorso
         if model == "shallow":
             self.torso = ShallowTorso(observation_shape[0])
         elif model == "resnet":
@@ -164,6 +165,7 @@ class Net(nn.Module):
                 # Zero the state where obs t begins a new episode.
                 mask = not_done[t].view(1, -1, 1)
                 core_state = tuple(mask * s for s in core_state)
+                assert self.core is not None
                 output, core_state = self.core(features[t : t + 1], core_state)
                 outputs.append(output)
         return torch.cat(outputs), core_state

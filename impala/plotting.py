@@ -178,13 +178,13 @@ def returns_figure(curves: Sequence[Curve], colors: Mapping[str, str] | None = N
         color = (colors or {}).get(curve.name, f"C{i % 10}")
         label = curve.name if len(envs) == 1 or curve.env is None else f"{curve.name} ({curve.env})"
         if len(curve.returns):
-            xs = curve.steps if x == "steps" else curve.times / 3600
+            xs = curve.steps if x == "steps" or curve.times is None else curve.times / 3600
             window = smoothing_window(len(curve.returns))
             axes.plot(xs, curve.returns, color=color, alpha=0.2, linewidth=0.8)
             axes.plot(xs, smooth(curve.returns, window), color=color, linewidth=2, label=label)
         evaluation = curve.evaluation
         if evaluation is not None and len(evaluation.steps):
-            xs = evaluation.steps if x == "steps" else evaluation.times / 3600
+            xs = evaluation.steps if x == "steps" or evaluation.times is None else evaluation.times / 3600
             axes.plot(xs, evaluation.values, color=color, linestyle="--", marker="o", markersize=3, linewidth=1.2,
                       label=f"{label}: evaluation")
     single_env = next(iter(envs)) if len(envs) == 1 else None

@@ -13,7 +13,7 @@ an actor's pipe; an actor only reads its pipe and writes the full queue. So when
 monitor takes the lock, moves everything in the full queue to a backlog the learners read first (the
 dead actor cannot add to the queue any more, and no learner is between a read and its mark), and then
 every slot still marked as the dead actor's was never handed over: it goes to the new actor's pipe.
-Created by `training.py`.
+Created by `actor_pool.LocalActorPool`.
 """
 
 from __future__ import annotations

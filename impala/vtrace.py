@@ -119,6 +119,11 @@ def from_logits(
     )
 
 
+def _clip(rhos: torch.Tensor, threshold: float | None) -> torch.Tensor:
+    """min(threshold, rho); `rhos` themselves without a threshold."""
+    return rhos if threshold is None else torch.clamp(rhos, max=threshold)
+
+
 @torch.no_grad()
 def from_importance_weights(
     log_rhos: torch.Tensor,
@@ -157,10 +162,7 @@ def from_importance_weights(
         ``VTraceReturns`` of [T, B] tensors that carry no gradient.
     """
     rhos = torch.exp(log_rhos)
-    if clip_rho_threshold is not None:
-        clipped_rhos = torch.clamp(rhos, max=clip_rho_threshold)
-    else:
-        clipped_rhos = rhos
+    clipped_rhos = _clip(rhos, clip_rho_threshold)
     # The trace coefficients are always truncated at 1 (the paper's c_bar = 1).
     cs = lambda_ * torch.clamp(rhos, max=1.0)
 
@@ -178,10 +180,7 @@ def from_importance_weights(
 
     # Advantage for the policy gradient uses the V-trace target of the next state.
     vs_t_plus_1 = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)], dim=0)
-    if clip_pg_rho_threshold is not None:
-        clipped_pg_rhos = torch.clamp(rhos, max=clip_pg_rho_threshold)
-    else:
-        clipped_pg_rhos = rhos
+    clipped_pg_rhos = _clip(rhos, clip_pg_rho_threshold)
     pg_advantages = clipped_pg_rhos * (rewards + discounts * vs_t_plus_1 - values)
 
     return VTraceReturns(vs=vs, pg_advantages=pg_advantages)

@@ -21,7 +21,6 @@ from process_helpers import IMPALA_RULE, Training, checkpoint_step, run_py, wait
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import run
-from impala import training
 from impala.checkpoint import (
     BEST_CHECKPOINT_NAME,
     CHECKPOINT_NAME,
@@ -33,6 +32,7 @@ from impala.checkpoint import (
 )
 from impala.config import Config, UserError, parse_config
 from impala.evaluate import EVAL_SEED_OFFSET, play, serve_evaluations
+from impala.evaluator import Evaluator, check_evaluator, finish_evaluation, replace_evaluator
 from impala.metrics import RunLog
 from impala.model import Net
 
@@ -128,7 +128,7 @@ def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
 
 def _fake_run(tmp_path: Path, best: tuple[float, int] | None) -> types.SimpleNamespace:
     model = _net()
-    evaluator = training.Evaluator(_net(), best)
+    evaluator = Evaluator(_net(), best)
     return types.SimpleNamespace(config=Config(env="CartPole-v1", eval_interval_s=1, hidden_size=32), run_dir=tmp_path,
                                  model=model, runlog=RunLog(tmp_path), evaluator=evaluator)
 
@@ -136,16 +136,16 @@ def _fake_run(tmp_path: Path, best: tuple[float, int] | None) -> types.SimpleNam
 def test_only_a_better_evaluation_replaces_the_best(tmp_path: Path) -> None:
     run_ = _fake_run(tmp_path, best=None)
     pending = {"number": 1, "step": 100, "updates": 5, "episodes": 9, "cpu_s": 0.5}
-    training._finish_evaluation(run_, run_.evaluator, pending, [20.0, 30.0])
+    finish_evaluation(run_, run_.evaluator, pending, [20.0, 30.0])
     saved = load_checkpoint(tmp_path / BEST_CHECKPOINT_NAME)
     assert (saved["step"], saved["eval_return_mean"], saved["eval_return_std"]) == (100, 25.0, 5.0)
     assert saved["eval_returns"] == [20.0, 30.0] and saved["updates"] == 5
     assert all(torch.equal(v, run_.evaluator.model.state_dict()[k]) for k, v in saved["model_state_dict"].items())
     first = (tmp_path / BEST_CHECKPOINT_NAME).read_bytes()
     for step, returns in ((200, [25.0, 25.0]), (300, [10.0, 12.0])):  # equal, then worse: both kept out
-        training._finish_evaluation(run_, run_.evaluator, {**pending, "step": step}, returns)
+        finish_evaluation(run_, run_.evaluator, {**pending, "step": step}, returns)
     assert (tmp_path / BEST_CHECKPOINT_NAME).read_bytes() == first
-    training._finish_evaluation(run_, run_.evaluator, {**pending, "step": 400}, [40.0, 40.0])
+    finish_evaluation(run_, run_.evaluator, {**pending, "step": 400}, [40.0, 40.0])
     assert load_checkpoint(tmp_path / BEST_CHECKPOINT_NAME)["step"] == 400
     assert run_.evaluator.best == (40.0, 400)
     meta = json.loads((tmp_path / "meta.json").read_text())["best_evaluation"]
@@ -165,12 +165,12 @@ def test_an_evaluator_that_keeps_dying_ends_evaluation_not_training(tmp_path: Pa
     dead = types.SimpleNamespace(pid=4321, exitcode=-9, join=lambda timeout=None: None)
     run_.evaluator.process, run_.evaluator.connection = dead, types.SimpleNamespace(close=lambda: None)
     run_.evaluator.pending = {"number": 3, "step": 700}
-    training._replace_evaluator(run_, run_.evaluator)  # with max_actor_restarts 0 the first death is one too many
+    replace_evaluator(run_, run_.evaluator)  # with max_actor_restarts 0 the first death is one too many
     assert run_.evaluator.disabled and run_.evaluator.pending is None
     assert "Evaluator (pid 4321) died: killed by SIGKILL; the evaluation of step 700 is lost, training goes on" \
         in caplog.text
     assert "no more evaluations in this run; training goes on" in caplog.text
-    training._check_evaluator(run_)  # a disabled evaluator is left alone: nothing to poll, nothing started
+    check_evaluator(run_)  # a disabled evaluator is left alone: nothing to poll, nothing started
     run_.runlog.close()
 
 

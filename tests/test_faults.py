@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -25,7 +26,10 @@ from process_helpers import (
 )
 
 from impala import learner, training
+from impala.actor_pool import LocalActorPool
 from impala.config import Config
+from impala.learners import Learners
+from impala.metrics import IntervalStats
 from impala.model import Net
 
 T, B = 5, 4
@@ -55,18 +59,18 @@ def test_a_non_finite_update_is_skipped_and_leaves_the_weights_alone() -> None:
 
 def test_a_run_of_non_finite_updates_stops_learning_with_a_clear_error() -> None:
     config = Config(max_bad_updates=3)
-    run = types.SimpleNamespace(config=config, skipped_updates=0, bad_updates_in_a_row=0, learner_errors=[],
-                                stop_learning=training.threading.Event(), step=100,
-                                timing_sum_s=training.collections.defaultdict(float), timing_count=0)
+    run = types.SimpleNamespace(config=config, errors=[], stop_event=threading.Event(),
+                                state=types.SimpleNamespace(skipped_updates=0, bad_updates_in_a_row=0, step=100),
+                                stats=IntervalStats())
     bad = {"skipped": 1.0, "total_loss": float("nan"), "grad_norm": float("nan")}
     for _ in range(2):
-        training._record(run, bad, 0.0)
-    assert run.skipped_updates == 2 and not run.stop_learning.is_set()
-    training._record(run, bad, 0.0)
-    assert run.stop_learning.is_set()
-    assert isinstance(run.learner_errors[0], training.TrainingError)
-    assert "3 non-finite updates in a row" in str(run.learner_errors[0])
-    assert "last good checkpoint" in str(run.learner_errors[0])
+        Learners.record(run, bad, 0.0)
+    assert run.state.skipped_updates == 2 and not run.stop_event.is_set()
+    Learners.record(run, bad, 0.0)
+    assert run.stop_event.is_set()
+    assert isinstance(run.errors[0], training.TrainingError)
+    assert "3 non-finite updates in a row" in str(run.errors[0])
+    assert "last good checkpoint" in str(run.errors[0])
 
 
 def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None:
@@ -296,11 +300,11 @@ def test_a_paused_main_process_does_not_take_its_actors_for_hung() -> None:
     grace period. An actor silent while the monitor ran is killed."""
     now = time.monotonic()
     actors = [_FakeActor(), _FakeActor()]
-    run = types.SimpleNamespace(config=Config(actor_timeout_s=10), actors=actors, last_hang_check=now - 600,
-                                channels=types.SimpleNamespace(heartbeats=[now - 600, now - 600]))
-    training._kill_hung_actors(run)
+    run = types.SimpleNamespace(config=Config(actor_timeout_s=10), processes=actors, last_hang_check=now - 600,
+                                heartbeats=[now - 600, now - 600])
+    LocalActorPool.kill_hung(run)
     assert not any(actor.killed for actor in actors)
-    assert all(beat >= now for beat in run.channels.heartbeats)
-    run.channels.heartbeats[1] = now - 60  # silent for a minute while the monitor kept checking
-    training._kill_hung_actors(run)
+    assert all(beat >= now for beat in run.heartbeats)
+    run.heartbeats[1] = now - 60  # silent for a minute while the monitor kept checking
+    LocalActorPool.kill_hung(run)
     assert [actor.killed for actor in actors] == [False, True]

@@ -79,8 +79,8 @@ def test_a_resumed_run_starts_with_the_checkpoints_weights_in_the_learner_and_th
     assert any(not torch.equal(saved[k], untrained[k]) for k in saved), "the first session learned"
     run = training.build(dataclasses.replace(_cartpole(tmp_path, 800), inference=inference, resume=True))
     try:
-        acting_model = run.inference.model if run.inference is not None else run.actor_model
-        for model in (run.model, run.learner_model, acting_model):
+        acting_model = run.inference.server.model if run.inference is not None else run.pool.actor_model
+        for model in (run.state.model, run.learners.model, acting_model):
             state = model.state_dict()
             assert state.keys() == saved.keys()
             for key, value in saved.items():

@@ -81,10 +81,10 @@ def _session(savedir: Path) -> list[tuple]:
                     total_steps=1000, disable_cuda=True, savedir=str(savedir), xpid="lives", log_interval_s=60)
     _UnstartedProcess.started = []
     run = training.build(config)
-    run.ctx = types.SimpleNamespace(Process=_UnstartedProcess)
+    run.pool.ctx = types.SimpleNamespace(Process=_UnstartedProcess)
     try:
         training.start_actors(run)
-        training._check_actors(run)  # both "died": each is replaced once
+        run.pool.check()  # both "died": each is replaced once
     finally:
         training.shutdown(run, save=True)
     return [(p.args[1], p.args[2], p.args[6]) for p in _UnstartedProcess.started]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import random
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from impala import training
+from impala.channels import RecordQueue
 from impala.config import Config
 from impala.slots import NO_OWNER, SlotLedger
 
@@ -20,10 +22,10 @@ CTX = multiprocessing.get_context("forkserver")
 
 def _ledger(num_buffers: int, num_actors: int) -> SlotLedger:
     owner = torch.full((num_buffers,), -1, dtype=torch.int64)
-    return SlotLedger(CTX, owner, num_actors, training.RecordQueue(CTX, "q", capacity=num_buffers))
+    return SlotLedger(CTX, owner, num_actors, RecordQueue(CTX, "q", capacity=num_buffers))
 
 
-def _take(q: training.RecordQueue, count: int) -> list[int]:
+def _take(q: RecordQueue, count: int) -> list[int]:
     return [q.get(timeout=1) for _ in range(count)]
 
 
@@ -75,33 +77,33 @@ def test_no_slot_is_lost_or_doubled_when_actors_are_killed_at_random_moments(tmp
         training.start_actors(run)
         training.start_learners(run)
         deadline = time.monotonic() + 60
-        while run.step == 0 and time.monotonic() < deadline:
+        while run.state.step == 0 and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert run.step > 0, "no update within 60 s"
+        assert run.state.step > 0, "no update within 60 s"
         for _ in range(20):
             time.sleep(rng.uniform(0.0, 0.3))
             index = rng.randrange(config.num_actors)
-            victim = run.actors[index]
+            victim = run.pool.processes[index]
             os.kill(victim.pid, signal.SIGKILL)
             victim.join()
             kills += 1
-            training._check_actors(run)
-            assert run.actors[index].pid != victim.pid
-        step = run.step
+            run.pool.check()
+            assert run.pool.processes[index].pid != victim.pid
+        step = run.state.step
         deadline = time.monotonic() + 30
-        while run.step < step + 200 and time.monotonic() < deadline:  # and training goes on
+        while run.state.step < step + 200 and time.monotonic() < deadline:  # and training goes on
             time.sleep(0.05)
-        assert run.step >= step + 200
-        assert not run.learner_errors
+        assert run.state.step >= step + 200
+        assert not run.learners.errors
     finally:
-        run.channels.stop_event.set()
-        run.stop_learning.set()
-        for thread in run.learner_threads:
+        run.pool.channels.stop_event.set()
+        run.learners.stop_event.set()
+        for thread in run.learners.threads:
             thread.join(timeout=10)
-        training._join_actors(run)
+        run.pool.stop(functools.partial(training._drain_episodes, run))
         for index in range(config.num_actors):  # slots the stopped actors had taken, back in their pipes
-            run.slots.reclaim(index)
-        slots = run.slots.drain()
+            run.pool.slots.reclaim(index)
+        slots = run.pool.slots.drain()
         training.shutdown(run, save=False)
     assert kills == 20
     assert sorted(slots) == list(range(config.resolved_num_buffers))

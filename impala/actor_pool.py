@@ -1,0 +1,391 @@
+"""Actor pools: who fills the slots. The learner only ever sees full slots (`SlotLedger.take_full`),
+however they were filled; a pool owns the actors that fill them.
+
+    pool.start()            every actor acting
+    while training:
+        pool.check()        replace actors that died or hung; TrainingError when they keep dying
+        pool.publish(...)   (learner threads) new weights for the actors, with their policy version
+    pool.request_stop()     actors finish their unroll or wait (shutdown, before the learners are joined)
+    pool.stop(drain)        stop flag, join with a timeout, terminate, kill
+    pool.close()            the channels and the fork server
+
+`LocalActorPool` runs actors as processes of this machine, writing into shared memory. A pool of
+actors on other machines implements the same `ActorPool` and writes the unrolls it receives into the
+same slots and full queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import logging
+import multiprocessing.queues
+import os
+import queue
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
+from typing import Any, Protocol
+
+import torch
+import torch.multiprocessing as mp
+
+from impala.actor import ActorChannels, run_actor
+from impala.buffers import Buffers
+from impala.channels import RecordQueue, SharedFloats, StopFlag
+from impala.config import Config, TrainingError
+from impala.inference import InferenceServer
+from impala.model import Net
+from impala.seeding import ActorLives
+from impala.slots import SlotLedger
+
+log = logging.getLogger("impala")
+
+# Actor processes come from a fork server: a clean process started before any learner thread or CUDA
+# context exists, so (unlike plain fork) a restarted actor never inherits a held lock or a CUDA
+# state, and (unlike spawn) it does not re-import torch for every actor.
+START_METHOD = "forkserver"
+ACTOR_JOIN_TIMEOUT_S = 5.0  # then terminate, then kill: shutdown is bounded whatever an env does
+RESTART_WINDOW_S = 600.0
+ACTOR_NICENESS = 10
+LOCK_PROBE_S = 1.0  # live processes hold a queue lock for microseconds; one held this long belongs to the dead
+
+
+class ActorPool(Protocol):
+    """The actors of a run, as the trainer sees them. Every method is called from the main thread only,
+    except `publish`, which a learner thread calls while it holds the update lock."""
+
+    slots: SlotLedger  # where the learners take full slots and give them back
+
+    def start(self) -> None:
+        """Start every actor."""
+
+    def check(self) -> None:
+        """Replace every actor that died or hung, returning the slots it held; raise TrainingError when
+        actors die more than --max_actor_restarts times within RESTART_WINDOW_S."""
+
+    def publish(self, model: Net, version: int) -> None:
+        """Make `model`'s weights, policy version `version`, the ones actors act with from now on."""
+
+    def episodes(self) -> list[tuple[float, int]]:
+        """(return, length) of every full game finished since the last call."""
+
+    def request_stop(self) -> None:
+        """Tell every actor to stop, without waiting."""
+
+    def stop(self, drain: Callable[[], None]) -> None:
+        """Stop every actor, bounded in time; `drain` is called while waiting (actors may flush episodes)."""
+
+    def close(self) -> None:
+        """Release the channels, after `stop`."""
+
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_M_ARENA_MAX = -8
+
+
+def keep_freed_memory() -> None:
+    """Let glibc's malloc reuse freed memory instead of returning it to the kernel.
+
+    A CPU learner update allocates and frees tensors of tens of MB (the float copy of a [T+1, B]
+    batch of frames alone is 73 MB). Above its mmap threshold glibc maps each one afresh and unmaps
+    it on free, so every update page-faults its whole working set in again: measured here, a third of
+    the learner's CPU time went to the kernel. Raising the thresholds keeps those pages in the heap,
+    and one arena for all threads lets a learner thread's big blocks grow the main heap (a thread's
+    own arena is capped at 64 MB and falls back to mmap). Call it before starting threads.
+    A no-op where the C library is not glibc.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_ARENA_MAX, 1)
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30)
+        libc.mallopt(_M_TRIM_THRESHOLD, (1 << 31) - 1)
+
+
+def process_context() -> BaseContext:
+    """The multiprocessing context of every child process of a run (see START_METHOD)."""
+    ctx = mp.get_context(START_METHOD)
+    if START_METHOD == "forkserver":
+        ctx.set_forkserver_preload(["impala.training"])  # what every actor imports, imported once
+    return ctx
+
+
+class LocalActorPool:
+    """Actor processes on this machine: each fills its own slots in shared memory (`actor.run_actor`).
+
+    Owns every channel between them and the main process (created here, in one place) and the
+    processes themselves: their start, their heartbeats, their restart with the slots they held, their
+    stop. Only the main thread calls it, except `publish` (a learner thread, under the update lock).
+    """
+
+    def __init__(self, config: Config, ctx: BaseContext, buffers: Buffers, actor_model: Net, lives: ActorLives,
+                 policy_version: int = 0) -> None:
+        self.config = config
+        self.ctx = ctx
+        self.buffers = buffers
+        self.actor_model = actor_model  # shared CPU copy the actors act with
+        self.lives = lives  # numbers every actor start and hands it its seeds
+        self.inference: InferenceServer | None = None  # --inference central: set before `start`
+        # Slot numbers and episodes travel in RecordQueues, which survive an actor killed at any instant.
+        # Only tracebacks, sent by an actor that is dying anyway, use a multiprocessing.Queue.
+        full_queue = RecordQueue(ctx, "q", capacity=len(buffers["slot_owner"]))
+        self.slots = SlotLedger(ctx, buffers["slot_owner"], config.num_actors, full_queue)
+        positions = None
+        # What the pool itself reads and closes; the actors see them through `channels`.
+        self._episodes = RecordQueue(ctx, "qdq", capacity=4096)  # (actor index, return, length)
+        self._errors: multiprocessing.queues.Queue[tuple[int, str]] = ctx.Queue()  # (actor index, traceback text)
+        self.heartbeats: SharedFloats = ctx.Array("d", config.num_actors, lock=False)  # each actor's last sign of progress
+        if config.inference == "central":
+            positions = torch.full((config.num_actors * config.env_splits,
+                                    config.envs_per_actor // config.env_splits + 1), -1).share_memory_()
+        self.channels = ActorChannels(
+            free_queue=None,  # per actor: slots.free_queue(actor_index)
+            full_queue=full_queue,
+            episode_queue=self._episodes, error_queue=self._errors,
+            stop_event=StopFlag(ctx), policy_version=ctx.Value("q", policy_version, lock=False),
+            heartbeats=self.heartbeats,
+            inference_positions=positions,
+        )
+        self.processes: list[Any] = []  # multiprocessing.Process of each actor's current life
+        self.restarts: list[float] = []  # times of deaths, for the crash-rate limit
+        self.last_hang_check = time.monotonic()
+
+    # ------------------------------------------------------------------------------------- start
+
+    def start(self) -> None:
+        self.processes = [self.start_actor(i) for i in range(self.config.num_actors)]
+
+    def start_actor(self, actor_index: int) -> Any:
+        """Start a new life of actor `actor_index`, with seeds no other life of the run had, and log its pid."""
+        config = self.config
+        seeds = self.lives.next_life(actor_index, config.envs_per_actor)
+        pipes = [self.ctx.Pipe() for _ in range(config.env_splits)] if self.inference is not None else []
+        self.heartbeats[actor_index] = time.monotonic()  # start-up counts as progress until it beats
+        process = self.ctx.Process(  # type: ignore[attr-defined]
+            target=_actor_process, name=f"actor-{actor_index}",
+            args=(os.getpid(), actor_index, config, self.buffers, self.actor_model,
+                  self.channels._replace(free_queue=self.slots.free_queue(actor_index)), seeds),
+            kwargs={"inference_connections": [actor_end for _, actor_end in pipes] if pipes else None},
+        )
+        process.start()
+        for split, (main_end, actor_end) in enumerate(pipes):
+            actor_end.close()  # only the actor holds its end, so its death reads as end-of-file here
+            assert self.inference is not None
+            self.inference.connect(actor_index * config.env_splits + split, main_end)
+        log.info("Actor %d started (pid %d); life %d, env seeds %s", actor_index, process.pid, seeds.life,
+                 _seed_range(seeds.env_seeds))
+        return process
+
+    # ------------------------------------------------------------------------------------- learner side
+
+    def publish(self, model: Net, version: int) -> None:
+        """Copy the learner's weights into the actors' shared model (central inference acts with the learner's
+        own model, so there nothing is copied) and count the new policy version."""
+        if self.inference is None:
+            with torch.no_grad():
+                for target, source in zip(self.actor_model.parameters(), model.parameters()):
+                    target.copy_(source, non_blocking=False)
+        self.channels.policy_version.value = version
+
+    def episodes(self) -> list[tuple[float, int]]:
+        finished: list[tuple[float, int]] = []
+        while True:
+            try:
+                _, episode_return, episode_length = self._episodes.get_nowait()
+            except queue.Empty:
+                return finished
+            finished.append((episode_return, episode_length))
+
+    # ------------------------------------------------------------------------------------- watch
+
+    def check(self) -> None:
+        """Replace every actor that died or hung: report it (with the traceback it sent, if any), free the
+        queue locks and the slots it held, start a new one. Too many deaths raise TrainingError instead."""
+        self.kill_hung()
+        dead = [(index, process) for index, process in enumerate(self.processes) if not process.is_alive()]
+        if not dead:
+            return
+        for _, process in dead:
+            process.join()
+        tracebacks = self.tracebacks()  # read after the join: an actor flushes its traceback before it exits
+        _release_queue_locks(self._errors)
+        for index, process in dead:
+            self._replace(index, process, tracebacks.get(index, "").strip())
+
+    def _replace(self, index: int, process: BaseProcess, detail: str) -> None:
+        how = exit_description(process.exitcode)
+        log.error("Actor %d (pid %d) died: %s%s", index, process.pid, how, f"\n{detail}" if detail else "")
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
+        limit = self.config.max_actor_restarts
+        if len(self.restarts) > limit:
+            raise TrainingError(
+                f"actors died {len(self.restarts)} times within {RESTART_WINDOW_S:.0f} s "
+                f"(--max_actor_restarts {limit}); last: actor {index}, {how}" + (f"\n{detail}" if detail else ""))
+        returned = self.slots.reclaim(index)
+        self.processes[index] = self.start_actor(index)
+        log.warning("Restarted actor %d (%d slots returned; %d restarts in the last %.0f s, at most %d)", index,
+                    returned, len(self.restarts), RESTART_WINDOW_S, limit)
+
+    def kill_hung(self) -> None:
+        """Kill every actor that showed no progress for --actor_timeout_s (an env stuck in a step): `check`
+        then replaces it like any actor that died."""
+        timeout_s = self.config.actor_timeout_s
+        if not timeout_s:
+            return
+        now = time.monotonic()
+        monitor_gap_s, self.last_hang_check = now - self.last_hang_check, now
+        heartbeats = self.heartbeats
+        if monitor_gap_s > timeout_s / 2:
+            # This process was not running either (Ctrl-Z, a stopped container): the actors' silence is not
+            # theirs. Give every actor a new grace period instead.
+            for index in range(len(self.processes)):
+                heartbeats[index] = now
+            return
+        for index, process in enumerate(self.processes):
+            silent_s = now - heartbeats[index]
+            if silent_s > timeout_s and process.is_alive():
+                log.error("Actor %d (pid %d) made no progress for %.0f s (--actor_timeout_s %g); killing it",
+                          index, process.pid, silent_s, timeout_s)
+                process.kill()
+                process.join(timeout=5)
+                heartbeats[index] = now  # one report per timeout if even SIGKILL does not end it
+
+    def tracebacks(self) -> dict[int, str]:
+        """actor index -> the traceback it sent before dying, for every one sent since the last call."""
+        tracebacks: dict[int, str] = {}
+        while True:
+            try:
+                index, text = self._errors.get_nowait()
+            except (queue.Empty, OSError, ValueError):
+                return tracebacks
+            tracebacks[index] = text
+
+    # ------------------------------------------------------------------------------------- stop
+
+    def request_stop(self) -> None:
+        self.channels.stop_event.set()
+
+    def stop(self, drain: Callable[[], None]) -> None:
+        """Set the stop flag and wait for actors to see it, calling `drain` meanwhile (an exiting process first
+        flushes what it put, and would block on a full pipe); then terminate, then kill, the stragglers."""
+        self.channels.stop_event.set()
+        deadline = time.monotonic() + ACTOR_JOIN_TIMEOUT_S
+        while time.monotonic() < deadline and any(process.is_alive() for process in self.processes):
+            drain()
+            for text in self.tracebacks().values():
+                log.error("An actor failed while stopping:\n%s", text.strip())
+            time.sleep(0.02)
+        for process in self.processes:
+            if process.is_alive():
+                log.warning("Actor %s (pid %d) did not stop in %.0f s; terminating it", process.name, process.pid,
+                            ACTOR_JOIN_TIMEOUT_S)
+                process.terminate()
+                process.join(timeout=2)
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+    def close(self) -> None:
+        """Close every channel and stop the fork server; after `stop`."""
+        self._errors.cancel_join_thread()  # nobody reads it any more: never block on flushing it
+        self.slots.close()
+        self._episodes.close()
+        self._errors.close()
+        stop_fork_server()
+
+
+def _seed_range(seeds: tuple[int, ...]) -> str:
+    return f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
+
+
+def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None:
+    """The body of an actor process: die with the run, report crashes, act (`actor.run_actor`)."""
+    die_with_main_process(main_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
+    torch.set_num_threads(1)  # batched inference is cheapest per sample with one thread per actor
+    faulthandler.enable()  # a segfault in an env prints the Python stack to stderr before the process dies
+    # Actors run ahead of the learner until the free slots run out; on a machine with fewer cores than
+    # processes the learner is the bottleneck, so it should win every contended core.
+    with contextlib.suppress(OSError):
+        os.nice(ACTOR_NICENESS)
+    keep_freed_memory()
+    run_actor(*actor_args, **actor_kwargs)
+
+
+def die_with_main_process(main_pid: int) -> None:
+    """End this child process as soon as the main process is gone (a kill -9 of run.py runs no shutdown).
+
+    Not left to the fork server: every process it starts inherits its "alive" pipe, so it outlives the
+    main process for as long as any actor does. A pidfd turns readable when `main_pid` exits (Linux 5.3+);
+    elsewhere the watch polls once a second.
+    """
+    try:
+        pidfd: int | None = os.pidfd_open(main_pid)
+    except ProcessLookupError:
+        os._exit(1)  # gone already
+    except (AttributeError, OSError):
+        pidfd = None
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        else:
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(main_pid, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:
+                    pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="main-process-watch", daemon=True).start()
+
+
+def exit_description(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+def _release_queue_locks(error_queue: multiprocessing.queues.Queue[tuple[int, str]]) -> None:
+    """Free a multiprocessing.Queue lock a killed actor may have been holding (the RecordQueues have none).
+
+    An actor writes to the error queue only while it dies of an exception, and its feeder thread holds the
+    write lock for one small write, so a lock still taken after LOCK_PROBE_S belongs to a process that
+    died; left alone it would block the next actor that fails. A `multiprocessing.Lock` may be released by
+    any process. (`_wlock` is a private attribute of `multiprocessing.Queue`, stable since Python 3.4.)
+    """
+    locks = {"error_queue write": getattr(error_queue, "_wlock", None)}
+    for name, lock in locks.items():
+        if lock is None:
+            continue
+        if not lock.acquire(timeout=LOCK_PROBE_S):
+            log.warning("The dead actor held the %s lock; releasing it", name)
+        lock.release()
+
+
+def stop_fork_server() -> None:
+    """Stop the fork server once every actor is joined.
+
+    It would otherwise live as long as this Python process: harmless for `run.py`, which exits next, but
+    a long-lived caller (a notebook, a test session) would keep an idle, torch-importing process per run.
+    The next run starts a fresh one. `_stop` is the multiprocessing internal its own tests use (Python 3.8+).
+    The resource tracker is left running: the queues' semaphores still unregister with it when they are
+    garbage-collected, and it exits with this process, unlinking whatever is left in /dev/shm.
+    """
+    if START_METHOD != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    with contextlib.suppress(AttributeError, OSError, ChildProcessError):
+        forkserver._forkserver._stop()  # type: ignore[attr-defined]

@@ -1,0 +1,252 @@
+"""The evaluation process while training (--eval_interval_s): start, ask for an evaluation of the newest
+weights, take its result, keep the best agent in model_best.tar, replace it when it dies, stop it.
+
+Only the monitor thread calls these. The games themselves are `evaluate.serve_evaluations`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import logging
+import os
+import signal
+import statistics
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from impala.actor_pool import ACTOR_JOIN_TIMEOUT_S, RESTART_WINDOW_S, die_with_main_process, exit_description
+from impala.checkpoint import BEST_CHECKPOINT_NAME, best_so_far, save_checkpoint
+from impala.config import Config
+from impala.evaluate import serve_evaluations
+from impala.learner import LearnerState
+from impala.metrics import RunLog
+from impala.model import Net
+from impala.rundir import record_best
+
+log = logging.getLogger("impala")
+
+EVALUATOR_NICENESS = 19  # evaluation plays with the CPU time actors and learners leave; it is never in their way
+
+
+@dataclass
+class Evaluator:
+    """The evaluation process (--eval_interval_s > 0) and what the monitor knows of it.
+
+    Only the monitor thread uses it. The monitor writes the newest weights into `model`, a shared CPU copy,
+    only while no evaluation is pending, and the evaluation process reads it only while one is: no lock.
+    """
+
+    model: Net
+    best: tuple[float, int] | None  # (mean return, agent step) recorded in model_best.tar
+    process: Any = None  # its multiprocessing.Process
+    connection: Connection | None = None  # the main end of the pipe to `process`
+    pending: dict | None = None  # counters of the weights being evaluated: number, step, updates, episodes
+    requested: int = 0  # evaluations asked for in this session; numbers their games' seeds
+    last_request_s: float = field(default_factory=time.monotonic)
+    error_text: str = ""  # the traceback a failing evaluator sent before it died
+    deaths: list = field(default_factory=list)  # times of deaths, for the crash-rate limit
+    disabled: bool = False
+    ctx: BaseContext | None = None  # the run's multiprocessing context, which starts `process`
+
+
+class EvaluatedRun(Protocol):
+    """What of a run the evaluator needs (`training.Run`)."""
+
+    config: Config
+    run_dir: Path
+    runlog: RunLog
+    state: LearnerState
+    update_lock: threading.Lock
+    evaluator: Evaluator | None
+
+
+def make_evaluator(config: Config, run_dir: Path, observation_shape: tuple[int, ...], num_actions: int,
+                   ctx: BaseContext) -> Evaluator | None:
+    """The evaluator's shared model and the best score so far (None without --eval_interval_s).
+
+    Reads model_best.tar now, in `build`, so a damaged one is refused before anything is written.
+    """
+    if not config.eval_interval_s:
+        return None
+    model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
+    model.share_memory()
+    model.eval()
+    return Evaluator(model, best_so_far(run_dir), ctx=ctx)
+
+
+def _pipe(evaluator: Evaluator) -> Connection:
+    assert evaluator.connection is not None, "started"
+    return evaluator.connection
+
+
+def start_evaluator(run: EvaluatedRun) -> None:
+    """Start the evaluation process and log its pid; a no-op without --eval_interval_s."""
+    evaluator = run.evaluator
+    if evaluator is None or evaluator.disabled:
+        return
+    ctx: Any = evaluator.ctx  # Process and Pipe are on the concrete contexts only
+    main_end, process_end = ctx.Pipe()
+    process = ctx.Process(target=_evaluator_process, name="evaluator",
+                          args=(os.getpid(), run.config, evaluator.model, process_end))
+    process.start()
+    process_end.close()  # only the evaluator holds its end, so its death reads as end-of-file here
+    evaluator.process, evaluator.connection, evaluator.error_text = process, main_end, ""
+    log.info("Evaluator started (pid %d): %d %s full games every %g s", process.pid, run.config.eval_episodes,
+             run.config.eval_actions, run.config.eval_interval_s)
+
+
+def _evaluator_process(main_pid: int, config: Config, model: Net, connection: Connection) -> None:
+    """The body of the evaluation process: die with the run, stay out of everyone's way, play (`evaluate`)."""
+    die_with_main_process(main_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when evaluation stops
+    torch.set_num_threads(1)
+    faulthandler.enable()
+    with contextlib.suppress(OSError):
+        os.nice(EVALUATOR_NICENESS)
+    try:
+        serve_evaluations(model, config, connection)
+    except Exception:
+        with contextlib.suppress(OSError):
+            connection.send(("error", traceback.format_exc()))  # for the report of its death
+        raise
+
+
+def check_evaluator(run: EvaluatedRun) -> None:
+    """Take a finished evaluation, replace a dead evaluator, ask for the next evaluation when one is due."""
+    evaluator = run.evaluator
+    if evaluator is None or evaluator.disabled:
+        return
+    _receive_evaluation(run, evaluator)
+    if not evaluator.process.is_alive():
+        replace_evaluator(run, evaluator)
+    elif evaluator.pending is None and time.monotonic() - evaluator.last_request_s >= run.config.eval_interval_s:
+        _request_evaluation(run, evaluator)
+
+
+def _receive_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
+    try:
+        if not _pipe(evaluator).poll():
+            return
+        message = _pipe(evaluator).recv()
+    except (EOFError, OSError):
+        return  # it died: the liveness check reports it once the process is reaped
+    if message[0] == "error":
+        evaluator.error_text = message[1]
+        return
+    number, step, returns, cpu_s = message
+    if evaluator.pending is None or number != evaluator.pending["number"]:
+        log.warning("Ignoring an unexpected evaluation (number %s, step %s)", number, step)
+        return
+    pending, evaluator.pending = evaluator.pending, None
+    finish_evaluation(run, evaluator, {**pending, "cpu_s": cpu_s}, returns)
+
+
+def _request_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
+    """Copy the newest weights into the evaluator's model and ask for an evaluation of them.
+
+    The copy is taken under `update_lock`, between two updates, as a checkpoint's is: the weights and the
+    step recorded with them belong together. The learner waits at most for one copy of the weights.
+    """
+    with run.update_lock, torch.no_grad():
+        for target, source in zip(evaluator.model.state_dict().values(), run.state.model.state_dict().values()):
+            target.copy_(source)
+        counters = {"step": run.state.step, "updates": run.state.updates, "episodes": run.state.episodes}
+    evaluator.requested += 1
+    evaluator.last_request_s = time.monotonic()
+    try:
+        _pipe(evaluator).send((evaluator.requested, counters["step"]))
+    except OSError:
+        return  # it died: the liveness check replaces it
+    evaluator.pending = {"number": evaluator.requested, **counters}
+
+
+def finish_evaluation(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: list[float]) -> None:
+    """Log the evaluation against the step of the weights it played with; keep the agent if it is the best."""
+    mean, std = statistics.fmean(returns), statistics.pstdev(returns)
+    scalars = {"eval/episodic_return_mean": mean, "eval/episodic_return_std": std}
+    if "cpu_s" in pending:  # what evaluation costs: CPU seconds per evaluation, against the eval interval
+        scalars["eval/cpu_s"] = pending["cpu_s"]
+    run.runlog.scalars(pending["step"], scalars)
+    best = evaluator.best
+    better = best is None or mean > best[0]
+    log.info("Evaluation at step %d: mean return %.2f (std %.2f, %d games, %.2f CPU s)%s", pending["step"], mean,
+             std, len(returns), pending.get("cpu_s", float("nan")),
+             "" if best is None or better else f"; the best is {best[0]:.2f} at step {best[1]}")
+    if better:
+        _save_best(run, evaluator, pending, returns)
+
+
+def _save_best(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: list[float]) -> None:
+    """Write model_best.tar (atomically, as model.tar) and record it in meta.json. A failed write is reported
+    and training goes on; the best stays the previous one, so the next better evaluation tries again."""
+    mean, std = statistics.fmean(returns), statistics.pstdev(returns)
+    state = {
+        "model_state_dict": {k: v.detach().clone() for k, v in evaluator.model.state_dict().items()},
+        "step": pending["step"], "updates": pending["updates"], "episodes": pending["episodes"],
+        "eval_return_mean": mean, "eval_return_std": std, "eval_returns": list(returns),
+        "eval_actions": run.config.eval_actions, "flags": run.config.to_dict(), "model": evaluator.model.model,
+        "observation_shape": list(evaluator.model.observation_shape), "num_actions": evaluator.model.num_actions,
+    }
+    path = run.run_dir / BEST_CHECKPOINT_NAME
+    try:
+        save_checkpoint(path, state)
+        record_best(run.run_dir, {"step": pending["step"], "episodic_return_mean": mean,
+                                  "episodic_return_std": std, "episodes": len(returns),
+                                  "actions": run.config.eval_actions, "checkpoint": BEST_CHECKPOINT_NAME})
+    except OSError as exc:
+        log.error("Could not save the best agent (step %d, mean return %.2f) to %s: %s; training goes on",
+                  pending["step"], mean, path, exc)
+        return
+    evaluator.best = (mean, pending["step"])
+    log.info("New best evaluation: mean return %.2f at step %d, saved to %s", mean, pending["step"], path)
+
+
+def replace_evaluator(run: EvaluatedRun, evaluator: Evaluator) -> None:
+    """Report a dead evaluator and start another; evaluators that keep dying end evaluation, never training."""
+    process = evaluator.process
+    process.join()
+    _pipe(evaluator).close()
+    lost = f"the evaluation of step {evaluator.pending['step']} is lost" if evaluator.pending else "no evaluation lost"
+    detail = evaluator.error_text.strip()
+    log.error("Evaluator (pid %d) died: %s; %s, training goes on%s", process.pid,
+              exit_description(process.exitcode), lost, f"\n{detail}" if detail else "")
+    now = time.monotonic()
+    evaluator.pending, evaluator.last_request_s = None, now
+    evaluator.deaths = [t for t in evaluator.deaths if now - t < RESTART_WINDOW_S] + [now]
+    if len(evaluator.deaths) > run.config.max_actor_restarts:
+        evaluator.disabled = True
+        log.error("The evaluator died %d times within %.0f s (--max_actor_restarts %d): no more evaluations "
+                  "in this run; training goes on", len(evaluator.deaths), RESTART_WINDOW_S,
+                  run.config.max_actor_restarts)
+        return
+    start_evaluator(run)
+    log.warning("Restarted the evaluator (%d deaths in the last %.0f s)", len(evaluator.deaths), RESTART_WINDOW_S)
+
+
+def stop_evaluator(run: EvaluatedRun) -> None:
+    """Stop the evaluation process. An evaluation that finished is logged; one still playing is dropped
+    (a full game can take minutes: shutdown does not wait for it)."""
+    evaluator = run.evaluator
+    if evaluator is None or evaluator.process is None:
+        return
+    if not evaluator.disabled:
+        _receive_evaluation(run, evaluator)
+    process = evaluator.process
+    _pipe(evaluator).close()
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=ACTOR_JOIN_TIMEOUT_S)
+    if process.is_alive():
+        process.kill()
+    process.join()
+
+

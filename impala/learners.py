@@ -1,0 +1,131 @@
+"""The learner threads of a run: take `batch_size` full slots, stage them on the device, update
+(`learner.update`), publish the weights through the actor pool, count. The process shell around
+`learner.py`'s algorithm; `training.py` starts and stops them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from impala import learner
+from impala.actor_pool import ActorPool
+from impala.buffers import Buffers
+from impala.config import Config, TrainingError
+from impala.learner import LearnerState
+from impala.metrics import IntervalStats
+from impala.model import Net
+
+log = logging.getLogger("impala")
+
+
+class Learners:
+    """`config.num_learner_threads` threads updating `state` from the slots `pool` fills.
+
+    Every update, and every copy of the weights that must not fall inside one (a checkpoint, an
+    evaluation), holds `update_lock`. A thread that fails, or `max_bad_updates` skipped updates in a row,
+    put the reason in `errors` and set `stop_event`; the monitor raises it.
+    """
+
+    def __init__(self, config: Config, state: LearnerState, buffers: Buffers, pool: ActorPool, device: torch.device,
+                 model: Net, amp: bool, stats: IntervalStats, update_lock: threading.Lock) -> None:
+        self.config = config
+        self.state = state
+        self.buffers = buffers
+        self.pool = pool
+        self.device = device
+        self.model = model  # `state.model`, or its torch.compile'd wrapper (same parameters)
+        self.amp = amp  # bfloat16 autocast
+        self.stats = stats
+        self.update_lock = update_lock
+        self.stop_event = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.errors: list[Exception] = []
+
+    def start(self) -> None:
+        for i in range(self.config.num_learner_threads):
+            thread = threading.Thread(target=self._thread, name=f"learner-{i}", daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def stop(self, timeout_s: float) -> None:
+        """Ask every thread to stop and wait up to `timeout_s` in all; one inside an update finishes it."""
+        self.stop_event.set()
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def _thread(self) -> None:
+        try:
+            self._learn()
+        except Exception as exc:  # logged here with its traceback; the monitor stops the run
+            log.exception("Learner thread %s failed", threading.current_thread().name)
+            self.errors.append(exc)
+            self.stop_event.set()
+
+    def _take_full_slots(self) -> list[int] | None:
+        slots: list[int] = []
+        while len(slots) < self.config.batch_size:
+            slot = self.pool.slots.take_full(timeout_s=0.2)
+            if slot is not None:
+                slots.append(slot)
+            elif self.stop_event.is_set():
+                for slot in slots:  # give them back so a later run of this process could use them
+                    self.pool.slots.give_back(slot)
+                return None
+        return slots
+
+    def _learn(self) -> None:
+        config, state = self.config, self.state
+        staging = learner.BatchStaging(self.buffers, config.batch_size, pin=self.device.type == "cuda")
+        while not self.stop_event.is_set():
+            wait_start = time.perf_counter()
+            slots = self._take_full_slots()
+            if slots is None:
+                return
+            copy_start = time.perf_counter()
+            staging.fill(self.buffers, slots)
+            versions = self.buffers["policy_version"][slots].clone()
+            for slot in slots:
+                self.pool.slots.give_back(slot)
+            batch, core_state = staging.to(self.device)
+            copy_end = time.perf_counter()
+            with self.update_lock:
+                if state.step >= config.total_steps or self.stop_event.is_set():
+                    return
+                update_start = time.perf_counter()
+                stats = learner.update(self.model, state.optimizer, state.scheduler, batch, core_state, config,
+                                       self.amp)
+                # update() ends by reading its stats as floats, which waits for the device: on CUDA this phase
+                # also holds the tail of the non-blocking host-to-device copy.
+                publish_start = time.perf_counter()
+                self.pool.publish(state.model, state.updates + 1)
+                publish_end = time.perf_counter()
+                state.step += config.steps_per_update
+                state.updates += 1
+                timings_s = {"wait_batch": copy_start - wait_start, "host_to_device": copy_end - copy_start,
+                             "update_lock_wait": update_start - copy_end,
+                             "forward_backward": publish_start - update_start,
+                             "publish": publish_end - publish_start}
+                self.record(stats, float((state.updates - 1 - versions).float().mean()), timings_s)
+
+    def record(self, stats: dict[str, float], policy_lag: float, timings_s: dict[str, float] | None = None) -> None:
+        """Count one update in the interval stats, or as skipped. Caller holds `update_lock`."""
+        self.stats.add_timings(timings_s or {})  # skipped updates took time too
+        state = self.state
+        if not stats["skipped"]:
+            state.bad_updates_in_a_row = 0
+            self.stats.add_update(stats, policy_lag)
+            return
+        state.skipped_updates += 1
+        state.bad_updates_in_a_row += 1
+        log.warning("Skipped a non-finite update at step %d (loss %s, grad norm %s)",
+                    state.step, stats["total_loss"], stats["grad_norm"])
+        if state.bad_updates_in_a_row >= self.config.max_bad_updates:
+            self.errors.append(TrainingError(
+                f"{state.bad_updates_in_a_row} non-finite updates in a row; stopping with the last good "
+                "checkpoint (try a lower --learning_rate or --grad_norm_clipping)"))
+            self.stop_event.set()
