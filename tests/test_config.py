@@ -25,6 +25,7 @@ def test_defaults_are_the_atari_settings_measured_in_results() -> None:
     assert (config.optimizer, config.learning_rate, config.epsilon) == ("adam", 0.00025, 1e-5)
     assert (config.entropy_cost, config.vtrace_lambda) == (0.01, 0.95)
     assert (config.baseline_cost, config.discounting, config.grad_norm_clipping) == (0.5, 0.99, 0.5)
+    assert config.total_steps == 5_000_000
     assert config.reward_clipping == "abs_one"
     assert config.episodic_life is True
     assert config.use_lstm is False
