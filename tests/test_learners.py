@@ -1,0 +1,73 @@
+"""The learner threads' bookkeeping (`impala/learners.py`), driven without processes."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from impala import learner
+from impala.buffers import BufferSpec, create_buffers
+from impala.config import Config
+from impala.learner import LearnerState
+from impala.learners import Learners
+from impala.model import Net
+from impala.seeding import ActorLives
+
+T, B = 3, 2
+
+
+class _Slots:
+    """Hands out full slots in a fixed order; once they are gone, stops the learner."""
+
+    def __init__(self, order: list[int], stop: threading.Event) -> None:
+        self.order, self.stop = list(order), stop
+
+    def take_full(self, timeout_s: float) -> int | None:
+        if self.order:
+            return self.order.pop(0)
+        self.stop.set()
+        return None
+
+    def give_back(self, slot: int) -> None:
+        pass
+
+
+class _Pool:
+    def __init__(self, slots: _Slots) -> None:
+        self.slots = slots
+        self.published: list[int] = []
+
+    def publish(self, model: Net, version: int) -> None:
+        self.published.append(version)
+
+
+class _RecordingLearners(Learners):
+    lags: list[float]
+
+    def record(self, stats: dict[str, float], policy_lag: float, timings_s: dict[str, float] | None = None) -> None:
+        assert not stats["skipped"]
+        self.lags.append(policy_lag)
+
+
+def test_policy_lag_counts_the_updates_between_acting_and_learning() -> None:
+    """One learner thread, three batches of two slots: the first two acted with version 0 (before any
+    update), the third with version 1. At updates 1, 2 and 3 the lags are 0, 1 and 1."""
+    config = Config(env="CartPole-v1", unroll_length=T, batch_size=B, num_learner_threads=1, total_steps=10**6,
+                    policy_loss="impala", optimizer="rmsprop", epsilon=0.01, epochs=1, minibatches=1)
+    torch.manual_seed(0)
+    model = Net((4,), 2, "mlp", False, 8)
+    buffers = create_buffers(BufferSpec(3 * B, T, (4,), torch.float32, 2))
+    for key, value in (("obs", 0.0), ("done", False), ("reward", 0.0), ("action", 0), ("policy_logits", 0.0)):
+        buffers[key].fill_(value)
+    buffers["policy_version"][:] = torch.tensor([0, 0, 0, 0, 1, 1])
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    state = LearnerState(model, optimizer, scheduler, ActorLives(0, 0))
+    stop = threading.Event()
+    pool = _Pool(_Slots([0, 1, 2, 3, 4, 5], stop))
+    learners = _RecordingLearners(config, state, buffers, pool, torch.device("cpu"), model, False, None,
+                                  threading.Lock())
+    learners.stop_event, learners.lags = stop, []
+    learners._learn()
+    assert learners.lags == [0.0, 1.0, 1.0]
+    assert pool.published == [1, 2, 3] and state.updates == 3 and state.step == 3 * T * B
