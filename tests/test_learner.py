@@ -427,18 +427,23 @@ def test_ppo_loss_matches_a_hand_computation() -> None:
     assert float(loss.detach()) == pytest.approx(expected_pg + expected_baseline + expected_entropy, rel=1e-5, abs=1e-6)
 
 
+def _plain_steps(model: Net, batches: list[dict[str, torch.Tensor]], config: Config) -> None:
+    """One plain SGD step of `compute_loss` per batch, in order: the reference for epochs and minibatches."""
+    optimizer, _ = _sgd(model, config.learning_rate)
+    for batch in batches:
+        optimizer.zero_grad()
+        loss, _ = learner.compute_loss(model, batch, (), config)
+        loss.backward()
+        optimizer.step()
+
+
 def test_epochs_repeat_the_step_and_the_schedule_steps_once_per_batch() -> None:
     config = _config(batch_size=2, epochs=3)
     batch = _batch_for_update(model := _model())
     reference = copy.deepcopy(model)
     optimizer, scheduler = _sgd(model, config.learning_rate)
     stats = learner.update(model, optimizer, scheduler, batch, (), config)
-    ref_optimizer, _ = _sgd(reference, config.learning_rate)
-    for _ in range(3):  # three plain gradient steps on the same batch
-        ref_optimizer.zero_grad()
-        loss, _ = learner.compute_loss(reference, batch, (), config)
-        loss.backward()
-        ref_optimizer.step()
+    _plain_steps(reference, [batch] * 3, config)  # three plain gradient steps on the same batch
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
     assert scheduler.last_epoch == 1
@@ -456,13 +461,7 @@ def test_minibatches_split_the_batch_along_its_unrolls() -> None:
     optimizer, scheduler = _sgd(model, config.learning_rate)
     torch.manual_seed(5)
     learner.update(model, optimizer, scheduler, batch, (), config)
-    ref_optimizer, _ = _sgd(reference, config.learning_rate)
-    for column in order:
-        part = {k: v[:, column:column + 1] for k, v in batch.items()}
-        ref_optimizer.zero_grad()
-        loss, _ = learner.compute_loss(reference, part, (), config)
-        loss.backward()
-        ref_optimizer.step()
+    _plain_steps(reference, [{k: v[:, c:c + 1] for k, v in batch.items()} for c in order], config)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q)
     whole = copy.deepcopy(_model())  # and it differs from one step on the whole batch
