@@ -83,6 +83,8 @@ class Config:
                              "normalised per minibatch, losses averaged; Sample Factory's APPO)",
                              choices=("impala", "ppo"))
     ppo_clip: float = _flag(0.1, "ppo: clip range of the probability ratio pi/mu")
+    ppo_dual_clip: float = _flag(3.0, "ppo: bound the loss of a negative advantage at this multiple of it "
+                                 "(dual-clip PPO; 0 turns it off)")
     epochs: int = _flag(2, "passes over each batch of unrolls")
     minibatches: int = _flag(4, "gradient steps per pass: the batch split along its unrolls into this many "
                              "near-equal parts (one unroll each where B is smaller)")
@@ -166,6 +168,8 @@ class Config:
             problems.append(f"--seed must be in [0, 2^31) = [0, {2**31 - 1}], got {self.seed}")
         if not 0 <= self.discounting <= 1:
             problems.append(f"--discounting must be in [0, 1], got {self.discounting}")
+        if self.ppo_dual_clip != 0 and self.ppo_dual_clip <= 1:
+            problems.append(f"--ppo_dual_clip must be 0 (off) or above 1, got {self.ppo_dual_clip}")
         if not 0 < self.ppo_clip < 1:
             problems.append(f"--ppo_clip must be in (0, 1), got {self.ppo_clip}")
         if not 0 <= self.vtrace_lambda <= 1:

@@ -81,11 +81,12 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
         # Advantages without V-trace's rho weight (the clipped ratio below does the importance weighting).
         next_vs = torch.cat([returns.vs[1:], bootstrap_value.detach()[None]])
         advantages = rewards + discounts * next_vs - values[:-1].detach()
-        pg_loss = losses.ppo_loss(returns.log_rhos, advantages, config.ppo_clip)
+        pg_loss, clip_fraction = losses.ppo_loss(returns.log_rhos, advantages, config.ppo_clip, config.ppo_dual_clip)
         baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1]) / returns.vs.numel()
         entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1]) / returns.vs.numel()
     else:
         pg_loss = losses.policy_gradient_loss(logits[:-1], batch["action"][:-1], returns.pg_advantages)
+        clip_fraction = torch.zeros(())
         baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1])
         entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1])
     total_loss = pg_loss + baseline_loss + entropy_loss
@@ -97,6 +98,7 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
         "entropy_loss": entropy_loss.detach(),
         "rho_mean": rhos.mean(),
         "rho_clipped_fraction": (rhos > 1.0).float().mean(),
+        "ppo_clip_fraction": clip_fraction,
     }
     return total_loss, stats
 

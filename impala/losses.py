@@ -24,11 +24,20 @@ def entropy_loss(logits: torch.Tensor) -> torch.Tensor:
     return (policy * log_policy).sum()
 
 
-def ppo_loss(log_rhos: torch.Tensor, advantages: torch.Tensor, clip: float) -> torch.Tensor:
+def ppo_loss(log_rhos: torch.Tensor, advantages: torch.Tensor, clip: float, dual_clip: float = 0.0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate, averaged: -mean min(r A, clip(r, 1 - c, 1 + c) A), r = pi/mu = exp(log_rhos),
-    with the advantages normalised to mean 0 and standard deviation 1 over the batch and held constant."""
+    with the advantages normalised to mean 0 and standard deviation 1 over the batch and held constant.
+
+    `dual_clip` > 1 also bounds the loss of a negative advantage by dual_clip * A (dual-clip PPO, Ye et al.
+    2020): an action the behaviour policy rarely took, now likely, gets a bounded push instead of r A with
+    r in the hundreds. Returns the loss and the fraction of ratios outside [1 - c, 1 + c].
+    """
     advantages = advantages.detach()
     advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
     ratio = log_rhos.exp()
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
-    return -surrogate.mean()
+    if dual_clip > 1:
+        surrogate = torch.where(advantages < 0, torch.maximum(surrogate, dual_clip * advantages), surrogate)
+    clipped = ((ratio - 1).abs() > clip).float().mean()
+    return -surrogate.mean(), clipped.detach()

@@ -4,7 +4,7 @@ Tags follow the CleanRL / Stable-Baselines3 grouping, always against agent steps
 
     charts/   episodic_return, episodic_length, SPS, learning_rate, frames, episodes, mean_return_100
     losses/   total_loss, pg_loss, baseline_loss, entropy_loss
-    stats/    grad_norm, policy_lag, rho_mean, rho_clipped_fraction, full_queue_size, free_queue_size, ...
+    stats/    grad_norm, policy_lag, rho_mean, rho_clipped_fraction, ppo_clip_fraction, full_queue_size, free_queue_size, ...
     timing/   wait_batch_ms, host_to_device_ms, update_lock_wait_ms, forward_backward_ms, publish_ms
     eval/     episodic_return_mean and video (test mode)
     flags     the run's flags as a markdown table (TEXT tab) and as hparams (HPARAMS tab)
@@ -181,7 +181,7 @@ def video_summary(tag: str, frames: np.ndarray, fps: float) -> Summary:
 LOSS_TAGS = {"total_loss": "losses/total_loss", "pg_loss": "losses/pg_loss", "baseline_loss": "losses/baseline_loss",
              "entropy_loss": "losses/entropy_loss", "learning_rate": "charts/learning_rate",
              "grad_norm": "stats/grad_norm", "rho_mean": "stats/rho_mean",
-             "rho_clipped_fraction": "stats/rho_clipped_fraction"}
+             "rho_clipped_fraction": "stats/rho_clipped_fraction", "ppo_clip_fraction": "stats/ppo_clip_fraction"}
 
 
 class IntervalStats:

@@ -119,6 +119,19 @@ class Net(nn.Module):
             core_size = hidden_size
         self.policy = nn.Linear(core_size, num_actions)
         self.baseline = nn.Linear(core_size, 1)
+        if model in ("shallow", "resnet"):
+            self._orthogonal_init()
+
+    def _orthogonal_init(self) -> None:
+        """The initialisation of Baselines' and CleanRL's Atari nets: orthogonal weights with gain sqrt(2)
+        before ReLUs, 0.01 on the policy head (a near-uniform first policy), 1 on the value head, zero biases."""
+        for module in self.torso.modules():
+            if isinstance(module, (nn.Conv2d, nn.Linear)):
+                nn.init.orthogonal_(module.weight, gain=2 ** 0.5)
+                nn.init.zeros_(module.bias)
+        for head, gain in ((self.policy, 0.01), (self.baseline, 1.0)):
+            nn.init.orthogonal_(head.weight, gain=gain)
+            nn.init.zeros_(head.bias)
 
     @property
     def use_lstm(self) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from impala import learner, vtrace
+from impala import learner, losses, vtrace
 from impala.buffers import BufferSpec, create_buffers
 from impala.config import Config
 from impala.model import Net
@@ -382,6 +382,19 @@ def test_lstm_loss_starts_from_the_stored_core_state() -> None:
     assert float(from_zero["total_loss"]) != pytest.approx(float(from_other["total_loss"]))
 
 
+def test_dual_clip_bounds_the_loss_of_a_negative_advantage() -> None:
+    """Advantages -1 and 1 (normalised to -0.7071 and 0.7071), both ratios 10, clip 0.2: plain PPO takes
+    min(10 A, 1.2 A) per sample; dual clip 3 bounds the negative one's term at 3 A."""
+    log_rhos = torch.log(torch.tensor([10.0, 10.0]))
+    advantages = torch.tensor([-1.0, 1.0])
+    a = 1 / 2 ** 0.5  # (+-1 - 0) / std([-1, 1]) with the unbiased std sqrt(2)
+    plain, clipped = losses.ppo_loss(log_rhos, advantages, clip=0.2)
+    assert float(plain) == pytest.approx(-(10 * -a + 1.2 * a) / 2, rel=1e-5)
+    assert float(clipped) == 1.0
+    dual, _ = losses.ppo_loss(log_rhos, advantages, clip=0.2, dual_clip=3.0)
+    assert float(dual) == pytest.approx(-(3 * -a + 1.2 * a) / 2, rel=1e-5)
+
+
 def test_ppo_loss_matches_a_hand_computation() -> None:
     """Clipped surrogate on normalised advantages, averaged; value and entropy terms averaged too."""
     model = _model()
@@ -417,7 +430,9 @@ def test_ppo_loss_matches_a_hand_computation() -> None:
     adv = (adv - adv.mean()) / (adv.std() + 1e-8)
     ratio = torch.tensor(ratios, dtype=torch.float64)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    surrogate = torch.where(adv < 0, torch.maximum(surrogate, config.ppo_dual_clip * adv), surrogate)
     expected_pg = -float(surrogate.mean())
+    assert float(stats["ppo_clip_fraction"]) == pytest.approx(float(((ratio - 1).abs() > 0.2).double().mean()))
     expected_baseline = config.baseline_cost * 0.5 * sum((a - b) ** 2 for a, b in targets) / len(targets)
     probs = F.softmax(logits[:-1], -1)
     expected_entropy = config.entropy_cost * float((probs * F.log_softmax(logits[:-1], -1)).sum()) / len(targets)
