@@ -128,6 +128,7 @@ class Net(nn.Module):
         for module in self.torso.modules():
             if isinstance(module, (nn.Conv2d, nn.Linear)):
                 nn.init.orthogonal_(module.weight, gain=2 ** 0.5)
+                assert module.bias is not None
                 nn.init.zeros_(module.bias)
         for head, gain in ((self.policy, 0.01), (self.baseline, 1.0)):
             nn.init.orthogonal_(head.weight, gain=gain)
