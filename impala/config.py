@@ -50,7 +50,9 @@ class Config:
     env_splits: int = _flag(1, "groups each actor steps its envs in, in turn: while one group's Atari envs step "
                                "(in ale-py's thread), the actor chooses actions for the next; pays where cores "
                                "are free (see BENCHMARKS.md)")
-    num_buffers: int | None = _flag(None, "shared rollout slots (default: 2 x envs of all actors + batch_size)")
+    num_buffers: int | None = _flag(None, "shared rollout slots (default: the fewest that cannot deadlock, envs of "
+                                    "all actors + learner threads x batch_size: actors then run at most about one "
+                                    "batch ahead of the learner, which keeps the policy lag low)")
     unroll_length: int = _flag(32, "agent steps per unroll (T)")
     inference: str = _flag("actor", "where actions are computed: 'actor' (each actor, on CPU) or 'central' "
                            "(one thread in the main process batches all actors on the learner's device)",
@@ -61,7 +63,8 @@ class Config:
     # Learning.
     total_steps: int = _flag(5_000_000, "agent steps to train for (1 agent step = frame skip frames on Atari)")
     batch_size: int = _flag(32, "unrolls per learner update (B)")
-    num_learner_threads: int = _flag(2, "learner threads; updates are serialised, extra threads prepare batches")
+    num_learner_threads: int = _flag(1, "learner threads; updates are serialised, extra threads prepare batches "
+                                     "(each adds about one update of policy lag when the learner is the bottleneck)")
     model: str = _flag("auto", "network: shallow (IMPALA/TorchBeast Atari net), resnet (deep IMPALA ResNet), "
                        "mlp (vector observations) or auto (shallow for images, mlp for vectors)",
                        choices=("auto", "shallow", "resnet", "mlp"))
@@ -86,7 +89,7 @@ class Config:
     ppo_dual_clip: float = _flag(3.0, "ppo: bound the loss of a negative advantage at this multiple of it "
                                  "(dual-clip PPO; 0 turns it off)")
     epochs: int = _flag(2, "passes over each batch of unrolls")
-    minibatches: int = _flag(4, "gradient steps per pass: the batch split along its unrolls into this many "
+    minibatches: int = _flag(8, "gradient steps per pass: the batch split along its unrolls into this many "
                              "near-equal parts (one unroll each where B is smaller)")
     vtrace_lambda: float = _flag(0.95, "lambda of the V-trace targets (1: the paper's; lower trades variance for bias)")
 
@@ -142,7 +145,7 @@ class Config:
     def resolved_num_buffers(self) -> int:
         if self.num_buffers is not None:
             return self.num_buffers
-        return 2 * self.num_actors * self.envs_per_actor + self.num_learner_threads * self.batch_size
+        return self.slots_needed
 
     @property
     def steps_per_update(self) -> int:

@@ -21,7 +21,8 @@ def test_defaults_are_the_atari_settings_measured_in_results() -> None:
     assert config.mode == "train"
     assert config.env == "PongNoFrameskip-v4"
     assert (config.unroll_length, config.batch_size, config.num_actors, config.envs_per_actor) == (32, 32, 4, 8)
-    assert (config.policy_loss, config.ppo_clip, config.epochs, config.minibatches) == ("ppo", 0.1, 2, 4)
+    assert (config.policy_loss, config.ppo_clip, config.epochs, config.minibatches) == ("ppo", 0.1, 2, 8)
+    assert (config.ppo_dual_clip, config.num_learner_threads, config.num_buffers) == (3.0, 1, None)
     assert (config.optimizer, config.learning_rate, config.epsilon) == ("adam", 0.00025, 1e-5)
     assert (config.entropy_cost, config.vtrace_lambda) == (0.01, 0.95)
     assert (config.baseline_cost, config.discounting, config.grad_norm_clipping) == (0.5, 0.99, 0.5)
@@ -35,7 +36,7 @@ def test_defaults_are_the_atari_settings_measured_in_results() -> None:
 def test_derived_values() -> None:
     config = Config(num_actors=3, envs_per_actor=5, num_learner_threads=2, batch_size=4, unroll_length=20)
     assert config.slots_needed == 3 * 5 + 2 * 4
-    assert config.resolved_num_buffers == 2 * 3 * 5 + 2 * 4
+    assert config.resolved_num_buffers == config.slots_needed  # actors at most about one batch ahead
     assert Config(num_buffers=100).resolved_num_buffers == 100
     assert config.steps_per_update == 20 * 4
 
