@@ -114,9 +114,11 @@ def leave(coordinator: Coordinator | None) -> None:
 
 
 def _lost(what: str, exc: Exception) -> TrainingError:
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return TrainingError(f"{what}: another learner process stopped answering (it died, or was stopped); "
-                         f"{first_line[:200]}")
+    """The one line a rank ends with when a collective fails: another rank died, hung or was stopped."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\] ", "", text).split(". ")[0]  # gloo's "[file:line] Read error ...: reason. Hint"
+    return TrainingError(f"another learner process stopped answering ({what}: {text[:160]}): it died or was "
+                         "stopped, see its own output")
 
 
 class GradientReducer:
@@ -133,6 +135,7 @@ class GradientReducer:
         self.world_size = world_size
         self.summed_loss = summed_loss
         self.group = group  # None: the default group (NCCL or gloo)
+        self.failed = False  # a collective failed: the group is broken, no rank votes again
 
     def reduce(self, model: Net, loss: torch.Tensor) -> None:
         parameters = [p for p in model.parameters() if p.requires_grad]
@@ -142,6 +145,7 @@ class GradientReducer:
         try:
             dist.all_reduce(flat, group=self.group)
         except RuntimeError as exc:
+            self.failed = True
             raise _lost("gradient all-reduce", exc) from exc
         if not self.summed_loss:
             flat /= self.world_size
@@ -166,6 +170,7 @@ class GradientReducer:
         try:
             dist.all_reduce(tensor, group=self.group)
         except RuntimeError as exc:
+            self.failed = True
             raise _lost("advantage normalisation", exc) from exc
 
 
@@ -189,7 +194,7 @@ class Coordinator:
     def vote(self, stop: bool, steps: int) -> int:
         """One update's vote: this rank adds `steps` agent steps, or wants to stop. Returns the agent steps of
         every rank in this update, or 0 when any rank voted to stop (then every rank stops here)."""
-        if self.stopped:
+        if self.stopped or self.reducer.failed:
             return 0
         games = [self._outbox.popleft() for _ in range(min(len(self._outbox), MAX_GAMES_PER_VOTE))]
         message = torch.zeros(3 + 2 * MAX_GAMES_PER_VOTE, dtype=torch.float64)
@@ -200,6 +205,7 @@ class Coordinator:
         try:
             dist.all_gather(gathered, message, group=self.ranks.control)
         except RuntimeError as exc:
+            self.stopped = True  # no second try on a broken group: this rank's other learner threads just stop
             raise _lost("the vote before an update", exc) from exc
         if self.rank == 0:
             for other in gathered:

@@ -70,6 +70,10 @@ class Learners:
     def _thread(self) -> None:
         try:
             self._learn()
+        except TrainingError as exc:  # not a bug: another learner process (torchrun) is gone; one line
+            log.error("Learner thread %s stopped: %s", threading.current_thread().name, exc)
+            self.errors.append(exc)
+            self.stop_event.set()
         except Exception as exc:  # logged here with its traceback; the monitor stops the run
             log.exception("Learner thread %s failed", threading.current_thread().name)
             self.errors.append(exc)

@@ -1,10 +1,19 @@
 """Several learner processes (`impala/distributed.py`): two gloo ranks on the CPU, each with half of a batch,
 make the update one learner makes with the whole batch; the replicas stay identical; a non-finite loss on
-one rank makes both skip the step."""
+one rank makes both skip the step. Then `torchrun --standalone --nproc_per_node 2 run.py` as the user runs
+it: SIGTERM to torchrun stops every rank in order with a checkpoint, kill -9 of a rank ends the job with
+the last checkpoint kept, and (slow) CartPole learns as one run that test mode plays."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -13,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Training, checkpoint_step, run_py, wait_until_gone
 
 from impala import learner
 from impala.config import Config
@@ -135,7 +145,7 @@ def test_two_ranks_with_half_a_batch_each_update_as_one_learner_with_the_whole_b
         for key, value in parameters.items():
             assert not torch.equal(value, initial[key]) or key.endswith("num_batches_tracked"), key  # it moved
             # Float32 round-off: the sums over the batch are added in another order.
-            torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=f"{name} rank {rank} {key}")
+            torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=lambda m, rank=rank, key=key: f"{name} rank {rank} {key}: {m}")
     for key in expected:  # the replicas are the same, bit for bit
         assert torch.equal(ranks[0][name][0][key], ranks[1][name][0][key]), key
 
@@ -169,3 +179,105 @@ def test_votes_sum_the_steps_of_every_rank_agree_to_stop_and_bring_every_game_to
     assert zero["second"] == one["second"] == 0  # rank 1 stopped: every rank stops at this update
     assert zero["third"] == 0  # after a stop, no collective: rank 0 alone did not wait for rank 1
     assert zero["stopped_by"] == 1 and one["stopped_by"] is None  # rank 1 stopped by its own choice
+
+
+# ----------------------------------------------------------------------------------- torchrun runs
+
+
+class Torchrun(Training):
+    """`torchrun --standalone --nproc_per_node 2 run.py SMALL_RUN` in the background, in its own session.
+    Each rank has one actor of 2 envs (the machine has two cores for the two ranks and their actors)."""
+
+    def __init__(self, savedir: Path, xpid: str, *args: str, total_steps: int = 1_000_000) -> None:
+        self.savedir, self.xpid = savedir, xpid
+        self.log_path = savedir / f"{xpid}.console"
+        savedir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "a")  # noqa: SIM115 - open for the life of the process
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "run.py",
+             *SMALL_RUN, "--num_actors", "1", "--disable_cuda", "--savedir", str(savedir), "--xpid", xpid,
+             "--total_steps", str(total_steps), *args],
+            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pgid = self.process.pid
+
+    def rank_pid(self, rank: int) -> int:
+        """The pid of the learner process of `rank` (a child of torchrun with RANK=rank in its environment)."""
+        for entry in Path("/proc").iterdir():
+            try:
+                if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) \
+                        != self.process.pid:
+                    continue
+                variables = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in variables:
+                return int(entry.name)
+        raise AssertionError(f"no rank {rank} among the children of torchrun:\n{self.text()}")
+
+
+def _impala_tracebacks(text: str) -> list[str]:
+    """Traceback lines through this package's files: a fault of ours, not a line a user can read."""
+    return [line for line in text.splitlines() if re.search(r'File ".*/(impala|run\.py)', line)]
+
+
+def test_sigterm_to_torchrun_stops_every_rank_in_order_with_a_checkpoint(tmp_path: Path) -> None:
+    run = Torchrun(tmp_path, "term")
+    try:
+        run.wait_for_steps(400, timeout=240)
+        run.signal(signal.SIGTERM)  # torchrun forwards it to every rank
+        run.wait(timeout=120)
+        text = run.text()
+        assert "SIGTERM: stopping" in text
+        saved = [int(s) for s in re.findall(r"Saved checkpoint at step (\d+)", text)]
+        assert saved and checkpoint_step(run.run_dir) == saved[-1] >= 400
+        assert re.search(r"Run ended \(terminated\) at step \d+", text)
+        assert _impala_tracebacks(text) == [], text
+        assert not re.search(r"rank 1\] .*(failed|stopped answering|Traceback)", text), text  # rank 1 stopped cleanly
+        assert wait_until_gone(run.pgid) == []  # every rank, actor and fork server
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "term", "term.console"]  # one run
+    finally:
+        run.close()
+
+
+def test_kill_9_of_one_rank_ends_the_job_with_one_line_and_the_last_checkpoint_kept(tmp_path: Path) -> None:
+    run = Torchrun(tmp_path, "kill", "--checkpoint_interval_s", "1")
+    try:
+        run.wait_for(r"Saved checkpoint at step \d+", timeout=240)
+        os.kill(run.rank_pid(1), signal.SIGKILL)
+        start = time.monotonic()
+        assert run.wait(timeout=120) != 0
+        text = run.text()
+        lost = [line for line in text.splitlines() if "another learner process stopped answering" in line]
+        assert lost, text
+        assert _impala_tracebacks(text) == [], text
+        assert checkpoint_step(run.run_dir) > 0  # whole: the last periodic one, or one saved on the way out
+        assert wait_until_gone(run.pgid) == []
+        print(f"job ended {time.monotonic() - start:.1f} s after the kill; rank 0 said: {lost[0]}")
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+def test_torchrun_cartpole_learns_as_one_run_that_test_mode_plays(tmp_path: Path) -> None:
+    """The README's CartPole command on two ranks: each rank has half of its actors and of its batch."""
+    savedir = tmp_path / "runs"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "run.py",
+               "--env", "CartPole-v1", *IMPALA_RULE, "--num_actors", "1", "--envs_per_actor", "4",
+               "--unroll_length", "5", "--batch_size", "4", "--learning_rate", "0.001", "--total_steps", "500000",
+               "--disable_cuda", "--savedir", str(savedir), "--xpid", "cartpole"]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=1800, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    run_dir = savedir / "cartpole"
+    assert sorted(p.name for p in savedir.iterdir()) == ["cartpole", "latest"]  # one run directory
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # one TensorBoard run
+    with open(run_dir / "logs.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("charts/mean_return_100")]
+    best = max(float(row["charts/mean_return_100"]) for row in rows)
+    assert int(rows[-1]["step"]) == 500_000
+    assert best >= 450, [row["charts/mean_return_100"] for row in rows]
+    played = run_py("--mode", "test", "--env", "CartPole-v1", "--savedir", str(savedir), "--xpid", "cartpole",
+                    "--test_episodes", "3")
+    assert played.returncode == 0, played.stderr
+    mean = float(re.search(r"Mean return over 3 episodes: ([\d.]+)", played.stdout).group(1))  # type: ignore[union-attr]
+    print(f"best mean_return_100 {best:.1f}, final {rows[-1]['charts/mean_return_100']}, test mode {mean:.1f}")
+    assert mean >= 450
