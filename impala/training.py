@@ -386,6 +386,10 @@ def _log_start(run: Run) -> None:
     log.info("Run %s: %s, %d actors x %d envs, T=%d, B=%d, device %s%s", run.run_dir, config.env,
              config.num_actors, config.envs_per_actor, config.unroll_length, config.batch_size, run.device,
              ", bfloat16 autocast" if run.amp else "")
+    if run.coordinator is not None:
+        ranks = run.coordinator.ranks
+        log.info("%d learner processes (torchrun, %s): each with these actors and batch; this one, rank 0, "
+                 "writes the run", ranks.world_size, "NCCL" if ranks.device.type == "cuda" else "gloo")
     if run.state.step:
         log.info("Resuming from step %d (update %d)", run.state.step, run.state.updates)
     if run.resumed_from is not None and run.resumed_from.name != CHECKPOINT_NAME:
