@@ -94,22 +94,37 @@ def join(config: Config) -> tuple[Config, Coordinator | None]:
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    store = _attempt_store(rank, world_size, timeout)
     if not config.disable_cuda and torch.cuda.is_available():
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device)
         control = dist.new_group(backend="gloo", timeout=timeout)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         control = dist.group.WORLD
     ranks = Ranks(rank, world_size, local_rank, local_world_size, device, control)
     config = dataclasses.replace(config, xpid=xpid, seed=rank_seed(config.seed, rank))
     return config, Coordinator(ranks, summed_loss=config.policy_loss == "impala")
 
 
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """torchrun's store (env://), its keys kept apart per restart (--max-restarts): measured with torch 2.13 and
+    --standalone, the ranks of a restart otherwise read the addresses of the previous attempt's ranks from it
+    and fail to connect to the dead."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    return dist.PrefixStore(f"impala/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
 def leave(coordinator: Coordinator | None) -> None:
-    if coordinator is not None and dist.is_initialized():
+    """Leave the process group, dropping this module's references to it first, so that its sockets and
+    threads go now rather than at interpreter exit."""
+    if coordinator is None:
+        return
+    coordinator.ranks.control = coordinator.reducer.group = None
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
