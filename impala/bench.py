@@ -3,13 +3,16 @@
     python -m impala.bench                      # Pong, shallow net, T=80, B=8, 2 actors x 8 envs
     python -m impala.bench --only env,inference,learner --seconds 10
     python -m impala.bench --only e2e --variants "--inference actor" "--inference central"
+    torchrun --standalone --nproc_per_node 2 -m impala.bench --only learner --disable_cuda   # 2 learner ranks
 
 Components, each timed for `--seconds` after a warm-up, in this process:
 
     env        one EnvBatch of envs_per_actor envs stepped with random actions (an actor without a model)
     inference  the actor's batched forward + action sampling (one torch thread, the actor's autocast);
                with --inference central: all actors' envs in one batch on the learner's device
-    learner    stack B slots, copy to the learner's device, learner.update, on a synthetic [T+1, B] batch
+    learner    stack B slots, copy to the learner's device, learner.update, on a synthetic [T+1, B] batch;
+               under torchrun every rank does it in lockstep, gradients all-reduced (`distributed.py`), and
+               rank 0 reports the steps of all ranks
     actor      one actor as its process runs it (actor.run_actor: env splits, policy, slot writes) with its
                slots recycled at once: what one actor does with no learner to wait for (not in the ceiling)
 
@@ -48,8 +51,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from impala import learner
+from impala import distributed, learner
 from impala.actor import ActorChannels, run_actor
 from impala.buffers import BufferSpec
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
@@ -89,19 +93,32 @@ class Rate:
                 "cpu_ms_per_step": 1000.0 * self.cpu_s / self.steps}
 
 
-def timed_loop(step: Callable[[], int], seconds: float) -> Rate:
+def timed_loop(step: Callable[[], int], seconds: float, lockstep: bool = False) -> Rate:
     """Call `step` (returns the agent steps it did) for a warm-up of 10% of `seconds`, then time it for
-    `seconds` and at least MIN_CALLS calls."""
+    `seconds` and at least MIN_CALLS calls. `lockstep` (torchrun ranks whose steps are collectives): every
+    rank calls `step` as often as the others, each stopping when the first wants to; the CPU seconds are
+    those of all ranks."""
     warmup_end = time.perf_counter() + 0.1 * seconds
     step()  # at least once: lazy initialisation, allocator, cuDNN autotuning
-    while time.perf_counter() < warmup_end:
+    while not _done(time.perf_counter() >= warmup_end, lockstep):
         step()
     steps, calls = 0, 0
     wall_start, cpu_start = time.perf_counter(), time.process_time()
-    while calls < MIN_CALLS or time.perf_counter() - wall_start < seconds:
+    while not _done(calls >= MIN_CALLS and time.perf_counter() - wall_start >= seconds, lockstep):
         steps += step()
         calls += 1
-    return Rate(steps, time.perf_counter() - wall_start, time.process_time() - cpu_start)
+    cpu_s = torch.tensor(time.process_time() - cpu_start, dtype=torch.float64)
+    if lockstep:
+        dist.all_reduce(cpu_s)
+    return Rate(steps, time.perf_counter() - wall_start, float(cpu_s))
+
+
+def _done(done: bool, lockstep: bool) -> bool:
+    if lockstep:  # the ranks' clocks differ: agree, or one would wait forever in the next step's all-reduce
+        flag = torch.tensor(float(done))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag)
+    return done
 
 
 @contextlib.contextmanager
@@ -182,15 +199,19 @@ def bench_inference(config: Config, shape: EnvShape, seconds: float) -> dict[str
 
 
 def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
-    """What one learner thread does per batch: stack B slots [T+1, B], copy them to the device, update."""
-    device = select_device(config)
-    threads = learner_threads(config, device)
+    """What one learner thread does per batch: stack B slots [T+1, B], copy them to the device, update. Under
+    torchrun, every rank at once with the gradients all-reduced: the steps are those of all ranks."""
+    _, coordinator = distributed.join(config)
+    reducer = coordinator.reducer if coordinator is not None else None
+    world_size = coordinator.ranks.world_size if coordinator is not None else 1
+    device = coordinator.ranks.device if coordinator is not None else select_device(config)
+    threads = learner_threads(config, device, coordinator.ranks.local_world_size if coordinator else 1)
     amp = use_amp(config.amp, device, shape.model)
     with torch_threads(threads):
         torch.manual_seed(config.seed)
         model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm,
                     config.hidden_size).to(device)
-        optimizer, scheduler = learner.make_optimizer(model, config)
+        optimizer, scheduler = learner.make_optimizer(model, config, world_size)
         buffers = _synthetic_slots(config, shape, model)
         staging = learner.BatchStaging(buffers, config.batch_size, pin=device.type == "cuda")
         slots = list(range(config.batch_size))
@@ -198,13 +219,15 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
         def step() -> int:
             staging.fill(buffers, slots)
             batch, core_state = staging.to(device)
-            learner.update(model, optimizer, scheduler, batch, core_state, config, amp)  # waits for the device
-            return config.steps_per_update
+            learner.update(model, optimizer, scheduler, batch, core_state, config, amp, reducer)  # waits for the device
+            return config.steps_per_update * world_size
 
-        rate = timed_loop(step, seconds)
+        rate = timed_loop(step, seconds, lockstep=coordinator is not None)
+        distributed.leave(coordinator)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"what": f"{shape.model} update on [T+1={config.unroll_length + 1}, B={config.batch_size}] ({name})",
-            "batch": config.batch_size, "device": str(device), "threads": threads, "amp": amp,
+    ranks = f", {world_size} ranks x B" if world_size > 1 else ""
+    return {"what": f"{shape.model} update on [T+1={config.unroll_length + 1}, B={config.batch_size}] ({name}{ranks})",
+            "batch": config.batch_size, "ranks": world_size, "device": str(device), "threads": threads, "amp": amp,
             "cpu_is_host_only": device.type == "cuda", **rate.to_dict()}
 
 
@@ -607,6 +630,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under torchrun rank 0 reports for all
     print(format_table(results))
     text = json.dumps(results, indent=2)
     print(text)

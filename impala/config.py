@@ -45,7 +45,7 @@ class Config:
                       "gets its own env seeds and sampling stream from it")
 
     # Acting.
-    num_actors: int = _flag(4, "actor processes")
+    num_actors: int = _flag(4, "actor processes (of each rank under torchrun)")
     envs_per_actor: int = _flag(8, "envs stepped together by each actor, with one batched policy forward")
     env_splits: int = _flag(1, "groups each actor steps its envs in, in turn: while one group's Atari envs step "
                                "(in ale-py's thread), the actor chooses actions for the next; pays where cores "
@@ -61,8 +61,10 @@ class Config:
                                      "running a partial batch (0: serve whoever is ready)")
 
     # Learning.
-    total_steps: int = _flag(5_000_000, "agent steps to train for (1 agent step = frame skip frames on Atari)")
-    batch_size: int = _flag(32, "unrolls per learner update (B)")
+    total_steps: int = _flag(5_000_000, "agent steps to train for, of all ranks under torchrun (1 agent step = "
+                             "frame skip frames on Atari)")
+    batch_size: int = _flag(32, "unrolls per learner update (B); under torchrun each of G ranks takes B, and "
+                            "the update is one learner's with G x B unrolls (see README)")
     num_learner_threads: int = _flag(1, "learner threads; updates are serialised, extra threads prepare batches "
                                      "(each adds about one update of policy lag when the learner is the bottleneck)")
     model: str = _flag("auto", "network: shallow (IMPALA/TorchBeast Atari net), resnet (deep IMPALA ResNet), "
@@ -95,7 +97,8 @@ class Config:
 
     # Optimiser (PyTorch's RMSprop adds epsilon outside the square root).
     optimizer: str = _flag("adam", "adam or rmsprop", choices=("rmsprop", "adam"))
-    learning_rate: float = _flag(0.00025, "learning rate, decayed linearly to 0 over total_steps")
+    learning_rate: float = _flag(0.00025, "learning rate, decayed linearly to 0 over total_steps (under torchrun "
+                                 "as for one learner with batch G x B)")
     alpha: float = _flag(0.99, "RMSprop smoothing constant")
     momentum: float = _flag(0.0, "RMSprop momentum")
     epsilon: float = _flag(1e-5, "optimizer epsilon (TorchBeast's RMSprop used 0.01)")

@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -20,6 +20,9 @@ from impala.buffers import Buffers
 from impala.config import Config, UserError
 from impala.model import CoreState, Net
 from impala.seeding import ActorLives
+
+if TYPE_CHECKING:
+    from impala.distributed import GradientReducer
 
 # The fields the learner reads, time-major in a batch: [T + 1, B, ...].
 BATCH_KEYS = ("obs", "done", "reward", "action", "policy_logits")
@@ -54,9 +57,10 @@ class BatchStaging:
         return batch, core_state
 
 
-def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The IMPALA loss of one batch ([T + 1, B, ...], see `buffers.py` for the row alignment)."""
+def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config,
+                 reducer: GradientReducer | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The IMPALA loss of one batch ([T + 1, B, ...], see `buffers.py` for the row alignment). With several
+    learner processes, `reducer` gives PPO the advantages' moments over the batches of all of them."""
     output, _ = model(batch["obs"], batch["done"], core_state)
     logits = output.policy_logits.float()
     values = output.baseline.float()
@@ -81,7 +85,8 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
         # Advantages without V-trace's rho weight (the clipped ratio below does the importance weighting).
         next_vs = torch.cat([returns.vs[1:], bootstrap_value.detach()[None]])
         advantages = rewards + discounts * next_vs - values[:-1].detach()
-        pg_loss, clip_fraction = losses.ppo_loss(returns.log_rhos, advantages, config.ppo_clip, config.ppo_dual_clip)
+        pg_loss, clip_fraction = losses.ppo_loss(returns.log_rhos, advantages, config.ppo_clip, config.ppo_dual_clip,
+                                                 moments=reducer.moments if reducer is not None else None)
         baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1]) / returns.vs.numel()
         entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1]) / returns.vs.numel()
     else:
@@ -103,18 +108,20 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
     return total_loss, stats
 
 
-def make_optimizer(model: Net, config: Config) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """RMSprop or Adam and a schedule that decays the learning rate linearly to 0 over `total_steps`."""
+def make_optimizer(model: Net, config: Config, world_size: int = 1
+                   ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """RMSprop or Adam and a schedule that decays the learning rate linearly to 0 over `total_steps`
+    (`world_size` learner processes each add `steps_per_update` agent steps per update)."""
     if config.optimizer == "adam":
         optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate,
                                                             eps=config.epsilon)
     else:
         optimizer = torch.optim.RMSprop(model.parameters(), lr=config.learning_rate, alpha=config.alpha,
                                         momentum=config.momentum, eps=config.epsilon)
-    return optimizer, make_schedule(optimizer, config)
+    return optimizer, make_schedule(optimizer, config, world_size=world_size)
 
 
-def make_schedule(optimizer: torch.optim.Optimizer, config: Config, start_step: int = 0
+def make_schedule(optimizer: torch.optim.Optimizer, config: Config, start_step: int = 0, world_size: int = 1
                   ) -> torch.optim.lr_scheduler.LRScheduler:
     """`--learning_rate` decayed linearly to 0 at `--total_steps` agent steps, from agent step `start_step` on.
 
@@ -125,16 +132,17 @@ def make_schedule(optimizer: torch.optim.Optimizer, config: Config, start_step: 
         group["lr"] = group["initial_lr"] = config.learning_rate
 
     def remaining_fraction(update: int) -> float:
-        step = start_step + update * config.steps_per_update
+        step = start_step + update * config.steps_per_update * world_size
         return 1.0 - min(step, config.total_steps) / config.total_steps
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, remaining_fraction)
 
 
 def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-           batch: dict[str, torch.Tensor], core_state: CoreState, config: Config, amp: bool = False
-           ) -> dict[str, float]:
+           batch: dict[str, torch.Tensor], core_state: CoreState, config: Config, amp: bool = False,
+           reducer: GradientReducer | None = None) -> dict[str, float]:
     """`--epochs` passes over the batch, each `--minibatches` gradient steps on a share of its unrolls.
+    With several learner processes, `reducer` makes each step's gradient that of all their batches.
 
     A step whose loss or gradient is not finite is not applied, and `stats["skipped"]` is then 1. The schedule
     steps once per batch. Returns the stats averaged over the steps, as Python floats.
@@ -151,7 +159,7 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
                 columns = columns.to(batch["obs"].device)
                 part = {k: v.index_select(1, columns) for k, v in batch.items()}
                 part_state = tuple(s.index_select(1, columns) for s in core_state)
-            for key, value in _step(model, optimizer, part, part_state, config, amp).items():
+            for key, value in _step(model, optimizer, part, part_state, config, amp, reducer).items():
                 totals[key] = totals.get(key, 0.0) + value
     steps = config.epochs * parts
     values = {k: v / steps for k, v in totals.items()}
@@ -164,14 +172,16 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
 
 
 def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], core_state: CoreState,
-          config: Config, amp: bool) -> dict[str, float]:
+          config: Config, amp: bool, reducer: GradientReducer | None = None) -> dict[str, float]:
     """One gradient step on `batch`, skipped if its loss or gradient is not finite. Synchronises once."""
     device_type = batch["obs"].device.type
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
     with autocast:
-        loss, stats = compute_loss(model, batch, core_state, config)
+        loss, stats = compute_loss(model, batch, core_state, config, reducer)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    if reducer is not None:  # before clipping: every rank clips and steps with the same gradient
+        reducer.reduce(model, loss)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_norm_clipping)
     stats["grad_norm"] = grad_norm.detach()
     values = {k: float(v) for k, v in stats.items()}
@@ -203,6 +213,7 @@ class LearnerState:
     skipped_updates: int = 0  # non-finite updates skipped, run-wide
     episodes: int = 0  # full games finished by the actors
     bad_updates_in_a_row: int = 0  # the current streak of skipped updates; not saved
+    world_size: int = 1  # learner processes of the run (torchrun); not saved: a run resumes on any number
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimiser state copied to the CPU, the counters and the lives."""
@@ -222,7 +233,7 @@ class LearnerState:
             _load(self.optimizer, state["optimizer_state_dict"], path)
         for name in self.COUNTERS:
             setattr(self, name, int(state.get(name, 0)))
-        self.scheduler = make_schedule(self.optimizer, config, start_step=self.step)
+        self.scheduler = make_schedule(self.optimizer, config, start_step=self.step, world_size=self.world_size)
         self.lives.load_state_dict(state)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from impala.learner import LearnerState
 from impala.metrics import IntervalStats
 from impala.model import Net
 
+if TYPE_CHECKING:
+    from impala.distributed import Coordinator
+
 log = logging.getLogger("impala")
 
 
@@ -28,10 +32,14 @@ class Learners:
     Every update, and every copy of the weights that must not fall inside one (a checkpoint, an
     evaluation), holds `update_lock`. A thread that fails, or `max_bad_updates` skipped updates in a row,
     put the reason in `errors` and set `stop_event`; the monitor raises it.
+
+    Under torchrun (`coordinator`), every update starts with a vote of all ranks (`distributed.py`): a thread
+    told to stop while it waits for slots still votes, so that no other rank waits for it in vain.
     """
 
     def __init__(self, config: Config, state: LearnerState, buffers: Buffers, pool: ActorPool, device: torch.device,
-                 model: Net, amp: bool, stats: IntervalStats, update_lock: threading.Lock) -> None:
+                 model: Net, amp: bool, stats: IntervalStats, update_lock: threading.Lock,
+                 coordinator: Coordinator | None = None) -> None:
         self.config = config
         self.state = state
         self.buffers = buffers
@@ -41,6 +49,7 @@ class Learners:
         self.amp = amp  # bfloat16 autocast
         self.stats = stats
         self.update_lock = update_lock
+        self.coordinator = coordinator
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
         self.errors: list[Exception] = []
@@ -61,6 +70,10 @@ class Learners:
     def _thread(self) -> None:
         try:
             self._learn()
+        except TrainingError as exc:  # not a bug: another learner process (torchrun) is gone; one line
+            log.error("Learner thread %s stopped: %s", threading.current_thread().name, exc)
+            self.errors.append(exc)
+            self.stop_event.set()
         except Exception as exc:  # logged here with its traceback; the monitor stops the run
             log.exception("Learner thread %s failed", threading.current_thread().name)
             self.errors.append(exc)
@@ -81,36 +94,50 @@ class Learners:
     def _learn(self) -> None:
         config, state = self.config, self.state
         staging = learner.BatchStaging(self.buffers, config.batch_size, pin=self.device.type == "cuda")
-        while not self.stop_event.is_set():
+        reducer = self.coordinator.reducer if self.coordinator is not None else None
+        while self.coordinator is not None or not self.stop_event.is_set():
             wait_start = time.perf_counter()
             slots = self._take_full_slots()
-            if slots is None:
+            if slots is None and self.coordinator is None:
                 return
             copy_start = time.perf_counter()
-            staging.fill(self.buffers, slots)
-            versions = self.buffers["policy_version"][slots].clone()
-            for slot in slots:
-                self.pool.slots.give_back(slot)
-            batch, core_state = staging.to(self.device)
+            if slots is not None:
+                staging.fill(self.buffers, slots)
+                versions = self.buffers["policy_version"][slots].clone()
+                for slot in slots:
+                    self.pool.slots.give_back(slot)
+                batch, core_state = staging.to(self.device)
             copy_end = time.perf_counter()
             with self.update_lock:
-                if state.step >= config.total_steps or self.stop_event.is_set():
+                steps = self._steps_of_update(stop=slots is None)
+                if not steps:
                     return
                 update_start = time.perf_counter()
                 stats = learner.update(self.model, state.optimizer, state.scheduler, batch, core_state, config,
-                                       self.amp)
+                                       self.amp, reducer)
                 # update() ends by reading its stats as floats, which waits for the device: on CUDA this phase
                 # also holds the tail of the non-blocking host-to-device copy.
                 publish_start = time.perf_counter()
                 self.pool.publish(state.model, state.updates + 1)
                 publish_end = time.perf_counter()
-                state.step += config.steps_per_update
+                state.step += steps
                 state.updates += 1
                 timings_s = {"wait_batch": copy_start - wait_start, "host_to_device": copy_end - copy_start,
                              "update_lock_wait": update_start - copy_end,
                              "forward_backward": publish_start - update_start,
                              "publish": publish_end - publish_start}
                 self.record(stats, float((state.updates - 1 - versions).float().mean()), timings_s)
+
+    def _steps_of_update(self, stop: bool) -> int:
+        """The agent steps the coming update adds to the run (those of every rank under torchrun), or 0 when
+        it must not happen: the run is done or stopping (on any rank). Caller holds `update_lock`."""
+        stop = stop or self.state.step >= self.config.total_steps or self.stop_event.is_set()
+        if self.coordinator is None:
+            return 0 if stop else self.config.steps_per_update
+        steps = self.coordinator.vote(stop, self.config.steps_per_update)
+        if not steps:
+            self.stop_event.set()  # this rank's other learner threads, waiting for slots, stop too
+        return steps
 
     def record(self, stats: dict[str, float], policy_lag: float, timings_s: dict[str, float] | None = None) -> None:
         """Count one update in the interval stats, or as skipped. Caller holds `update_lock`."""

@@ -5,6 +5,9 @@
     actor processes (actor_pool.py): actor.run_actor(), filling slots from their own free pipe into the full queue
     learner threads: take batch_size full slots, update, publish weights through the actor pool
     evaluation process (--eval_interval_s, evaluator.py): full games with a weights snapshot
+
+Under torchrun every rank runs all of this, in lockstep with the others (`distributed.py`); rank 0 alone
+writes the run directory.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from pathlib import Path
 from types import FrameType
-from typing import cast
+from typing import Any, cast
 
 import torch
 
-from impala import learner
+from impala import distributed, learner
 from impala.actor_pool import LocalActorPool, keep_freed_memory, process_context
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.checkpoint import (
@@ -37,6 +40,7 @@ from impala.checkpoint import (
     save_checkpoint,
 )
 from impala.config import Config, TrainingError, UserError
+from impala.distributed import Coordinator
 from impala.environment import EnvBatch, is_atari
 from impala.evaluator import Evaluator, check_evaluator, make_evaluator, start_evaluator, stop_evaluator
 from impala.inference import InferenceServer
@@ -91,6 +95,12 @@ class Run:
     saved_step: int | None = None  # the step of the newest checkpoint on disk; written by whoever saves
     stats: IntervalStats = field(default_factory=IntervalStats)  # learners add under `update_lock`
     update_lock: threading.Lock = field(default_factory=threading.Lock)  # one update, or one copy of the weights
+    coordinator: Coordinator | None = None  # under torchrun: this rank among the learner processes
+
+    @property
+    def writes_files(self) -> bool:
+        """Whether this process writes the run directory, TensorBoard and checkpoints: rank 0 under torchrun."""
+        return self.coordinator is None or self.coordinator.rank == 0
 
 
 # ----------------------------------------------------------------------------------------- build
@@ -102,11 +112,12 @@ def select_device(config: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def learner_threads(config: Config, device: torch.device) -> int:
-    """Torch threads of the learner: on the CPU, the cores the actors leave. Extra torch threads on busy
-    cores cost more CPU per update than they save (measured in BENCHMARKS.md)."""
+def learner_threads(config: Config, device: torch.device, local_ranks: int = 1) -> int:
+    """Torch threads of the learner: on the CPU, the cores the actors leave (of this process's share when
+    `local_ranks` learner processes share the machine). Extra torch threads on busy cores cost more CPU per
+    update than they save (measured in BENCHMARKS.md)."""
     if device.type == "cpu":
-        return max(1, len(os.sched_getaffinity(0)) - config.num_actors)
+        return max(1, len(os.sched_getaffinity(0)) // local_ranks - config.num_actors)
     return torch.get_num_threads()
 
 
@@ -121,11 +132,12 @@ def probe_env(config: Config) -> tuple[tuple[int, ...], torch.dtype, int]:
         probe.close()
 
 
-def build(config: Config) -> Run:
+def build(config: Config, coordinator: Coordinator | None = None) -> Run:
     """Everything a run needs, with no process or thread started yet.
 
     Every check a user can fail (env id, model, checkpoint, shared memory, savedir) comes before the
-    first file is written, so a refused run leaves an existing run directory exactly as it was.
+    first file is written, so a refused run leaves an existing run directory exactly as it was. Under
+    torchrun only rank 0 opens the run directory; the others take its state (`Coordinator.share_state`).
     """
     observation_shape, observation_dtype, num_actions = probe_env(config)
     torch.manual_seed(config.seed)
@@ -133,46 +145,46 @@ def build(config: Config) -> Run:
         model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    run_dir, resuming = run_directory(config)
-    checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
-    checkpoint = load_checkpoint(checkpoint_path) if checkpoint_path is not None else None
-    if checkpoint is not None:
-        assert checkpoint_path is not None
-        check_compatible(checkpoint, env=config.env, model=model.model, use_lstm=config.use_lstm,
-                         hidden_size=config.hidden_size, observation_shape=observation_shape,
-                         num_actions=num_actions, path=checkpoint_path)
-        if int(checkpoint["step"]) >= config.total_steps:
-            raise UserError(f"run {run_dir} already reached step {checkpoint['step']} of --total_steps "
-                            f"{config.total_steps}; pass a larger --total_steps to train it further")
+    writes_files = coordinator is None or coordinator.rank == 0
+    if writes_files:
+        run_dir, resuming, checkpoint_path, checkpoint = _open_run(config, model, num_actions)
+    else:
+        run_dir, resuming, checkpoint_path, checkpoint = distributed.rank_run_dir(config), False, None, None
     # Made here, before anything else draws from torch's generator, so their initial draws stay the same.
     actor_model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
     ctx = process_context()
-    evaluator = make_evaluator(config, run_dir, observation_shape, num_actions, ctx)
-    device = select_device(config)
+    evaluator = make_evaluator(config, run_dir, observation_shape, num_actions, ctx) if writes_files else None
+    device = coordinator.ranks.device if coordinator is not None else select_device(config)
+    world_size = coordinator.ranks.world_size if coordinator is not None else 1
     if device.type == "cpu":
-        torch.set_num_threads(learner_threads(config, device))
-    optimizer, scheduler = learner.make_optimizer(model.to(device), config)
-    state = LearnerState(model, optimizer, scheduler, ActorLives(config.seed, session=0))
+        local_ranks = coordinator.ranks.local_world_size if coordinator is not None else 1
+        torch.set_num_threads(learner_threads(config, device, local_ranks))
+    optimizer, scheduler = learner.make_optimizer(model.to(device), config, world_size)
+    state = LearnerState(model, optimizer, scheduler, ActorLives(config.seed, session=0), world_size=world_size)
     if checkpoint is not None:
         assert checkpoint_path is not None
         state.load_state_dict(checkpoint, config, checkpoint_path)
     spec = BufferSpec(config.resolved_num_buffers, config.unroll_length, observation_shape, observation_dtype,
                       num_actions, model.core_state_shapes())
     buffers = create_buffers(spec)
-    prepare_run_directory(run_dir)  # the last check; nothing in the directory changed before it
-
-    session = write_run_files(config, run_dir, resuming)
+    runlog: RunLog
+    session, runlog = 0, distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
+    if writes_files:
+        prepare_run_directory(run_dir)  # the last check; nothing in the directory changed before it
+        session = write_run_files(config, run_dir, resuming)
+        runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
+        runlog.flags(config.to_dict(), state.step)
+    if coordinator is not None:
+        session = coordinator.share_state(state, session, config)  # every rank starts from rank 0's weights
     state.lives.session = session
-    runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
-    runlog.flags(config.to_dict(), state.step)
     pool = _actor_pool(config, ctx, buffers, state, actor_model)
     amp, stats, update_lock = use_amp(config.amp, device, model.model), IntervalStats(), threading.Lock()
     # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
     learner_model = cast(Net, torch.compile(model)) if config.compile else model  # the wrapper acts as a Net
-    learners = Learners(config, state, buffers, pool, device, learner_model, amp, stats, update_lock)
+    learners = Learners(config, state, buffers, pool, device, learner_model, amp, stats, update_lock, coordinator)
     run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
               resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None, stats=stats,
-              update_lock=update_lock)
+              update_lock=update_lock, coordinator=coordinator)
     if config.inference == "central":
         positions = run.pool.channels.inference_positions
         assert positions is not None, "made by the pool for --inference central"
@@ -181,6 +193,24 @@ def build(config: Config) -> Run:
                                  seed=sampling_seed(config.seed, session, INFERENCE_STREAM, 0))
         run.inference, run.pool.inference = InferenceThread(server), server
     return run
+
+
+def _open_run(config: Config, model: Net, num_actions: int
+              ) -> tuple[Path, bool, Path | None, dict[str, Any] | None]:
+    """(run directory, whether it resumes a run, the checkpoint to start from and its content), refusing a
+    checkpoint that does not fit `model` or that already reached --total_steps. Writes nothing."""
+    run_dir, resuming = run_directory(config)
+    checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
+    checkpoint = load_checkpoint(checkpoint_path) if checkpoint_path is not None else None
+    if checkpoint is not None:
+        assert checkpoint_path is not None
+        check_compatible(checkpoint, env=config.env, model=model.model, use_lstm=config.use_lstm,
+                         hidden_size=config.hidden_size, observation_shape=model.observation_shape,
+                         num_actions=num_actions, path=checkpoint_path)
+        if int(checkpoint["step"]) >= config.total_steps:
+            raise UserError(f"run {run_dir} already reached step {checkpoint['step']} of --total_steps "
+                            f"{config.total_steps}; pass a larger --total_steps to train it further")
+    return run_dir, resuming, checkpoint_path, checkpoint
 
 
 def _actor_pool(config: Config, ctx: BaseContext, buffers: Buffers, state: LearnerState,
@@ -230,6 +260,8 @@ def monitor(run: Run) -> str:
     last_log_step = state.step
     while True:
         _check_threads(run)
+        if run.coordinator is not None and run.coordinator.stopped_by is not None:
+            return f"stopped by rank {run.coordinator.stopped_by}"  # it says why in its own log
         if state.step >= config.total_steps:
             _drain_episodes(run)  # the last games and a 100% progress line, at total_steps
             now = time.monotonic()
@@ -263,7 +295,10 @@ def _check_threads(run: Run) -> None:
 
 
 def _drain_episodes(run: Run) -> None:
-    for episode_return, episode_length in run.pool.episodes():
+    games = run.pool.episodes()
+    if run.coordinator is not None:  # every rank's games go to rank 0's log with the votes
+        games = run.coordinator.games(games)
+    for episode_return, episode_length in games:
         run.stats.add_episode(episode_return)
         run.state.episodes += 1
         run.runlog.scalar("charts/episodic_return", episode_return, run.state.step)
@@ -304,7 +339,10 @@ def _frames_per_step(env_id: str) -> int:
 
 
 def checkpoint(run: Run) -> None:
-    """Save the learner state with the flags and shapes; the copy is taken between two updates."""
+    """Save the learner state with the flags and shapes; the copy is taken between two updates. Under
+    torchrun rank 0 saves (every rank holds the same state)."""
+    if not run.writes_files:
+        return
     with run.update_lock:
         state = run.state.state_dict()
     model = run.state.model
@@ -348,6 +386,10 @@ def _log_start(run: Run) -> None:
     log.info("Run %s: %s, %d actors x %d envs, T=%d, B=%d, device %s%s", run.run_dir, config.env,
              config.num_actors, config.envs_per_actor, config.unroll_length, config.batch_size, run.device,
              ", bfloat16 autocast" if run.amp else "")
+    if run.coordinator is not None:
+        ranks = run.coordinator.ranks
+        log.info("%d learner processes (torchrun, %s): each with these actors and batch; this one, rank 0, "
+                 "writes the run", ranks.world_size, "NCCL" if ranks.device.type == "cuda" else "gloo")
     if run.state.step:
         log.info("Resuming from step %d (update %d)", run.state.step, run.state.updates)
     if run.resumed_from is not None and run.resumed_from.name != CHECKPOINT_NAME:
@@ -423,19 +465,24 @@ def train(config: Config) -> Path:
     # Ctrl-C must stop the run in order even when this process was started with SIGINT ignored
     # (inherited from a shell's background job or a parent process).
     previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    coordinator = None
     try:
         try:
-            run = build(config)
+            config, coordinator = distributed.join(config)  # under torchrun; else (config, None)
+            run = build(config, coordinator)
         except _Terminated:
             raise Stopped("terminated", signal.SIGTERM) from None
         return _run(run)
     finally:
+        distributed.leave(coordinator)
         signal.signal(signal.SIGTERM, previous_handler)
         signal.signal(signal.SIGINT, previous_interrupt)
 
 
 def _run(run: Run) -> Path:
-    setup_console(run.run_dir / "out.log")
+    setup_console(run.run_dir / "out.log" if run.writes_files else None)
+    if run.coordinator is not None and not run.writes_files:
+        distributed.rank_console(run.coordinator.rank)
     reason = "error"
     try:
         _log_start(run)
@@ -472,7 +519,8 @@ def _end(run: Run, reason: str) -> OSError | None:
             # A numerical failure keeps the last good checkpoint; any other ending saves the current state.
             save_error = shutdown(run, save=not run.learners.errors)
             try:
-                finish_run_files(run.run_dir, reason, run.state.step)
+                if run.writes_files:
+                    finish_run_files(run.run_dir, reason, run.state.step)
             except OSError as exc:
                 log.error("Could not record the end of the run in %s: %s", run.run_dir, exc)
             log.info("Run ended (%s) at step %d in %s", reason, run.state.step, run.run_dir)

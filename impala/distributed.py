@@ -1,0 +1,287 @@
+"""Several learner processes under torchrun: one run, G ranks, the update one learner would make with G x B unrolls.
+
+    torchrun --nproc_per_node G run.py ...     every rank is a whole trainer: its own actors, slots, learner threads
+
+- `join` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK); without it a run is a plain one and
+  nothing here is used. NCCL joins the ranks' GPUs, gloo their CPUs; a gloo group (`control`) carries the
+  small messages below on every backend.
+- Replicas never drift: rank 0 sends its weights, optimiser state and counters to every rank before the
+  actors start (`Coordinator.share_state`), and every gradient step sums or averages the gradients of all
+  ranks before clipping and the optimiser step (`GradientReducer`), so every rank applies the same step.
+- Lockstep: every update of every rank starts with a vote (`Coordinator.vote`) that carries each rank's
+  agent steps, whether it stops, and the games it finished. Every rank votes once per update, in the same
+  order, so all of them run the same number of updates and gradient steps; when any rank votes to stop,
+  all stop at that same update and none is left waiting in a collective.
+- One run: rank 0 alone writes the run directory, TensorBoard, CSV, checkpoints and the console (the other
+  ranks log warnings and errors only, marked with their rank). The step counter counts the agent steps of
+  every rank, and every rank's games reach rank 0's log through the votes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import os
+import re
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from impala.config import Config, TrainingError, UserError, run_path
+from impala.learner import LearnerState
+from impala.metrics import ConsoleHandler, RunLog
+from impala.model import Net
+from impala.seeding import SEED_LIMIT
+
+log = logging.getLogger("impala")
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+# A rank that does not answer a collective for this long ends the job. One that died is noticed at once
+# (its sockets close); this bounds a hung one (an update of the deep ResNet on a CPU takes seconds).
+COLLECTIVE_TIMEOUT_S = 300.0
+MAX_GAMES_PER_VOTE = 32  # games a rank reports per update; more wait for its next update
+
+
+def launched_by_torchrun() -> bool:
+    return all(name in os.environ for name in TORCHRUN_VARIABLES)
+
+
+def default_xpid(config: Config) -> str:
+    """The run name under torchrun when --xpid is not given: ENV-RUN_ID, torchrun's rendezvous id (a fresh
+    one per launch with --standalone), the same on every rank and in every restart of one launch
+    (--max-restarts), so a restarted job continues its run from its checkpoint."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if run_id in ("", "none"):
+        raise UserError("under torchrun without --standalone or --rdzv-id, pass --xpid NAME: every rank and every "
+                        "restart of the job must name the same run")
+    return f"{config.env.replace('/', '_')}-{re.sub(r'[^A-Za-z0-9._-]', '_', run_id)}"
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """--seed of rank `rank`: rank 0 keeps the run's own, so its actors act as in a one-process run; the
+    others get their own, so no two ranks play the same games."""
+    if rank == 0:
+        return seed
+    return int(np.random.SeedSequence(seed, spawn_key=(rank,)).generate_state(1, np.uint32)[0]) % SEED_LIMIT
+
+
+@dataclasses.dataclass
+class Ranks:
+    """Where this process stands among the learner processes of the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int  # on this machine
+    local_world_size: int  # ranks on this machine, sharing its cores
+    device: torch.device  # the learner's: cuda:LOCAL_RANK, or the CPU
+    control: Any = None  # the gloo process group of votes and broadcasts (the default group on the CPU)
+
+
+def join(config: Config) -> tuple[Config, Coordinator | None]:
+    """Under torchrun: join the job's process group; returns this rank's config (the run's xpid, its own
+    seed) and its coordinator. Otherwise `(config, None)` and nothing happens. Raises UserError, before
+    joining, for a run that has no name every rank agrees on."""
+    if not launched_by_torchrun():
+        return config, None
+    xpid = config.xpid or default_xpid(config)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    store = _attempt_store(rank, world_size, timeout)
+    if not config.disable_cuda and torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device)
+        control = dist.new_group(backend="gloo", timeout=timeout)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        control = dist.group.WORLD
+    ranks = Ranks(rank, world_size, local_rank, local_world_size, device, control)
+    config = dataclasses.replace(config, xpid=xpid, seed=rank_seed(config.seed, rank))
+    return config, Coordinator(ranks, summed_loss=config.policy_loss == "impala")
+
+
+def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:
+    """torchrun's store (env://), its keys kept apart per restart (--max-restarts): measured with torch 2.13 and
+    --standalone, the ranks of a restart otherwise read the addresses of the previous attempt's ranks from it
+    and fail to connect to the dead."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    return dist.PrefixStore(f"impala/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+
+
+def leave(coordinator: Coordinator | None) -> None:
+    """Leave the process group, dropping this module's references to it first, so that its sockets and
+    threads go now rather than at interpreter exit."""
+    if coordinator is None:
+        return
+    coordinator.ranks.control = coordinator.reducer.group = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _lost(what: str, exc: Exception) -> TrainingError:
+    """The one line a rank ends with when a collective fails: another rank died, hung or was stopped."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\] ", "", text).split(". ")[0]  # gloo's "[file:line] Read error ...: reason. Hint"
+    return TrainingError(f"another learner process stopped answering ({what}: {text[:160]}): it died or was "
+                         "stopped, see its own output")
+
+
+class GradientReducer:
+    """Makes every rank's gradients those of the whole batch of all ranks, in place, before clipping.
+
+    `--policy_loss impala` sums its losses over the batch ([T, B]): the whole batch's gradient is the sum
+    of the ranks' gradients. `ppo` averages them: the ranks' minibatches are the same size, so it is their
+    mean. One all-reduce of one flat tensor per gradient step, with a flag appended that any rank whose
+    loss is not finite raises: then every rank's gradient is NaN and every rank skips the step, so the
+    replicas make the same choice.
+    """
+
+    def __init__(self, world_size: int, summed_loss: bool, group: Any = None) -> None:
+        self.world_size = world_size
+        self.summed_loss = summed_loss
+        self.group = group  # None: the default group (NCCL or gloo)
+        self.failed = False  # a collective failed: the group is broken, no rank votes again
+
+    def reduce(self, model: Net, loss: torch.Tensor) -> None:
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+        not_finite = (~torch.isfinite(loss.detach())).to(grads[0].dtype).reshape(1)
+        flat = torch.cat([g.reshape(-1) for g in grads] + [not_finite])
+        try:
+            dist.all_reduce(flat, group=self.group)
+        except RuntimeError as exc:
+            self.failed = True
+            raise _lost("gradient all-reduce", exc) from exc
+        if not self.summed_loss:
+            flat /= self.world_size
+        flat = torch.where(flat[-1] > 0, torch.full_like(flat, math.nan), flat)
+        offset = 0
+        for parameter, grad in zip(parameters, grads):
+            parameter.grad = flat[offset:offset + grad.numel()].view_as(grad)
+            offset += grad.numel()
+
+    def moments(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and (unbiased) standard deviation of `values` over every rank's values, as `Tensor.mean()` and
+        `Tensor.std()` of them all: PPO normalises its advantages with these over the whole minibatch."""
+        values = values.detach().float()
+        total = torch.stack([values.sum(), torch.tensor(float(values.numel()), device=values.device)])
+        self._all_reduce(total)
+        mean = total[0] / total[1]
+        squares = ((values - mean) ** 2).sum()
+        self._all_reduce(squares)
+        return mean, (squares / (total[1] - 1)).sqrt()
+
+    def _all_reduce(self, tensor: torch.Tensor) -> None:
+        try:
+            dist.all_reduce(tensor, group=self.group)
+        except RuntimeError as exc:
+            self.failed = True
+            raise _lost("advantage normalisation", exc) from exc
+
+
+class Coordinator:
+    """The per-update vote of every rank, the games every rank finished on their way to rank 0, and the
+    state rank 0 shares at the start. `vote` is the learner threads' (under the update lock), `games` the
+    monitor's."""
+
+    def __init__(self, ranks: Ranks, summed_loss: bool) -> None:
+        self.ranks = ranks
+        self.reducer = GradientReducer(ranks.world_size, summed_loss)
+        self.stopped = False  # a vote said stop: every later vote is 0 at once, without a collective
+        self.stopped_by: int | None = None  # the first rank that voted to stop when this one did not
+        self._outbox: collections.deque[tuple[float, int]] = collections.deque()  # this rank's games, not yet sent
+        self._inbox: collections.deque[tuple[float, int]] = collections.deque()  # rank 0: every rank's, not yet logged
+
+    @property
+    def rank(self) -> int:
+        return self.ranks.rank
+
+    def vote(self, stop: bool, steps: int) -> int:
+        """One update's vote: this rank adds `steps` agent steps, or wants to stop. Returns the agent steps of
+        every rank in this update, or 0 when any rank voted to stop (then every rank stops here)."""
+        if self.stopped or self.reducer.failed:
+            return 0
+        games = [self._outbox.popleft() for _ in range(min(len(self._outbox), MAX_GAMES_PER_VOTE))]
+        message = torch.zeros(3 + 2 * MAX_GAMES_PER_VOTE, dtype=torch.float64)
+        message[:3] = torch.tensor([float(stop), float(steps), float(len(games))])
+        if games:
+            message[3:3 + 2 * len(games)] = torch.tensor(games, dtype=torch.float64).flatten()
+        gathered = [torch.empty_like(message) for _ in range(self.ranks.world_size)]
+        try:
+            dist.all_gather(gathered, message, group=self.ranks.control)
+        except RuntimeError as exc:
+            self.stopped = True  # no second try on a broken group: this rank's other learner threads just stop
+            raise _lost("the vote before an update", exc) from exc
+        if self.rank == 0:
+            for other in gathered:
+                pairs = other[3:3 + 2 * int(other[2])].view(-1, 2).tolist()
+                self._inbox.extend((episode_return, int(length)) for episode_return, length in pairs)
+        stopping = [rank for rank, other in enumerate(gathered) if other[0]]
+        if stopping:
+            self.stopped = True
+            if not stop:
+                self.stopped_by = stopping[0]
+            return 0
+        return int(sum(float(other[1]) for other in gathered))
+
+    def games(self, finished: list[tuple[float, int]]) -> list[tuple[float, int]]:
+        """Hand this rank's `finished` games (return, length) to its next vote; on rank 0 returns the games
+        of every rank that votes have brought so far, elsewhere nothing."""
+        self._outbox.extend(finished)
+        if self.rank != 0:
+            return []
+        return [self._inbox.popleft() for _ in range(len(self._inbox))]
+
+    def share_state(self, state: LearnerState, session: int, config: Config) -> int:
+        """Rank 0 sends its learner state (weights, optimiser, counters: a checkpoint's content) and its
+        session number; every other rank loads them. Returns the session. Called by every rank, before
+        any actor starts."""
+        payload: list[Any] = [{**state.state_dict(), "session": session} if self.rank == 0 else None]
+        try:
+            dist.broadcast_object_list(payload, src=0, group=self.ranks.control)
+        except RuntimeError as exc:
+            raise _lost("sharing rank 0's weights", exc) from exc
+        if self.rank != 0:
+            state.load_state_dict(payload[0], config, Path(f"<rank 0's state of {config.xpid}>"))
+        return int(payload[0]["session"])
+
+
+def rank_run_dir(config: Config) -> Path:
+    """Where the run lives, for a rank other than 0: it reads and writes nothing there."""
+    assert config.xpid is not None, "set by join"
+    return run_path(config.savedir, config.xpid)
+
+
+class NoRunLog(RunLog):
+    """The run log of ranks other than 0: rank 0 alone writes TensorBoard and the CSV."""
+
+    def __init__(self) -> None:  # no SummaryWriter, no file
+        pass
+
+    def scalars(self, step: int, values: Any) -> None:
+        pass
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def rank_console(rank: int) -> None:
+    """On ranks other than 0: warnings and errors only, each marked with the rank (rank 0 logs the run)."""
+    log.setLevel(logging.WARNING)
+    formatter = logging.Formatter(f"[%(asctime)s rank {rank}] %(message)s", datefmt="%H:%M:%S")
+    for handler in log.handlers:
+        if isinstance(handler, ConsoleHandler):
+            handler.setFormatter(formatter)

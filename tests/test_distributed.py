@@ -1,0 +1,339 @@
+"""Several learner processes (`impala/distributed.py`): two gloo ranks on the CPU, each with half of a batch,
+make the update one learner makes with the whole batch; the replicas stay identical; a non-finite loss on
+one rank makes both skip the step. Then `torchrun --standalone --nproc_per_node 2 run.py` as the user runs
+it: SIGTERM to torchrun stops every rank in order with a checkpoint, kill -9 of a rank ends the job with
+the last checkpoint kept, and (slow) CartPole learns as one run that test mode plays."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Training, checkpoint_step, run_py, wait_until_gone
+
+from impala import learner
+from impala.config import Config
+from impala.distributed import Coordinator, GradientReducer, Ranks
+from impala.model import Net
+
+T, B = 4, 3  # B unrolls per rank; the one-learner reference takes 2 x B
+WORLD_SIZE = 2
+OBSERVATION_SHAPE, NUM_ACTIONS = (4, 84, 84), 6
+# RMSprop with TorchBeast's epsilon keeps the first step a smooth function of the gradient (Adam's first step is
+# about lr * sign(g), which round-off can flip for a near-zero g), and clipping at 1 is active, so the test also
+# shows the gradients are reduced before they are clipped.
+BASE = Config(env="PongNoFrameskip-v4", unroll_length=T, batch_size=WORLD_SIZE * B, optimizer="rmsprop",
+              epsilon=0.01, learning_rate=0.001, grad_norm_clipping=1.0, minibatches=1, total_steps=1_000_000,
+              hidden_size=64)
+CASES = {
+    "shallow-impala": dataclasses.replace(BASE, policy_loss="impala", epochs=1, vtrace_lambda=1.0),
+    "shallow-ppo": dataclasses.replace(BASE, policy_loss="ppo", epochs=2),
+    "lstm-impala": dataclasses.replace(BASE, policy_loss="impala", epochs=1, use_lstm=True),
+    "lstm-ppo": dataclasses.replace(BASE, policy_loss="ppo", epochs=2, use_lstm=True),
+}
+
+
+def _model(config: Config) -> Net:
+    torch.manual_seed(1)
+    return Net(OBSERVATION_SHAPE, NUM_ACTIONS, "shallow", config.use_lstm, config.hidden_size)
+
+
+def _whole_batch(config: Config, nan_in_column: int | None = None) -> tuple[dict[str, torch.Tensor], tuple]:
+    """A fixed batch of 2 x B unrolls [T + 1, 2B, ...], episode ends included, and a non-zero core state."""
+    generator = torch.Generator().manual_seed(2)
+    columns = WORLD_SIZE * B
+    batch = {
+        "obs": torch.randint(0, 256, (T + 1, columns, *OBSERVATION_SHAPE), dtype=torch.uint8, generator=generator),
+        "done": torch.rand(T + 1, columns, generator=generator) < 0.2,
+        "reward": torch.randn(T + 1, columns, generator=generator),
+        "action": torch.randint(0, NUM_ACTIONS, (T + 1, columns), generator=generator),
+        "policy_logits": torch.randn(T + 1, columns, NUM_ACTIONS, generator=generator),
+    }
+    if nan_in_column is not None:
+        batch["reward"][2, nan_in_column] = float("nan")
+    core_state: tuple = ()
+    if config.use_lstm:
+        core_state = tuple(0.5 * torch.randn(1, columns, config.hidden_size, generator=generator) for _ in range(2))
+    return batch, core_state
+
+
+def _half(batch: dict[str, torch.Tensor], core_state: tuple, rank: int) -> tuple[dict[str, torch.Tensor], tuple]:
+    columns = slice(rank * B, (rank + 1) * B)
+    return {k: v[:, columns] for k, v in batch.items()}, tuple(s[:, columns] for s in core_state)
+
+
+def _update(config: Config, batch: dict[str, torch.Tensor], core_state: tuple, world_size: int,
+            reducer: GradientReducer | None, device: str = "cpu") -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    model = _model(config).to(device)
+    optimizer, scheduler = learner.make_optimizer(model, config, world_size)
+    batch = {k: v.to(device) for k, v in batch.items()}
+    core_state = tuple(s.to(device) for s in core_state)
+    stats = learner.update(model, optimizer, scheduler, batch, core_state, config, reducer=reducer)
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, stats
+
+
+def _rank_process(rank: int, init_file: str, out_dir: str) -> None:
+    """One of two gloo ranks: every case with this rank's half of the batch, with the all-reduce and without."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
+                            timeout=timedelta(seconds=60))
+    results: dict[str, Any] = {"votes": _votes(rank)}
+    for name, whole_config in CASES.items():
+        config = dataclasses.replace(whole_config, batch_size=B)
+        half = _half(*_whole_batch(config), rank)
+        reducer = GradientReducer(WORLD_SIZE, summed_loss=config.policy_loss == "impala")
+        results[name] = _update(config, *half, WORLD_SIZE, reducer)
+        results[f"{name}-no-all-reduce"] = _update(config, *half, WORLD_SIZE, None)
+    config = dataclasses.replace(CASES["shallow-impala"], batch_size=B)
+    nan_half = _half(*_whole_batch(config, nan_in_column=WORLD_SIZE * B - 1), rank)  # in rank 1's half only
+    results["nan-on-rank-1"] = _update(config, *nan_half, WORLD_SIZE,
+                                       GradientReducer(WORLD_SIZE, summed_loss=True))
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _votes(rank: int) -> dict[str, Any]:
+    """Three updates' votes: both go (rank 1 with two games); rank 1 stops; rank 0 votes once more alone."""
+    coordinator = Coordinator(Ranks(rank, WORLD_SIZE, rank, WORLD_SIZE, torch.device("cpu"), dist.group.WORLD),
+                              summed_loss=True)
+    games_before = coordinator.games([(1.5, 10), (2.5, 20)] if rank == 1 else [(-1.0, 7)])
+    first = coordinator.vote(stop=False, steps=10 + rank)
+    games_after = coordinator.games([])
+    second = coordinator.vote(stop=rank == 1, steps=10)
+    third = coordinator.vote(stop=False, steps=10) if rank == 0 else None  # a collective here would hang
+    return {"games_before": games_before, "first": first, "games_after": games_after, "second": second,
+            "third": third, "stopped_by": coordinator.stopped_by}
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """What each of two gloo ranks ended with, one process per rank (started once for every test here)."""
+    out_dir = tmp_path_factory.mktemp("ranks")
+    init_file = out_dir / "init"
+    mp.spawn(_rank_process, args=(str(init_file), str(out_dir)), nprocs=WORLD_SIZE, join=True)
+    return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    """One learner, one update with the whole batch of 2 x B unrolls."""
+    config = CASES[name]
+    torch.set_num_threads(1)
+    parameters, stats = _update(config, *_whole_batch(config), 1, None)
+    assert stats["skipped"] == 0
+    return parameters
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_two_ranks_with_half_a_batch_each_update_as_one_learner_with_the_whole_batch(
+        ranks: list[dict[str, Any]], name: str) -> None:
+    expected = _reference(name)
+    initial = _model(CASES[name]).state_dict()
+    for rank in range(WORLD_SIZE):
+        parameters, stats = ranks[rank][name]
+        assert stats["skipped"] == 0
+        for key, value in parameters.items():
+            assert not torch.equal(value, initial[key]) or key.endswith("num_batches_tracked"), key  # it moved
+            # Float32 round-off: the sums over the batch are added in another order.
+            torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=lambda m, rank=rank, key=key: f"{name} rank {rank} {key}: {m}")
+    for key in expected:  # the replicas are the same, bit for bit
+        assert torch.equal(ranks[0][name][0][key], ranks[1][name][0][key]), key
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_without_the_all_reduce_the_ranks_drift_from_the_whole_batch_update(
+        ranks: list[dict[str, Any]], name: str) -> None:
+    """The test above can fail: each rank's own half-batch gradient moves the weights elsewhere."""
+    expected = _reference(name)
+    for rank in range(WORLD_SIZE):
+        parameters, _ = ranks[rank][f"{name}-no-all-reduce"]
+        worst = max(float((parameters[key] - expected[key]).abs().max()) for key in expected)
+        assert worst > 1e-4, (name, rank, worst)
+
+
+def test_a_non_finite_loss_on_one_rank_makes_every_rank_skip_the_step(ranks: list[dict[str, Any]]) -> None:
+    initial = _model(CASES["shallow-impala"]).state_dict()
+    for rank in range(WORLD_SIZE):
+        parameters, stats = ranks[rank]["nan-on-rank-1"]
+        assert stats["skipped"] == 1, rank
+        assert all(torch.equal(parameters[key], initial[key]) for key in initial), rank
+
+
+def test_votes_sum_the_steps_of_every_rank_agree_to_stop_and_bring_every_game_to_rank_0(
+        ranks: list[dict[str, Any]]) -> None:
+    zero, one = ranks[0]["votes"], ranks[1]["votes"]
+    assert zero["first"] == one["first"] == 21  # 10 + 11 agent steps
+    assert zero["games_before"] == one["games_before"] == []  # games travel with the next vote
+    assert zero["games_after"] == [(-1.0, 7), (1.5, 10), (2.5, 20)]  # in rank order
+    assert one["games_after"] == []  # only rank 0 logs games
+    assert zero["second"] == one["second"] == 0  # rank 1 stopped: every rank stops at this update
+    assert zero["third"] == 0  # after a stop, no collective: rank 0 alone did not wait for rank 1
+    assert zero["stopped_by"] == 1 and one["stopped_by"] is None  # rank 1 stopped by its own choice
+
+
+# ---------------------------------------------------------------------------------------- on a GPU
+
+def _cuda_rank_process(rank: int, init_file: str, out_dir: str) -> None:
+    """One of two gloo ranks whose tensors live on the GPU (NCCL refuses two ranks on one GPU)."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
+                            timeout=timedelta(seconds=60))
+    config = dataclasses.replace(CASES["lstm-impala"], batch_size=B)
+    half = _half(*_whole_batch(config), rank)
+    result = _update(config, *half, WORLD_SIZE, GradientReducer(WORLD_SIZE, summed_loss=True), device="cuda")
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gloo_ranks_with_cuda_tensors_update_as_one_learner_with_the_whole_batch(tmp_path: Path) -> None:
+    mp.spawn(_cuda_rank_process, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    config = CASES["lstm-impala"]
+    expected, _ = _update(config, *_whole_batch(config), 1, None, device="cuda")
+    for rank in range(WORLD_SIZE):
+        parameters, stats = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert stats["skipped"] == 0
+        for key, value in parameters.items():
+            torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5)  # TF32 and cuDNN's own sums
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_nccl_with_one_rank_reduces_on_the_gpu_and_leaves_the_update_alone(tmp_path: Path) -> None:
+    """NCCL's all-reduce of one rank is the identity: the update equals a plain one, and votes go through the
+    gloo control group beside NCCL as `distributed.join` makes it."""
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        control = dist.new_group(backend="gloo")
+        config = dataclasses.replace(CASES["shallow-ppo"], batch_size=WORLD_SIZE * B)
+        batch = _whole_batch(config)
+        reduced, _ = _update(config, *batch, 1, GradientReducer(1, summed_loss=False), device="cuda")
+        plain, _ = _update(config, *batch, 1, None, device="cuda")
+        for key, value in plain.items():
+            torch.testing.assert_close(reduced[key], value, rtol=1e-5, atol=1e-6)
+        coordinator = Coordinator(Ranks(0, 1, 0, 1, torch.device("cuda", 0), control), summed_loss=False)
+        assert coordinator.vote(stop=False, steps=7) == 7
+    finally:
+        dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------- torchrun runs
+
+
+# Each rank has one actor (the machine has two cores for the two ranks and their actors).
+SMALL_RANKS = (*SMALL_RUN, "--num_actors", "1", "--disable_cuda")
+# The README's CartPole command, its actors and its batch split between two ranks: the global batch is the same.
+CARTPOLE_RANKS = ("--env", "CartPole-v1", *IMPALA_RULE, "--num_actors", "1", "--envs_per_actor", "4",
+                  "--unroll_length", "5", "--batch_size", "4", "--learning_rate", "0.001", "--disable_cuda")
+
+
+class Torchrun(Training):
+    """`torchrun --standalone --nproc_per_node 2 run.py FLAGS` in the background, in its own session (so that
+    `close` also ends ranks that torchrun, killed, would leave behind)."""
+
+    def __init__(self, savedir: Path, xpid: str, *args: str, total_steps: int = 1_000_000,
+                 flags: tuple[str, ...] = SMALL_RANKS) -> None:
+        self.savedir, self.xpid = savedir, xpid
+        self.log_path = savedir / f"{xpid}.console"
+        savedir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "a")  # noqa: SIM115 - open for the life of the process
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "run.py",
+             *flags, "--savedir", str(savedir), "--xpid", xpid, "--total_steps", str(total_steps), *args],
+            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pgid = self.process.pid
+
+    def rank_pid(self, rank: int) -> int:
+        """The pid of the learner process of `rank` (a child of torchrun with RANK=rank in its environment)."""
+        for entry in Path("/proc").iterdir():
+            try:
+                if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) \
+                        != self.process.pid:
+                    continue
+                variables = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in variables:
+                return int(entry.name)
+        raise AssertionError(f"no rank {rank} among the children of torchrun:\n{self.text()}")
+
+
+def _impala_tracebacks(text: str) -> list[str]:
+    """Traceback lines through this package's files: a fault of ours, not a line a user can read."""
+    return [line for line in text.splitlines() if f'File "{REPO_ROOT}' in line]
+
+
+def test_sigterm_to_torchrun_stops_every_rank_in_order_with_a_checkpoint(tmp_path: Path) -> None:
+    run = Torchrun(tmp_path, "term")
+    try:
+        run.wait_for_steps(400, timeout=240)
+        run.signal(signal.SIGTERM)  # torchrun forwards it to every rank
+        run.wait(timeout=120)
+        text = run.text()
+        assert "SIGTERM: stopping" in text
+        saved = [int(s) for s in re.findall(r"Saved checkpoint at step (\d+)", text)]
+        assert saved and checkpoint_step(run.run_dir) == saved[-1] >= 400
+        assert re.search(r"Run ended \(terminated\) at step \d+", text)
+        assert _impala_tracebacks(text) == [], text
+        assert not re.search(r"rank 1\] .*(failed|stopped answering|Traceback)", text), text  # rank 1 stopped cleanly
+        assert wait_until_gone(run.pgid) == []  # every rank, actor and fork server
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "term", "term.console"]  # one run
+    finally:
+        run.close()
+
+
+def test_kill_9_of_one_rank_ends_the_job_with_one_line_and_the_last_checkpoint_kept(tmp_path: Path) -> None:
+    run = Torchrun(tmp_path, "kill", "--checkpoint_interval_s", "1")
+    try:
+        run.wait_for(r"Saved checkpoint at step [1-9]", timeout=240)  # one after an update
+        os.kill(run.rank_pid(1), signal.SIGKILL)
+        start = time.monotonic()
+        assert run.wait(timeout=120) != 0
+        text = run.text()
+        lost = [line for line in text.splitlines() if "another learner process stopped answering" in line]
+        assert lost, text
+        assert _impala_tracebacks(text) == [], text
+        assert checkpoint_step(run.run_dir) > 0  # whole: the last periodic one, or one saved on the way out
+        assert wait_until_gone(run.pgid) == []
+        print(f"job ended {time.monotonic() - start:.1f} s after the kill; rank 0 said: {lost[0]}")
+    finally:
+        run.close()
+
+
+@pytest.mark.slow
+def test_torchrun_cartpole_learns_as_one_run_that_test_mode_plays(tmp_path: Path) -> None:
+    """The README's CartPole command on two ranks (37 minutes on the 2-core development machine while other runs
+    kept it busy: a load average of 15 to 55)."""
+    savedir = tmp_path / "runs"
+    run = Torchrun(savedir, "cartpole", total_steps=500_000, flags=CARTPOLE_RANKS)
+    try:
+        assert run.wait(timeout=3600) == 0, run.text()
+    finally:
+        run.close()
+    run_dir = savedir / "cartpole"
+    assert sorted(p.name for p in savedir.iterdir()) == ["cartpole", "cartpole.console", "latest"]  # one run
+    assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # one TensorBoard run
+    with open(run_dir / "logs.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row.get("charts/mean_return_100")]
+    best = max(float(row["charts/mean_return_100"]) for row in rows)
+    assert int(rows[-1]["step"]) == 500_000
+    assert best >= 450, [row["charts/mean_return_100"] for row in rows]
+    played = run_py("--mode", "test", "--env", "CartPole-v1", "--savedir", str(savedir), "--xpid", "cartpole",
+                    "--test_episodes", "3")
+    assert played.returncode == 0, played.stderr
+    mean = float(re.search(r"Mean return over 3 episodes: ([\d.]+)", played.stdout).group(1))  # type: ignore[union-attr]
+    print(f"best mean_return_100 {best:.1f}, final {rows[-1]['charts/mean_return_100']}, test mode {mean:.1f}")
+    assert mean >= 450
