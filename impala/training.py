@@ -44,6 +44,7 @@ from impala.learner import LearnerState
 from impala.learners import Learners
 from impala.metrics import STATUS, IntervalStats, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
+from impala.ray_pool import RayActorPool, require_ray
 from impala.rundir import finish_run_files, prepare_run_directory, resume_checkpoint, run_directory, write_run_files
 from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
 
@@ -81,7 +82,7 @@ class Run:
     device: torch.device
     state: LearnerState  # model, optimiser, schedule, counters: learners change it under `update_lock`
     buffers: Buffers  # the shared-memory slots
-    pool: LocalActorPool  # the actors; learners take full slots from `pool.slots` and publish through it
+    pool: LocalActorPool | RayActorPool  # the actors; learners take full slots from `pool.slots`, publish through it
     runlog: RunLog  # TensorBoard and CSV; the monitor's alone
     learners: Learners  # the learner threads
     amp: bool = False  # bfloat16 autocast in the learner and central inference
@@ -127,6 +128,8 @@ def build(config: Config) -> Run:
     Every check a user can fail (env id, model, checkpoint, shared memory, savedir) comes before the
     first file is written, so a refused run leaves an existing run directory exactly as it was.
     """
+    if config.ray:
+        require_ray()  # before anything is written
     observation_shape, observation_dtype, num_actions = probe_env(config)
     torch.manual_seed(config.seed)
     try:
@@ -156,7 +159,7 @@ def build(config: Config) -> Run:
     if checkpoint is not None:
         assert checkpoint_path is not None
         state.load_state_dict(checkpoint, config, checkpoint_path)
-    spec = BufferSpec(config.resolved_num_buffers, config.unroll_length, observation_shape, observation_dtype,
+    spec = BufferSpec(config.resolved_num_buffers + config.remote_slots, config.unroll_length, observation_shape, observation_dtype,
                       num_actions, model.core_state_shapes())
     buffers = create_buffers(spec)
     prepare_run_directory(run_dir)  # the last check; nothing in the directory changed before it
@@ -165,7 +168,7 @@ def build(config: Config) -> Run:
     state.lives.session = session
     runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
     runlog.flags(config.to_dict(), state.step)
-    pool = _actor_pool(config, ctx, buffers, state, actor_model)
+    pool = _actor_pool(config, ctx, buffers, state, actor_model, run_dir.name)
     amp, stats, update_lock = use_amp(config.amp, device, model.model), IntervalStats(), threading.Lock()
     # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
     learner_model = cast(Net, torch.compile(model)) if config.compile else model  # the wrapper acts as a Net
@@ -184,12 +187,17 @@ def build(config: Config) -> Run:
 
 
 def _actor_pool(config: Config, ctx: BaseContext, buffers: Buffers, state: LearnerState,
-                actor_model: Net) -> LocalActorPool:
-    """The local actors, acting with `actor_model`, a shared CPU copy of the learner's weights, at its version."""
+                actor_model: Net, run_name: str) -> LocalActorPool | RayActorPool:
+    """The local actors, acting with `actor_model`, a shared CPU copy of the learner's weights, at its version;
+    with --ray, inside a pool that adds the remote actors."""
     actor_model.load_state_dict(state.model.state_dict())
     actor_model.share_memory()
     actor_model.eval()
-    return LocalActorPool(config, ctx, buffers, actor_model, state.lives, policy_version=state.updates)
+    local = LocalActorPool(config, ctx, buffers, actor_model, state.lives, policy_version=state.updates,
+                           remote_slots=config.remote_slots)
+    if not config.ray:
+        return local
+    return RayActorPool(config, local, buffers, state.lives, state.model, state.updates, run_name)
 
 
 # ----------------------------------------------------------------------------------------- start
@@ -293,6 +301,7 @@ def _log_progress(run: Run, interval_s: float, interval_steps: int, elapsed_s: f
         # Actors (env splits, with --env_splits) served per forward: 1 means no batching across them.
         scalars["stats/inference_actors_per_batch"] = server.served / server.batches
     scalars.update(timing_scalars)
+    scalars.update(run.pool.scalars())
     run.runlog.scalars(step, scalars)
     log.info(progress_line(step, run.config.total_steps, sps, elapsed_s, mean_return, episodes), extra=STATUS)
 
@@ -348,6 +357,8 @@ def _log_start(run: Run) -> None:
     log.info("Run %s: %s, %d actors x %d envs, T=%d, B=%d, device %s%s", run.run_dir, config.env,
              config.num_actors, config.envs_per_actor, config.unroll_length, config.batch_size, run.device,
              ", bfloat16 autocast" if run.amp else "")
+    if config.ray:
+        log.info("Remote actors: %d x %d envs on Ray (%s)", config.ray_actors, config.ray_envs_per_actor, config.ray)
     if run.state.step:
         log.info("Resuming from step %d (update %d)", run.state.step, run.state.updates)
     if run.resumed_from is not None and run.resumed_from.name != CHECKPOINT_NAME:
