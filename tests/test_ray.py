@@ -127,11 +127,8 @@ def cluster() -> Iterator[Any]:
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES,
-                                                          "include_dashboard": False})
+    nodes = _start_cluster(Cluster)
     try:
-        nodes.add_node(num_cpus=2, resources={"actor_slot": 2}, object_store_memory=OBJECT_STORE_BYTES)
-        nodes.wait_for_nodes()
         ray.init(address=nodes.address, namespace="impala", log_to_driver=False)
         yield nodes
     finally:
@@ -142,6 +139,26 @@ def cluster() -> Iterator[Any]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _start_cluster(cluster_class: Any, attempts: int = 3) -> Any:
+    """Ray gives a node 30 s to register; on a machine loaded by other work that can fail: try again."""
+    for attempt in range(attempts):
+        nodes = None
+        try:
+            # The head runs no task (0 CPUs: no worker processes started for it); the learner connects to it.
+            nodes = cluster_class(initialize_head=True, head_node_args={
+                "num_cpus": 0, "object_store_memory": OBJECT_STORE_BYTES, "include_dashboard": False,
+                "include_log_monitor": False})
+            nodes.add_node(num_cpus=2, resources={"actor_slot": 2}, object_store_memory=OBJECT_STORE_BYTES)
+            nodes.wait_for_nodes()
+            return nodes
+        except Exception:  # Ray raises a bare Exception for a node that did not start in time
+            if nodes is not None:
+                nodes.shutdown()
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _actor_node_pids(cluster: Any) -> set[int]:
