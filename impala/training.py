@@ -107,7 +107,9 @@ def learner_threads(config: Config, device: torch.device) -> int:
     """Torch threads of the learner: on the CPU, the cores the actors leave. Extra torch threads on busy
     cores cost more CPU per update than they save (measured in BENCHMARKS.md)."""
     if device.type == "cpu":
-        return max(1, len(os.sched_getaffinity(0)) - config.num_actors)
+        # --ray local: the remote actors are processes of this machine too.
+        actors_here = config.num_actors + (config.ray_actors if config.ray == "local" else 0)
+        return max(1, len(os.sched_getaffinity(0)) - actors_here)
     return torch.get_num_threads()
 
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
+import matplotlib.pyplot as plt
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from impala.bench import load_average, measure_process_tree  # noqa: E402
+from impala.bench import load_average, measure_process_tree
 
 CARTPOLE = ("--env", "CartPole-v1", "--unroll_length", "5", "--batch_size", "8", "--learning_rate", "0.001",
             "--policy_loss", "impala", "--optimizer", "rmsprop", "--epsilon", "0.01", "--grad_norm_clipping", "40",

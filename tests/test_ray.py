@@ -121,7 +121,10 @@ def test_a_remote_actor_ships_whole_unrolls_that_continue_each_other() -> None:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     """A head node (the learner's) and a node with 2 CPUs and 2 `actor_slot`s, token authentication on."""
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0",
+           # Patience for a machine busy with other work: a raylet waits this long for its agents, a worker
+           # process (importing torch) this long to register.
+           "RAY_raylet_start_wait_time_s": "180", "RAY_worker_register_timeout_seconds": "300"}
     saved = {name: os.environ.get(name) for name in env}
     os.environ.update(env)  # before Ray is imported: it reads the authentication mode once
     ray = pytest.importorskip("ray")
@@ -141,8 +144,28 @@ def cluster() -> Iterator[Any]:
                 os.environ[name] = value
 
 
-def _start_cluster(cluster_class: Any, attempts: int = 3) -> Any:
-    """Ray gives a node 30 s to register; on a machine loaded by other work that can fail: try again."""
+class _PatientClock:
+    """`time`, with a monotonic clock at a quarter of the speed: for `ray._private.node` only, whose wait for
+    a node to register (30 s, hard-coded) a machine busy with other work can exceed."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def monotonic() -> float:
+        return time.monotonic() / 4
+
+
+def _start_cluster(cluster_class: Any, attempts: int = 2) -> Any:
+    """Two nodes; a start that fails (a node not registered in time) is tried again."""
+    import ray._private.node
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ray._private.node, "time", _PatientClock())
+        return _try_start_cluster(cluster_class, attempts)
+
+
+def _try_start_cluster(cluster_class: Any, attempts: int) -> Any:
     for attempt in range(attempts):
         nodes = None
         try:
@@ -217,7 +240,7 @@ def test_cartpole_learns_with_remote_actors_only(cluster: Any, tmp_path: Path) -
 @pytest.mark.slow
 def test_a_remote_actor_killed_with_sigkill_is_replaced_and_the_run_reaches_its_total(
         cluster: Any, tmp_path: Path) -> None:
-    training = Training(tmp_path, "kill", "--ray", cluster.address, *REMOTE_ONLY, total_steps=30_000)
+    training = Training(tmp_path, "kill", "--ray", cluster.address, *REMOTE_ONLY, total_steps=12_000)
     try:
         pids = _acting_pids(training, 2)
         assert set(pids.values()) <= _actor_node_pids(cluster), "remote actors must act on the second node"
@@ -229,7 +252,7 @@ def test_a_remote_actor_killed_with_sigkill_is_replaced_and_the_run_reaches_its_
     finally:
         training.close()
     text = training.text()
-    assert "Run ended (finished) at step 30000" in text
+    assert "Run ended (finished) at step 12000" in text
     new_pid = [int(pid) for index, pid in re.findall(r"Remote actor (\d+) acting \(pid (\d+)", text) if index == "0"]
     assert len(new_pid) == 2 and new_pid[1] != pids[0], "the replacement acted"
 
