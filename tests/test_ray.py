@@ -7,6 +7,7 @@ on the node the learner is not on. Without Ray installed they are skipped and th
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import os
 import re
@@ -179,9 +180,24 @@ def _try_start_cluster(cluster_class: Any, attempts: int) -> Any:
         except Exception:  # Ray raises a bare Exception for a node that did not start in time
             if nodes is not None:
                 nodes.shutdown()
+            _kill_ray_processes_of_this_test()
             if attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")
+
+
+def _kill_ray_processes_of_this_test() -> None:
+    """A node that failed to start leaves its GCS server and agents behind, below this process and no other."""
+    for pid in _tree(os.getpid()):
+        if pid == os.getpid():
+            continue
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"/ray/" in command:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _actor_node_pids(cluster: Any) -> set[int]:
