@@ -59,7 +59,6 @@ ip -n "$NS_A" addr add "$ACTOR_IP/24" dev "va$$"
 for ns in "$NS_L" "$NS_A"; do ip -n "$ns" link set lo up; done
 ip -n "$NS_L" link set "vl$$" up
 ip -n "$NS_A" link set "va$$" up
-ip netns exec "$NS_A" ping -c 1 -W 5 "$LEARNER_IP" >/dev/null
 
 export RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0
 RAY_AUTH_TOKEN=$("$PYTHON" -c "import secrets; print(secrets.token_hex(16))")
