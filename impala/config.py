@@ -177,8 +177,8 @@ class Config:
         positive_ints = ("envs_per_actor", "env_splits", "unroll_length", "total_steps", "batch_size",
                          "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches",
                          "eval_episodes", "ray_actors", "ray_envs_per_actor", "ray_publish_every")
-        if self.num_actors < (0 if self.ray else 1):
-            problems.append(f"--num_actors must be >= 1, got {self.num_actors} (or >= 0 with --ray)")
+        if self.num_actors < (0 if self.ray else 1):  # with --ray the remote actors may be the only ones
+            problems.append(f"--num_actors must be >= {0 if self.ray else 1}, got {self.num_actors}")
         for name in positive_ints:
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be >= 1, got {getattr(self, name)}")
