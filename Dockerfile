@@ -10,6 +10,8 @@
 #                   "--find-links /wheels --cert /ca.crt" to take torch from a local wheel folder
 #                   behind a TLS-intercepting proxy. Empty by default: torch then comes from PyPI,
 #                   whose Linux wheels carry CUDA.
+#   WITH_RAY        1 to include Ray (requirements-ray.txt) for remote actors (--ray); the same image
+#                   then serves as the learner, the Ray head and every Ray worker (README, "Many machines").
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 
@@ -33,10 +35,12 @@ RUN groupadd --gid 1000 impala \
 WORKDIR /app
 
 # Dependencies in their own layer, before the code: a code-only change reuses this layer.
-COPY requirements.txt ./
+COPY requirements.txt requirements-ray.txt ./
 ARG PIP_EXTRA_ARGS=""
+ARG WITH_RAY=0
 # PIP_EXTRA_ARGS is left unquoted on purpose: it holds several flags.
-RUN pip install --no-cache-dir ${PIP_EXTRA_ARGS} -r requirements.txt
+RUN pip install --no-cache-dir ${PIP_EXTRA_ARGS} -r requirements.txt \
+    && if [ "${WITH_RAY}" = 1 ]; then pip install --no-cache-dir ${PIP_EXTRA_ARGS} -r requirements-ray.txt; fi
 
 COPY . .
 

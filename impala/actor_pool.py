@@ -75,6 +75,9 @@ class ActorPool(Protocol):
     def episodes(self) -> list[tuple[float, int]]:
         """(return, length) of every full game finished since the last call."""
 
+    def scalars(self) -> dict[str, float]:
+        """The pool's own TensorBoard scalars (name -> value) for the monitor's log line, if any."""
+
     def request_stop(self) -> None:
         """Tell every actor to stop, without waiting."""
 
@@ -125,7 +128,9 @@ class LocalActorPool:
     """
 
     def __init__(self, config: Config, ctx: BaseContext, buffers: Buffers, actor_model: Net, lives: ActorLives,
-                 policy_version: int = 0) -> None:
+                 policy_version: int = 0, remote_slots: int = 0) -> None:
+        """`remote_slots`: the last slots of `buffers` are not the actors' but one more writer's, index
+        `config.num_actors` in `slots` (the receiver of remote unrolls, `ray_pool.py`)."""
         self.config = config
         self.ctx = ctx
         self.buffers = buffers
@@ -135,7 +140,7 @@ class LocalActorPool:
         # Slot numbers and episodes travel in RecordQueues, which survive an actor killed at any instant.
         # Only tracebacks, sent by an actor that is dying anyway, use a multiprocessing.Queue.
         full_queue = RecordQueue(ctx, "q", capacity=len(buffers["slot_owner"]))
-        self.slots = SlotLedger(ctx, buffers["slot_owner"], config.num_actors, full_queue)
+        self.slots = _ledger(ctx, buffers["slot_owner"], config.num_actors, full_queue, remote_slots)
         positions = None
         # What the pool itself reads and closes; the actors see them through `channels`.
         self._episodes = RecordQueue(ctx, "qdq", capacity=4096)  # (actor index, return, length)
@@ -201,6 +206,9 @@ class LocalActorPool:
             except queue.Empty:
                 return finished
             finished.append((episode_return, episode_length))
+
+    def scalars(self) -> dict[str, float]:
+        return {}
 
     # ------------------------------------------------------------------------------------- watch
 
@@ -299,6 +307,16 @@ class LocalActorPool:
         self._episodes.close()
         self._errors.close()
         stop_fork_server()
+
+
+def _ledger(ctx: BaseContext, slot_owner: torch.Tensor, num_actors: int, full_queue: RecordQueue,
+            remote_slots: int) -> SlotLedger:
+    """The slots of `num_actors` actors, round robin, then `remote_slots` of one more writer."""
+    if not remote_slots:
+        return SlotLedger(ctx, slot_owner, num_actors, full_queue)
+    local_slots = len(slot_owner) - remote_slots
+    homes = [slot % num_actors for slot in range(local_slots)] + [num_actors] * remote_slots
+    return SlotLedger(ctx, slot_owner, num_actors + 1, full_queue, homes)
 
 
 def _seed_range(seeds: tuple[int, ...]) -> str:

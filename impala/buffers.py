@@ -79,10 +79,13 @@ def check_shared_memory(needed_bytes: int, path: str = "/dev/shm") -> None:
             "or lower --num_buffers, --unroll_length or --envs_per_actor")
 
 
-def create_buffers(spec: BufferSpec) -> Buffers:
-    """Allocate every field in shared memory, filled with poison so an unwritten row fails loudly."""
-    check_shared_memory(spec.nbytes())
+def create_buffers(spec: BufferSpec, shared: bool = True) -> Buffers:
+    """Allocate every field, filled with poison so an unwritten row fails loudly; in shared memory unless
+    `shared` is false (a remote actor's own slots, which no other process reads)."""
+    if shared:
+        check_shared_memory(spec.nbytes())
     buffers = {}
     for name, (shape, dtype) in spec.fields().items():
-        buffers[name] = torch.full(shape, _POISON[dtype], dtype=dtype).share_memory_()
+        tensor = torch.full(shape, _POISON[dtype], dtype=dtype)
+        buffers[name] = tensor.share_memory_() if shared else tensor
     return buffers

@@ -60,6 +60,18 @@ class Config:
     inference_wait_ms: float = _flag(0.0, "central inference: how long to wait for more actors before "
                                      "running a partial batch (0: serve whoever is ready)")
 
+    # Remote actors on a Ray cluster (impala/ray_pool.py; needs `pip install -r requirements-ray.txt`).
+    ray: str | None = _flag(None, "also act on a Ray cluster: auto (the running cluster, or RAY_ADDRESS), local "
+                            "(start a private Ray on this machine and stop it at the end) or HOST:PORT of a head "
+                            "node; with it --num_actors may be 0 (remote actors only)")
+    ray_actors: int = _flag(2, "--ray: remote actor processes, one CPU each")
+    ray_envs_per_actor: int = _flag(8, "--ray: envs stepped by each remote actor; one object per unroll of them all")
+    ray_actor_resource: str | None = _flag(None, "--ray: a custom Ray resource each remote actor needs one unit of "
+                                           "(e.g. actor_slot, given only to actor nodes with `ray start --resources`)")
+    ray_publish_every: int = _flag(1, "--ray: put the weights in Ray's object store every K policy versions")
+    ray_max_policy_lag: int = _flag(0, "--ray: drop remote unrolls acted with weights more than N versions older "
+                                    "than the learner's (counted in ray/dropped_unrolls); 0 keeps every one")
+
     # Learning.
     total_steps: int = _flag(5_000_000, "agent steps to train for, of all ranks under torchrun (1 agent step = "
                              "frame skip frames on Atari)")
@@ -146,9 +158,20 @@ class Config:
 
     @property
     def resolved_num_buffers(self) -> int:
+        """Slots of the local actors (none without them)."""
         if self.num_buffers is not None:
             return self.num_buffers
+        if self.num_actors == 0:
+            return 0
         return self.slots_needed
+
+    @property
+    def remote_slots(self) -> int:
+        """Slots the unrolls of remote actors (--ray) are copied into: two per remote env, so one unroll of
+        each can wait while the next arrives, and the learners' share, so they never hold them all."""
+        if self.ray is None:
+            return 0
+        return 2 * self.ray_actors * self.ray_envs_per_actor + self.num_learner_threads * self.batch_size
 
     @property
     def steps_per_update(self) -> int:
@@ -157,9 +180,11 @@ class Config:
     def validate(self) -> list[str]:
         """Every problem with these values, each with the numbers involved; empty when all is well."""
         problems = []
-        positive_ints = ("num_actors", "envs_per_actor", "env_splits", "unroll_length", "total_steps", "batch_size",
+        positive_ints = ("envs_per_actor", "env_splits", "unroll_length", "total_steps", "batch_size",
                          "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches",
-                         "eval_episodes")
+                         "eval_episodes", "ray_actors", "ray_envs_per_actor", "ray_publish_every")
+        if self.num_actors < (0 if self.ray else 1):  # with --ray the remote actors may be the only ones
+            problems.append(f"--num_actors must be >= {0 if self.ray else 1}, got {self.num_actors}")
         for name in positive_ints:
             if getattr(self, name) < 1:
                 problems.append(f"--{name} must be >= 1, got {getattr(self, name)}")
@@ -167,7 +192,7 @@ class Config:
             if not getattr(self, name) > 0:
                 problems.append(f"--{name} must be > 0, got {getattr(self, name)}")
         for name in ("entropy_cost", "baseline_cost", "momentum", "inference_wait_ms", "actor_timeout_s",
-                     "eval_interval_s", "keep_checkpoints"):
+                     "eval_interval_s", "keep_checkpoints", "ray_max_policy_lag"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**31:  # ale-py takes int32 env seeds
@@ -185,6 +210,11 @@ class Config:
         if self.env_splits >= 1 and self.envs_per_actor % self.env_splits:
             problems.append(f"--envs_per_actor {self.envs_per_actor} must be a multiple of --env_splits "
                             f"{self.env_splits}")
+        if self.ray and self.env_splits >= 1 and self.ray_envs_per_actor % self.env_splits:
+            problems.append(f"--ray_envs_per_actor {self.ray_envs_per_actor} must be a multiple of --env_splits "
+                            f"{self.env_splits}")
+        if self.ray == "":
+            problems.append("--ray needs auto, local or HOST:PORT")
         if self.max_actor_restarts < 0 or self.max_bad_updates < 1:
             problems.append("--max_actor_restarts must be >= 0 and --max_bad_updates >= 1")
         if self.num_buffers is not None and self.num_buffers < self.slots_needed:

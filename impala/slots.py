@@ -7,8 +7,9 @@ A slot is always in exactly one of these places:
     the full queue (handed to the learners)     slot_owner = the actor still
     with a learner thread                       slot_owner = -1
 
-Each slot belongs to one actor (slot % num_actors), which gets it back every time a learner is done
-with it. Only the main process writes `slot_owner`, under one lock, and always before the slot enters
+Each slot belongs to one actor (slot % num_actors, or the `homes` given), which gets it back every time a
+learner is done with it. A writer that is not a process (the thread that copies in the unrolls of remote
+actors, `ray_pool.py`) is one more "actor" with slots of its own. Only the main process writes `slot_owner`, under one lock, and always before the slot enters
 an actor's pipe; an actor only reads its pipe and writes the full queue. So when an actor dies, the
 monitor takes the lock, moves everything in the full queue to a backlog the learners read first (the
 dead actor cannot add to the queue any more, and no learner is between a read and its mark), and then
@@ -34,19 +35,22 @@ NO_OWNER = -1
 class SlotLedger:
     """The free pipe of every actor, the full queue, and the `slot_owner` marks that tie them together."""
 
-    def __init__(self, ctx: Any, slot_owner: torch.Tensor, num_actors: int, full_queue: RecordQueue) -> None:
+    def __init__(self, ctx: Any, slot_owner: torch.Tensor, num_actors: int, full_queue: RecordQueue,
+                 homes: list[int] | None = None) -> None:
+        """`homes[slot]`: the actor `slot` returns to (default: slot % num_actors)."""
         self._ctx = ctx
         self._owner = slot_owner
         self.num_actors = num_actors
+        self._homes = homes if homes is not None else [slot % num_actors for slot in range(len(slot_owner))]
         self.full_queue = full_queue
         self._lock = threading.Lock()
         self._backlog: collections.deque[int] = collections.deque()  # full slots moved out of the queue
-        self._free = [self._new_free_queue() for _ in range(num_actors)]
+        self._free = [self._new_free_queue(index) for index in range(num_actors)]
         for slot in range(len(slot_owner)):
             self.give_back(slot)
 
-    def _new_free_queue(self) -> RecordQueue:
-        return RecordQueue(self._ctx, "q", capacity=len(self._owner) // self.num_actors + 1)
+    def _new_free_queue(self, actor_index: int) -> RecordQueue:
+        return RecordQueue(self._ctx, "q", capacity=self._homes.count(actor_index) + 1)
 
     def free_queue(self, actor_index: int) -> RecordQueue:
         """The pipe actor `actor_index` takes its slots from."""
@@ -54,7 +58,7 @@ class SlotLedger:
 
     def give_back(self, slot: int) -> None:
         """Return `slot` (from a learner, or at the start) to its actor."""
-        actor_index = slot % self.num_actors
+        actor_index = self._homes[slot]
         with self._lock:
             self._owner[slot] = actor_index
             self._free[actor_index].put(slot)
@@ -89,7 +93,7 @@ class SlotLedger:
                     break
                 self._owner[slot] = NO_OWNER
                 self._backlog.append(slot)
-            old, self._free[actor_index] = self._free[actor_index], self._new_free_queue()
+            old, self._free[actor_index] = self._free[actor_index], self._new_free_queue(actor_index)
             owned = (self._owner == actor_index).nonzero().flatten().tolist()
             for slot in owned:
                 self._free[actor_index].put(slot)

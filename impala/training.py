@@ -48,6 +48,7 @@ from impala.learner import LearnerState
 from impala.learners import Learners
 from impala.metrics import STATUS, IntervalStats, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
+from impala.ray_pool import RayActorPool, require_ray
 from impala.rundir import finish_run_files, prepare_run_directory, resume_checkpoint, run_directory, write_run_files
 from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
 
@@ -85,7 +86,7 @@ class Run:
     device: torch.device
     state: LearnerState  # model, optimiser, schedule, counters: learners change it under `update_lock`
     buffers: Buffers  # the shared-memory slots
-    pool: LocalActorPool  # the actors; learners take full slots from `pool.slots` and publish through it
+    pool: LocalActorPool | RayActorPool  # the actors; learners take full slots from `pool.slots`, publish through it
     runlog: RunLog  # TensorBoard and CSV; the monitor's alone
     learners: Learners  # the learner threads
     amp: bool = False  # bfloat16 autocast in the learner and central inference
@@ -117,7 +118,9 @@ def learner_threads(config: Config, device: torch.device, local_ranks: int = 1) 
     `local_ranks` learner processes share the machine). Extra torch threads on busy cores cost more CPU per
     update than they save (measured in BENCHMARKS.md)."""
     if device.type == "cpu":
-        return max(1, len(os.sched_getaffinity(0)) // local_ranks - config.num_actors)
+        # --ray local: the remote actors are processes of this machine too.
+        actors_here = config.num_actors + (config.ray_actors if config.ray == "local" else 0)
+        return max(1, len(os.sched_getaffinity(0)) // local_ranks - actors_here)
     return torch.get_num_threads()
 
 
@@ -139,6 +142,8 @@ def build(config: Config, coordinator: Coordinator | None = None) -> Run:
     first file is written, so a refused run leaves an existing run directory exactly as it was. Under
     torchrun only rank 0 opens the run directory; the others take its state (`Coordinator.share_state`).
     """
+    if config.ray:
+        require_ray()  # before anything is written
     observation_shape, observation_dtype, num_actions = probe_env(config)
     torch.manual_seed(config.seed)
     try:
@@ -164,7 +169,7 @@ def build(config: Config, coordinator: Coordinator | None = None) -> Run:
     if checkpoint is not None:
         assert checkpoint_path is not None
         state.load_state_dict(checkpoint, config, checkpoint_path)
-    spec = BufferSpec(config.resolved_num_buffers, config.unroll_length, observation_shape, observation_dtype,
+    spec = BufferSpec(config.resolved_num_buffers + config.remote_slots, config.unroll_length, observation_shape, observation_dtype,
                       num_actions, model.core_state_shapes())
     buffers = create_buffers(spec)
     runlog: RunLog
@@ -177,7 +182,7 @@ def build(config: Config, coordinator: Coordinator | None = None) -> Run:
     if coordinator is not None:
         session = coordinator.share_state(state, session, config)  # every rank starts from rank 0's weights
     state.lives.session = session
-    pool = _actor_pool(config, ctx, buffers, state, actor_model)
+    pool = _actor_pool(config, ctx, buffers, state, actor_model, run_dir.name)
     amp, stats, update_lock = use_amp(config.amp, device, model.model), IntervalStats(), threading.Lock()
     # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
     learner_model = cast(Net, torch.compile(model)) if config.compile else model  # the wrapper acts as a Net
@@ -214,12 +219,17 @@ def _open_run(config: Config, model: Net, num_actions: int
 
 
 def _actor_pool(config: Config, ctx: BaseContext, buffers: Buffers, state: LearnerState,
-                actor_model: Net) -> LocalActorPool:
-    """The local actors, acting with `actor_model`, a shared CPU copy of the learner's weights, at its version."""
+                actor_model: Net, run_name: str) -> LocalActorPool | RayActorPool:
+    """The local actors, acting with `actor_model`, a shared CPU copy of the learner's weights, at its version;
+    with --ray, inside a pool that adds the remote actors."""
     actor_model.load_state_dict(state.model.state_dict())
     actor_model.share_memory()
     actor_model.eval()
-    return LocalActorPool(config, ctx, buffers, actor_model, state.lives, policy_version=state.updates)
+    local = LocalActorPool(config, ctx, buffers, actor_model, state.lives, policy_version=state.updates,
+                           remote_slots=config.remote_slots)
+    if not config.ray:
+        return local
+    return RayActorPool(config, local, buffers, state.lives, state.model, state.updates, run_name)
 
 
 # ----------------------------------------------------------------------------------------- start
@@ -328,6 +338,7 @@ def _log_progress(run: Run, interval_s: float, interval_steps: int, elapsed_s: f
         # Actors (env splits, with --env_splits) served per forward: 1 means no batching across them.
         scalars["stats/inference_actors_per_batch"] = server.served / server.batches
     scalars.update(timing_scalars)
+    scalars.update(run.pool.scalars())
     run.runlog.scalars(step, scalars)
     log.info(progress_line(step, run.config.total_steps, sps, elapsed_s, mean_return, episodes), extra=STATUS)
 
@@ -390,6 +401,8 @@ def _log_start(run: Run) -> None:
         ranks = run.coordinator.ranks
         log.info("%d learner processes (torchrun, %s): each with these actors and batch; this one, rank 0, "
                  "writes the run", ranks.world_size, "NCCL" if ranks.device.type == "cuda" else "gloo")
+    if config.ray:
+        log.info("Remote actors: %d x %d envs on Ray (%s)", config.ray_actors, config.ray_envs_per_actor, config.ray)
     if run.state.step:
         log.info("Resuming from step %d (update %d)", run.state.step, run.state.updates)
     if run.resumed_from is not None and run.resumed_from.name != CHECKPOINT_NAME:

@@ -1,0 +1,497 @@
+"""Remote actors through Ray (--ray): actors on other machines fill the same slots as the local ones.
+
+    learner's machine (RayActorPool)                   any node of the Ray cluster (RemoteActor, one process)
+    main thread: start, check (replace the dead), stop   acting thread: `actor.run_actor` into its own
+    receiver thread: REQUESTS_IN_FLIGHT `unrolls`          small buffers, exactly as a local actor acts
+      calls per remote actor, taken with `ray.wait`      unrolls(version, [weights]): newer weights loaded
+      in completion order; each unroll copied into a       first, then one unroll of every env as numpy,
+      free slot of the ledger's remote writer and          with the version it was acted with and the
+      onto the full queue the local actors use             games finished meanwhile
+    learner threads: `publish`: one `ray.put` per --ray_publish_every policy versions
+
+So the learners, V-trace and the checkpoint never see Ray: they take full slots from `slots` as always,
+and `stats/policy_lag` reads the version each remote unroll carries in its slot. Ray is imported only
+here, and only when --ray is given; it is an optional extra (requirements-ray.txt).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from impala.actor import ActorChannels, run_actor
+from impala.actor_pool import ACTOR_NICENESS, RESTART_WINDOW_S, LocalActorPool
+from impala.buffers import Buffers, BufferSpec, create_buffers
+from impala.config import Config, TrainingError, UserError
+from impala.learner import BATCH_KEYS
+from impala.model import Net
+from impala.seeding import ActorLives, LifeSeeds
+
+log = logging.getLogger("impala")
+
+REQUESTS_IN_FLIGHT = 2  # per remote actor: one unroll on the wire while the next is acted
+WAIT_S = 0.2  # every wait of the receiver is bounded: it sees the stop flag and dead actors this often
+STOP_TIMEOUT_S = 5.0  # remote actors asked to stop get this long, then they are killed
+PLACEMENT_WARNING_S = 60.0  # a remote actor not acting after this long is reported (no resources for it?)
+NAMESPACE = "impala"  # Ray namespace of the run's named actors
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def require_ray() -> Any:
+    """The `ray` module; UserError (one line, exit 2) when it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--ray needs Ray, which is not installed: pip install -r requirements-ray.txt") from None
+    return ray
+
+
+def shipped_keys(buffers: Buffers) -> tuple[str, ...]:
+    """The fields of a slot a remote actor sends: what the learner reads, and the version it was acted with."""
+    return (*BATCH_KEYS, "policy_version", *sorted(k for k in buffers if k.startswith("core_state_")))
+
+
+# ----------------------------------------------------------------------------------------- remote side
+
+
+class _Version:
+    """The policy version the acting thread stamps on each unroll (`SharedInt` inside one process)."""
+
+    value: int = -1
+
+
+class RemoteActor:
+    """The body of one remote actor process, made a Ray actor by `RayActorPool`.
+
+    A thread runs `actor.run_actor` into slots of this process (two per env), exactly as a local actor
+    fills shared memory; `unrolls` hands out one full unroll of every env at a time and gives their
+    slots back. Calls from the learner's side: `unrolls` (one at a time) and `stop` (concurrently).
+    """
+
+    def __init__(self, actor_index: int, config: Config, observation_shape: tuple[int, ...],
+                 observation_dtype: torch.dtype, num_actions: int, seeds: LifeSeeds) -> None:
+        torch.set_num_threads(1)  # batched inference is cheapest per sample with one thread per actor
+        # Ray starts workers at niceness 15 (its worker_niceness); on a node shared with a learner they would
+        # then get a seventh of a local actor's share of a core. Take a local actor's niceness where allowed.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, ACTOR_NICENESS)
+        self.actor_index, self.config, self.seeds = actor_index, config, seeds
+        self.model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size).eval()
+        self.num_envs = config.envs_per_actor
+        spec = BufferSpec(2 * self.num_envs, config.unroll_length, observation_shape, observation_dtype,
+                          num_actions, self.model.core_state_shapes())
+        self.buffers = create_buffers(spec, shared=False)
+        self.keys = shipped_keys(self.buffers)
+        free: queue.Queue[int] = queue.Queue()
+        for slot in range(2 * self.num_envs):
+            free.put(slot)
+        self.full: queue.Queue[int] = queue.Queue()
+        self.games: queue.Queue[tuple[int, float, int]] = queue.Queue()
+        self.errors: queue.Queue[tuple[int, str]] = queue.Queue()
+        self.channels = ActorChannels(free_queue=free, full_queue=self.full, episode_queue=self.games,
+                                      error_queue=self.errors, stop_event=threading.Event(),
+                                      policy_version=_Version())
+        self.thread: threading.Thread | None = None  # started by the first `unrolls`, once weights are in
+        self.node = _node_address()
+
+    def unrolls(self, version: int, weights: list[Any]) -> dict[str, Any]:
+        """One unroll of every env, acted with weights of `version` or a little older (the acting thread runs
+        one unroll ahead). `weights`: [ObjectRef of a state dict], inside a list so that Ray passes the
+        reference and this call fetches the weights only when they are newer than its own."""
+        if version > self.channels.policy_version.value:
+            import ray
+
+            state = ray.get(weights[0])
+            self.model.load_state_dict({name: torch.from_numpy(np.array(value)) for name, value in state.items()})
+            self.channels.policy_version.value = version
+        if self.thread is None:
+            self.thread = threading.Thread(target=run_actor, name="acting", daemon=True,
+                                           args=(self.actor_index, self.config, self.buffers, self.model,
+                                                 self.channels, self.seeds))
+            self.thread.start()
+        start = time.perf_counter()
+        slots = [self._next_full_slot() for _ in range(self.num_envs)]
+        acting_s = time.perf_counter() - start
+        fields = {key: self.buffers[key][slots].numpy() for key in self.keys}  # indexing copies
+        for slot in slots:
+            self.channels.free_queue.put(slot)  # type: ignore[union-attr]
+        games = []
+        while not self.games.empty():
+            _, episode_return, length = self.games.get_nowait()
+            games.append((episode_return, length))
+        return {"fields": fields, "games": games, "pid": os.getpid(), "node": self.node, "waited_s": acting_s,
+                "pack_s": time.perf_counter() - start - acting_s}
+
+    def _next_full_slot(self) -> int:
+        while True:
+            try:
+                return self.full.get(timeout=WAIT_S)
+            except queue.Empty:
+                if self.thread is not None and not self.thread.is_alive():
+                    detail = self.errors.get_nowait()[1] if not self.errors.empty() else "the acting thread ended"
+                    raise RuntimeError(f"remote actor {self.actor_index} stopped acting:\n{detail}") from None
+                if self.channels.stop_event.is_set():
+                    raise RuntimeError("stopped")
+
+    def stop(self) -> None:
+        """Stop acting and close the envs (bounded), so the process can be killed cleanly."""
+        self.channels.stop_event.set()
+        if self.thread is not None:
+            self.thread.join(timeout=STOP_TIMEOUT_S)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _node_address() -> str:
+    """The address of the Ray node this process runs on ("" outside Ray)."""
+    try:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # noqa: BLE001 - only for the log line
+        return ""
+
+
+# ----------------------------------------------------------------------------------------- learner side
+
+
+@dataclasses.dataclass(eq=False)
+class RemoteLife:
+    """One life of one remote actor, as the learner's side sees it."""
+
+    index: int  # remote actor index, 0..ray_actors-1
+    life: int  # run-wide life number (seeding.ActorLives)
+    handle: Any  # the Ray actor handle
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    last_result: float | None = None  # monotonic time of its last unrolls; None until it acts
+    pid: int | None = None  # its process, once it reported it
+    in_flight: int = 0  # requests submitted and not yet received
+    dead: bool = False  # reported to the main thread, which replaces it
+    warned: bool = False  # reported as not placed yet
+
+
+@dataclasses.dataclass
+class RayStats:
+    """Counters of the receiver thread (written only there, read as a snapshot by the monitor)."""
+
+    unrolls: int = 0  # unrolls copied into slots
+    dropped: int = 0  # unrolls older than --ray_max_policy_lag versions
+    bytes: int = 0  # numpy bytes received
+    steps: int = 0  # agent steps received
+    receive_s: float = 0.0  # receiver time in ray.get and copying into slots
+    restarts: int = 0  # remote actor lives replaced
+
+
+class RayActorPool:
+    """Local actors (a `LocalActorPool`, possibly of none) plus `config.ray_actors` remote actors on a Ray
+    cluster, behind the `ActorPool` interface. Only the main thread calls it, except `publish` (a learner
+    thread, under the update lock); the receiver thread is its own.
+    """
+
+    def __init__(self, config: Config, local: LocalActorPool, buffers: Buffers, lives: ActorLives, model: Net,
+                 policy_version: int, run_name: str) -> None:
+        """`model`: the learner's, whose weights (version `policy_version`) the remote actors start with."""
+        self.config, self.local, self.buffers, self.lives = config, local, buffers, lives
+        self.slots = local.slots
+        self.writer = config.num_actors  # the ledger's index of the receiver's slots (actor_pool._ledger)
+        self.net_args = (model.observation_shape, buffers["obs"].dtype, model.num_actions)
+        self.run_name = run_name
+        self.keys = shipped_keys(buffers)
+        unroll_bytes = sum(buffers[key][0].nbytes for key in self.keys)
+        self.ray, self.started_ray = connect(config, unroll_bytes)
+        # One unroll request at a time; `stop` in a group of its own, so it runs while a request waits.
+        self.remote_class = self.ray.remote(concurrency_groups={"control": 1})(RemoteActor)
+        self.remotes: list[RemoteLife] = []
+        self.deaths: queue.Queue[tuple[RemoteLife, str]] = queue.Queue()  # receiver -> main thread
+        self.stats = RayStats()
+        self.games: collections.deque[tuple[float, int]] = collections.deque()
+        self.weights: tuple[int, Any] | None = None  # (version, ObjectRef of the numpy state dict)
+        self.version = policy_version
+        self._put_weights(model, policy_version)
+        self.restarts: list[float] = []
+        self.stop_event = threading.Event()
+        self.receiver = threading.Thread(target=self._receive, name="ray-receiver", daemon=True)
+        self.error: BaseException | None = None  # why the receiver thread died
+
+    # The attributes training.py reaches through the pool (central inference serves the local actors only).
+    @property
+    def channels(self) -> ActorChannels:
+        return self.local.channels
+
+    @property
+    def inference(self) -> Any:
+        return self.local.inference
+
+    @inference.setter
+    def inference(self, server: Any) -> None:
+        self.local.inference = server
+
+    # ------------------------------------------------------------------------------------- start
+
+    def start(self) -> None:
+        self.local.start()
+        self.remotes = [self._start_remote(index) for index in range(self.config.ray_actors)]
+        self.receiver.start()
+
+    def _start_remote(self, index: int) -> RemoteLife:
+        """A new life of remote actor `index`: seeds no other life had, a name the run can be found by."""
+        config = self.config
+        actor_config = dataclasses.replace(config, envs_per_actor=config.ray_envs_per_actor, inference="actor")
+        seeds = self.lives.next_life(config.num_actors + index, config.ray_envs_per_actor)
+        resources = {config.ray_actor_resource: 1} if config.ray_actor_resource else None
+        handle = self.remote_class.options(
+            name=f"{self.run_name}.remote-{index}.life-{seeds.life}", namespace=NAMESPACE, num_cpus=1,
+            resources=resources, max_restarts=0).remote(config.num_actors + index, actor_config, *self.net_args, seeds)
+        log.info("Remote actor %d starting (life %d, env seeds %d-%d)", index, seeds.life, seeds.env_seeds[0],
+                 seeds.env_seeds[-1])
+        return RemoteLife(index, seeds.life, handle)
+
+    # ------------------------------------------------------------------------------------- learner side
+
+    def publish(self, model: Net, version: int) -> None:
+        """The local actors' weights at once; the remote actors' every --ray_publish_every versions."""
+        self.local.publish(model, version)
+        self.version = version
+        if self.weights is None or version - self.weights[0] >= self.config.ray_publish_every:
+            self._put_weights(model, version)
+
+    def _put_weights(self, model: Net, version: int) -> None:
+        state = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
+        self.weights = (version, self.ray.put(state))
+
+    def episodes(self) -> list[tuple[float, int]]:
+        games = self.local.episodes()
+        while self.games:
+            games.append(self.games.popleft())
+        return games
+
+    def scalars(self) -> dict[str, float]:
+        stats = self.stats
+        scalars: dict[str, float] = {"ray/unrolls": stats.unrolls, "ray/dropped_unrolls": stats.dropped,
+                   "ray/restarts": stats.restarts,
+                   "ray/actors_acting": sum(r.last_result is not None and not r.dead for r in self.remotes)}
+        if stats.steps:
+            scalars["ray/bytes_per_step"] = stats.bytes / stats.steps
+            scalars["ray/receive_ms_per_unroll"] = 1000 * stats.receive_s / max(1, stats.unrolls + stats.dropped)
+        return scalars
+
+    # ------------------------------------------------------------------------------------- receiver thread
+
+    def _receive(self) -> None:
+        try:
+            in_flight: dict[Any, RemoteLife] = {}
+            while not self.stop_event.is_set():
+                self._top_up(in_flight)
+                if not in_flight:
+                    time.sleep(WAIT_S)
+                    continue
+                ready, _ = self.ray.wait(list(in_flight), num_returns=1, timeout=WAIT_S)
+                for ref in ready:
+                    self._take(ref, in_flight.pop(ref))
+                self._watch_silence()
+        except BaseException as exc:  # the monitor raises it (`check`)
+            log.exception("The Ray receiver thread failed")
+            self.error = exc
+
+    def _top_up(self, in_flight: dict[Any, RemoteLife]) -> None:
+        """Keep REQUESTS_IN_FLIGHT requests at every live remote actor, each with the newest weights."""
+        assert self.weights is not None
+        version, weights = self.weights
+        for remote in list(self.remotes):
+            while not remote.dead and remote.in_flight < REQUESTS_IN_FLIGHT:
+                in_flight[remote.handle.unrolls.remote(version, [weights])] = remote
+                remote.in_flight += 1
+
+    def _take(self, ref: Any, remote: RemoteLife) -> None:
+        """Copy the unrolls of one finished request into slots, or report its actor dead."""
+        remote.in_flight -= 1
+        start = time.perf_counter()
+        try:
+            result = self.ray.get(ref, timeout=WAIT_S)
+        except self.ray.exceptions.RayError as exc:  # an actor or node gone (RayActorError), it raised (RayTaskError)
+            self._report_dead(remote, _describe(exc))
+            return
+        if remote.dead:
+            return  # a result that arrived after its actor was reported: it is being replaced
+        if remote.last_result is None:
+            remote.pid = result["pid"]
+            log.info("Remote actor %d acting (pid %d on %s, life %d)", remote.index, remote.pid, result["node"],
+                     remote.life)
+        remote.last_result = time.monotonic()
+        self.games.extend(result["games"])
+        self._write(result["fields"])
+        self.stats.receive_s += time.perf_counter() - start
+
+    def _write(self, fields: dict[str, np.ndarray]) -> None:
+        """Each unroll into a free slot of the receiver's and onto the full queue; stale ones are dropped."""
+        count = len(fields["policy_version"])
+        self.stats.bytes += sum(array.nbytes for array in fields.values())
+        self.stats.steps += count * self.config.unroll_length
+        for i in range(count):
+            if self.config.ray_max_policy_lag and \
+                    self.version - int(fields["policy_version"][i]) > self.config.ray_max_policy_lag:
+                self.stats.dropped += 1
+                continue
+            slot = self._free_slot()
+            if slot is None:
+                return
+            for key in self.keys:
+                np.copyto(self.buffers[key][slot].numpy(), fields[key][i])  # from read-only object store memory
+            self.slots.full_queue.put(slot)
+            self.stats.unrolls += 1
+
+    def _free_slot(self) -> int | None:
+        """A slot of the receiver's, waiting while the learners hold them all; None when stopping."""
+        waited = False
+        while not self.stop_event.is_set():
+            try:
+                slot: int = self.slots.free_queue(self.writer).get(timeout=WAIT_S)
+            except queue.Empty:
+                waited = True
+                continue
+            if waited:  # the learners were behind: the remote actors' silence meanwhile is not theirs
+                for remote in self.remotes:
+                    if remote.last_result is not None:
+                        remote.last_result = time.monotonic()
+            return slot
+        return None
+
+    def _watch_silence(self) -> None:
+        """Report an actor that stopped sending (--actor_timeout_s), and one not placed yet (no resources)."""
+        now = time.monotonic()
+        timeout_s = self.config.actor_timeout_s
+        for remote in self.remotes:
+            if remote.dead:
+                continue
+            if remote.last_result is None:
+                if not remote.warned and now - remote.started > PLACEMENT_WARNING_S:
+                    remote.warned = True
+                    log.warning("Remote actor %d has not acted for %.0f s since it was started: is there a node "
+                                "with a free CPU%s for it?", remote.index, now - remote.started,
+                                f" and {self.config.ray_actor_resource}" if self.config.ray_actor_resource else "")
+            elif timeout_s and now - remote.last_result > timeout_s:
+                self._report_dead(remote, f"no unroll for {now - remote.last_result:.0f} s (--actor_timeout_s "
+                                  f"{timeout_s:g})")
+
+    def _report_dead(self, remote: RemoteLife, detail: str) -> None:
+        if not remote.dead:
+            remote.dead = True
+            self.deaths.put((remote, detail))
+
+    # ------------------------------------------------------------------------------------- watch
+
+    def check(self) -> None:
+        """The local actors' check, then: raise what killed the receiver; replace every remote actor that died,
+        within the same limit of restarts (--max_actor_restarts in RESTART_WINDOW_S)."""
+        self.local.check()
+        if self.error is not None:
+            raise TrainingError(f"the Ray receiver thread failed: {self.error!r}") from self.error
+        while True:
+            try:
+                remote, detail = self.deaths.get_nowait()
+            except queue.Empty:
+                return
+            self._replace(remote, detail)
+
+    def _replace(self, remote: RemoteLife, detail: str) -> None:
+        pid = f"pid {remote.pid}" if remote.pid is not None else "never acted"
+        log.error("Remote actor %d (%s, life %d) died: %s", remote.index, pid, remote.life, detail)
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
+        limit = self.config.max_actor_restarts
+        if len(self.restarts) > limit:
+            raise TrainingError(f"actors died {len(self.restarts)} times within {RESTART_WINDOW_S:.0f} s "
+                                f"(--max_actor_restarts {limit}); last: remote actor {remote.index}: {detail}")
+        self.ray.kill(remote.handle, no_restart=True)  # it may still live (a hang, an exception in it)
+        self.remotes[remote.index] = self._start_remote(remote.index)
+        self.stats.restarts += 1
+        log.warning("Replaced remote actor %d (%d restarts in the last %.0f s, at most %d)", remote.index,
+                    len(self.restarts), RESTART_WINDOW_S, limit)
+
+    # ------------------------------------------------------------------------------------- stop
+
+    def request_stop(self) -> None:
+        self.local.request_stop()
+        self.stop_event.set()
+
+    def stop(self, drain: Callable[[], None]) -> None:
+        """Local actors first (as `LocalActorPool.stop`), then the receiver, then every remote actor: asked to
+        stop, given STOP_TIMEOUT_S, then killed, so none of the run's is left in the cluster."""
+        self.stop_event.set()
+        self.local.stop(drain)
+        self.receiver.join(timeout=STOP_TIMEOUT_S)
+        stopping = [remote.handle.stop.options(concurrency_group="control").remote() for remote in self.remotes]
+        if stopping:
+            self.ray.wait(stopping, num_returns=len(stopping), timeout=STOP_TIMEOUT_S)
+        for remote in self.remotes:
+            self.ray.kill(remote.handle, no_restart=True)
+        log.info("Stopped %d remote actors", len(self.remotes))
+
+    def close(self) -> None:
+        """The local pool's channels; then disconnect from Ray, which stops it only with --ray local."""
+        self.local.close()
+        self.weights = None
+        if self.started_ray is not None:
+            self.ray.shutdown()
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a lost actor, or the remote traceback for an exception raised in it."""
+    text = str(exc).strip()
+    if type(exc).__name__ in ("ActorDiedError", "RayActorError", "ActorUnavailableError"):
+        return f"{type(exc).__name__}: {text.splitlines()[0] if text else 'the actor process is gone'}"
+    return text or "".join(traceback.format_exception_only(type(exc), exc)).strip()
+
+
+# ----------------------------------------------------------------------------------------- connecting
+
+
+def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
+    """Connect this process to Ray as --ray says; returns (the ray module, whether to shut Ray down at the
+    end: True when this run started it, False when it only connected, None when it was already connected
+    by the caller, who keeps it). Bad addresses are UserErrors."""
+    ray = require_ray()
+    if ray.is_initialized():
+        return ray, None
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Workers import impala from where this copy lives (one image, one path on every node).
+    runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT),
+                                                                            os.environ.get("PYTHONPATH"))))}}
+    options: dict[str, Any] = {"namespace": NAMESPACE, "runtime_env": runtime_env, "log_to_driver": False}
+    if config.ray == "local":
+        options.update(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, config.ray_actors),
+                       object_store_memory=local_object_store_bytes(config, unroll_bytes))
+    else:
+        options["address"] = config.ray
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        ray.init(**options)
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"--ray {config.ray}: could not connect to Ray: {first_line} (start a cluster with "
+                        "`ray start --head`, or use --ray local)") from None
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)  # ray.init installs its own; the run's stops in order
+    return ray, config.ray == "local"
+
+
+def local_object_store_bytes(config: Config, unroll_bytes: int) -> int:
+    """--ray local: room for every request in flight four times over (at least 256 MiB), not Ray's 30% of RAM."""
+    in_flight_bytes = REQUESTS_IN_FLIGHT * config.ray_actors * config.ray_envs_per_actor * unroll_bytes
+    return max(256 * 2**20, 4 * in_flight_bytes)
