@@ -37,6 +37,13 @@ from tests.process_helpers import IMPALA_RULE, REPO_ROOT, Training
 REMOTE_ONLY = ("--num_actors", "0", "--ray_actors", "2", "--ray_envs_per_actor", "2", "--ray_actor_resource",
                "actor_slot")
 OBJECT_STORE_BYTES = 300 * 2**20
+CLUSTER_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0",
+               # Patience for a machine busy with other work: a raylet waits this long for its agents, a worker
+               # process (importing torch) this long to register.
+               "RAY_raylet_start_wait_time_s": "180", "RAY_worker_register_timeout_seconds": "300"}
+# Ray reads the authentication mode once, when first imported, which a test below may do before the cluster's
+# fixture runs: the cluster's token must be in the environment from the start.
+os.environ.update(CLUSTER_ENV)
 
 
 # ----------------------------------------------------------------------------------------- without a cluster
@@ -122,12 +129,9 @@ def test_a_remote_actor_ships_whole_unrolls_that_continue_each_other() -> None:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Any]:
     """A head node (the learner's) and a node with 2 CPUs and 2 `actor_slot`s, token authentication on."""
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0",
-           # Patience for a machine busy with other work: a raylet waits this long for its agents, a worker
-           # process (importing torch) this long to register.
-           "RAY_raylet_start_wait_time_s": "180", "RAY_worker_register_timeout_seconds": "300"}
+    env = CLUSTER_ENV
     saved = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)  # before Ray is imported: it reads the authentication mode once
+    os.environ.update(env)
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
 
