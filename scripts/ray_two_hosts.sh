@@ -64,12 +64,12 @@ export RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0
 RAY_AUTH_TOKEN=$("$PYTHON" -c "import secrets; print(secrets.token_hex(16))")
 export RAY_AUTH_TOKEN
 RAY="$PYTHON -m ray.scripts.scripts"
-common=(--num-cpus=1 --object-store-memory=300000000 --disable-usage-stats)
+common=(--object-store-memory=300000000 --disable-usage-stats)
 echo "ray_two_hosts: head on $LEARNER_IP ($NS_L), worker on $ACTOR_IP ($NS_A)"
-ip netns exec "$NS_L" $RAY start --head --node-ip-address="$LEARNER_IP" --port=$PORT "${common[@]}" \
+ip netns exec "$NS_L" $RAY start --head --node-ip-address="$LEARNER_IP" --port=$PORT --num-cpus=1 "${common[@]}" \
     --include-dashboard=false --temp-dir="$WORK/ray" >"$WORK/head.log" 2>&1 \
     || { cat "$WORK/head.log"; exit 1; }
-ip netns exec "$NS_A" $RAY start --address="$LEARNER_IP:$PORT" --node-ip-address="$ACTOR_IP" "${common[@]}" \
+ip netns exec "$NS_A" $RAY start --address="$LEARNER_IP:$PORT" --node-ip-address="$ACTOR_IP" --num-cpus=2 "${common[@]}" \
     --resources='{"actor_slot": 2}' >"$WORK/worker.log" 2>&1 \
     || { cat "$WORK/worker.log"; exit 1; }
 
