@@ -273,7 +273,8 @@ class Torchrun(Training):
 
 def _impala_tracebacks(text: str) -> list[str]:
     """Traceback lines through this package's files: a fault of ours, not a line a user can read."""
-    return [line for line in text.splitlines() if f'File "{REPO_ROOT}' in line]
+    ours = (f'File "{REPO_ROOT / "impala"}', f'File "{REPO_ROOT / "run.py"}')  # not a venv inside the repository
+    return [line for line in text.splitlines() if line.strip().startswith(ours)]
 
 
 def test_sigterm_to_torchrun_stops_every_rank_in_order_with_a_checkpoint(tmp_path: Path) -> None:
