@@ -245,7 +245,8 @@ class RayActorPool:
 
     def start(self) -> None:
         self.local.start()
-        self.remotes = [self._start_remote(index) for index in range(self.config.ray_actors)]
+        for index in range(self.config.ray_actors):  # one by one: `stop` ends those started before a failure
+            self.remotes.append(self._start_remote(index))
         self.receiver.start()
 
     def _start_remote(self, index: int) -> RemoteLife:
@@ -254,9 +255,14 @@ class RayActorPool:
         actor_config = dataclasses.replace(config, envs_per_actor=config.ray_envs_per_actor, inference="actor")
         seeds = self.lives.next_life(config.num_actors + index, config.ray_envs_per_actor)
         resources = {config.ray_actor_resource: 1} if config.ray_actor_resource else None
-        handle = self.remote_class.options(
-            name=f"{self.run_name}.remote-{index}.life-{seeds.life}", namespace=NAMESPACE, num_cpus=1,
-            resources=resources, max_restarts=0).remote(config.num_actors + index, actor_config, *self.net_args, seeds)
+        name = f"{self.run_name}.remote-{index}.life-{seeds.life}"
+        try:
+            handle = self.remote_class.options(name=name, namespace=NAMESPACE, num_cpus=1, resources=resources,
+                                               max_restarts=0).remote(config.num_actors + index, actor_config,
+                                                                      *self.net_args, seeds)
+        except self.ray.exceptions.ActorAlreadyExistsError:
+            raise UserError(f"--ray {config.ray}: the cluster already has an actor named {name}: another run with "
+                            f"this --xpid is using it; pass another --xpid") from None
         log.info("Remote actor %d starting (life %d, env seeds %d-%d)", index, seeds.life, seeds.env_seeds[0],
                  seeds.env_seeds[-1])
         return RemoteLife(index, seeds.life, handle)
@@ -434,7 +440,8 @@ class RayActorPool:
         stop, given STOP_TIMEOUT_S, then killed, so none of the run's is left in the cluster."""
         self.stop_event.set()
         self.local.stop(drain)
-        self.receiver.join(timeout=STOP_TIMEOUT_S)
+        if self.receiver.ident is not None:  # started (a failed start may stop a pool before it)
+            self.receiver.join(timeout=STOP_TIMEOUT_S)
         stopping = [remote.handle.stop.options(concurrency_group="control").remote() for remote in self.remotes]
         if stopping:
             self.ray.wait(stopping, num_returns=len(stopping), timeout=STOP_TIMEOUT_S)

@@ -182,7 +182,9 @@ def build(config: Config, coordinator: Coordinator | None = None) -> Run:
     if coordinator is not None:
         session = coordinator.share_state(state, session, config)  # every rank starts from rank 0's weights
     state.lives.session = session
-    pool = _actor_pool(config, ctx, buffers, state, actor_model, run_dir.name)
+    # Remote actors are named by run; under torchrun every rank owns a pool, so the names differ by rank too.
+    pool_name = run_dir.name if coordinator is None else f"{run_dir.name}.rank-{coordinator.rank}"
+    pool = _actor_pool(config, ctx, buffers, state, actor_model, pool_name)
     amp, stats, update_lock = use_amp(config.amp, device, model.model), IntervalStats(), threading.Lock()
     # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
     learner_model = cast(Net, torch.compile(model)) if config.compile else model  # the wrapper acts as a Net

@@ -157,3 +157,34 @@ def checkpoint_step(run_dir: Path) -> int:
     from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 
     return int(load_checkpoint(run_dir / CHECKPOINT_NAME)["step"])
+
+
+class Torchrun(Training):
+    """`torchrun --standalone --nproc_per_node 2 run.py FLAGS` in the background, in its own session (so that
+    `close` also ends ranks that torchrun, killed, would leave behind)."""
+
+    def __init__(self, savedir: Path, xpid: str, *args: str, total_steps: int = 1_000_000,
+                 flags: tuple[str, ...]) -> None:
+        self.savedir, self.xpid = savedir, xpid
+        self.log_path = savedir / f"{xpid}.console"
+        savedir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "a")  # noqa: SIM115 - open for the life of the process
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "run.py",
+             *flags, "--savedir", str(savedir), "--xpid", xpid, "--total_steps", str(total_steps), *args],
+            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.pgid = self.process.pid
+
+    def rank_pid(self, rank: int) -> int:
+        """The pid of the learner process of `rank` (a child of torchrun with RANK=rank in its environment)."""
+        for entry in Path("/proc").iterdir():
+            try:
+                if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) \
+                        != self.process.pid:
+                    continue
+                variables = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in variables:
+                return int(entry.name)
+        raise AssertionError(f"no rank {rank} among the children of torchrun:\n{self.text()}")

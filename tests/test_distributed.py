@@ -11,8 +11,6 @@ import dataclasses
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Training, checkpoint_step, run_py, wait_until_gone
+from process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Torchrun, checkpoint_step, run_py, wait_until_gone
 
 from impala import learner
 from impala.config import Config
@@ -240,37 +238,6 @@ CARTPOLE_RANKS = ("--env", "CartPole-v1", *IMPALA_RULE, "--num_actors", "1", "--
                   "--unroll_length", "5", "--batch_size", "4", "--learning_rate", "0.001", "--disable_cuda")
 
 
-class Torchrun(Training):
-    """`torchrun --standalone --nproc_per_node 2 run.py FLAGS` in the background, in its own session (so that
-    `close` also ends ranks that torchrun, killed, would leave behind)."""
-
-    def __init__(self, savedir: Path, xpid: str, *args: str, total_steps: int = 1_000_000,
-                 flags: tuple[str, ...] = SMALL_RANKS) -> None:
-        self.savedir, self.xpid = savedir, xpid
-        self.log_path = savedir / f"{xpid}.console"
-        savedir.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "a")  # noqa: SIM115 - open for the life of the process
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "run.py",
-             *flags, "--savedir", str(savedir), "--xpid", xpid, "--total_steps", str(total_steps), *args],
-            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.pgid = self.process.pid
-
-    def rank_pid(self, rank: int) -> int:
-        """The pid of the learner process of `rank` (a child of torchrun with RANK=rank in its environment)."""
-        for entry in Path("/proc").iterdir():
-            try:
-                if not entry.name.isdigit() or int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) \
-                        != self.process.pid:
-                    continue
-                variables = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if f"RANK={rank}".encode() in variables:
-                return int(entry.name)
-        raise AssertionError(f"no rank {rank} among the children of torchrun:\n{self.text()}")
-
-
 def _impala_tracebacks(text: str) -> list[str]:
     """Traceback lines through this package's files: a fault of ours, not a line a user can read."""
     ours = (f'File "{REPO_ROOT / "impala"}', f'File "{REPO_ROOT / "run.py"}')  # not a venv inside the repository
@@ -278,7 +245,7 @@ def _impala_tracebacks(text: str) -> list[str]:
 
 
 def test_sigterm_to_torchrun_stops_every_rank_in_order_with_a_checkpoint(tmp_path: Path) -> None:
-    run = Torchrun(tmp_path, "term")
+    run = Torchrun(tmp_path, "term", flags=SMALL_RANKS)
     try:
         run.wait_for_steps(400, timeout=240)
         run.signal(signal.SIGTERM)  # torchrun forwards it to every rank
@@ -297,7 +264,7 @@ def test_sigterm_to_torchrun_stops_every_rank_in_order_with_a_checkpoint(tmp_pat
 
 
 def test_kill_9_of_one_rank_ends_the_job_with_one_line_and_the_last_checkpoint_kept(tmp_path: Path) -> None:
-    run = Torchrun(tmp_path, "kill", "--checkpoint_interval_s", "1")
+    run = Torchrun(tmp_path, "kill", "--checkpoint_interval_s", "1", flags=SMALL_RANKS)
     try:
         run.wait_for(r"Saved checkpoint at step [1-9]", timeout=240)  # one after an update
         os.kill(run.rank_pid(1), signal.SIGKILL)

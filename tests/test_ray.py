@@ -31,7 +31,7 @@ from impala.config import Config, UserError, parse_config
 from impala.environment import EnvBatch
 from impala.ray_pool import RemoteActor, shipped_keys
 from impala.seeding import first_life
-from tests.process_helpers import IMPALA_RULE, REPO_ROOT, Training
+from tests.process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Torchrun, Training
 
 # Two remote actors of two envs each, T=5, B=4: 20 agent steps per update.
 REMOTE_ONLY = ("--num_actors", "0", "--ray_actors", "2", "--ray_envs_per_actor", "2", "--ray_actor_resource",
@@ -280,6 +280,54 @@ def test_remote_actors_killed_with_sigkill_are_replaced_and_the_run_reaches_its_
     for index, old_pid in pids.items():
         acted = [int(pid) for i, pid in re.findall(r"Remote actor (\d+) acting \(pid (\d+)", text) if int(i) == index]
         assert len(acted) == 2 and acted[1] != old_pid, f"the replacement of remote actor {index} acted"
+
+
+@pytest.mark.slow
+def test_under_torchrun_each_rank_feeds_its_learner_from_its_own_remote_actors(cluster: Any, tmp_path: Path) -> None:
+    """`torchrun --nproc_per_node 2 run.py --ray ADDRESS`: each rank starts one remote actor, named by rank (on
+    the second node: only it has `actor_slot`), and the one run reaches its total from remote unrolls only."""
+    ray = pytest.importorskip("ray")
+    flags = (*SMALL_RUN, "--disable_cuda", "--ray", cluster.address, *REMOTE_ONLY, "--ray_actors", "1")
+    run = Torchrun(tmp_path, "ranks", total_steps=6_000, flags=flags)
+    try:
+        deadline, names = time.monotonic() + 240, set[str]()
+        while time.monotonic() < deadline and len(names) < 2 and run.process.poll() is None:
+            names |= {name.split(".remote-")[0] for name in _run_actors(ray, "ranks.")}
+            time.sleep(0.2)
+        assert names == {"ranks.rank-0", "ranks.rank-1"}, run.text()
+        # The ranks update in lockstep, each from its own B unrolls and with no local actor: the run reaches its
+        # total only if both ranks' remote actors deliver.
+        assert run.wait(timeout=400) == 0, run.text()
+    finally:
+        run.close()
+    assert "Run ended (finished) at step 6000" in run.text()
+    assert _run_actors(ray, "ranks.") == []
+
+
+@pytest.mark.slow
+def test_a_name_taken_in_the_cluster_by_another_run_is_one_line_and_exit_2(cluster: Any, tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray")
+
+    @ray.remote(num_cpus=0)
+    class Other:
+        pass
+
+    other = Other.options(name="taken.remote-1.life-1", namespace="impala").remote()  # type: ignore[attr-defined]
+    try:
+        ray.get(other.__ray_ready__.remote(), timeout=60)
+        training = Training(tmp_path, "taken", "--ray", cluster.address, *REMOTE_ONLY)
+        try:
+            assert training.wait(timeout=240) == 2, training.text()
+        finally:
+            training.close()
+    finally:
+        ray.kill(other)
+    lines = [line for line in training.text().splitlines() if line.startswith("run.py:")]
+    assert lines == [(f"run.py: error: --ray {cluster.address}: the cluster already has an actor named "
+                     "taken.remote-1.life-1: another run with this --xpid is using it; pass another --xpid")], \
+        training.text()
+    assert "Traceback" not in training.text()
+    assert _run_actors(ray, "taken.") == []  # remote actor 0, started before, was stopped
 
 
 @pytest.mark.slow
