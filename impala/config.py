@@ -65,7 +65,10 @@ class Config:
                             "(start a private Ray on this machine and stop it at the end) or HOST:PORT of a head "
                             "node; with it --num_actors may be 0 (remote actors only)")
     ray_actors: int = _flag(2, "--ray: remote actor processes, one CPU each")
-    ray_envs_per_actor: int = _flag(8, "--ray: envs stepped by each remote actor; one object per unroll of them all")
+    ray_envs_per_actor: int = _flag(8, "--ray: envs stepped by each remote actor")
+    ray_steps_per_request: int = _flag(256, "--ray: agent steps a remote actor ships per Ray object, at least: whole "
+                                       "unrolls of every env, as many of each as it takes (Ray's cost is per "
+                                       "object)")
     ray_actor_resource: str | None = _flag(None, "--ray: a custom Ray resource each remote actor needs one unit of "
                                            "(e.g. actor_slot, given only to actor nodes with `ray start --resources`)")
     ray_publish_every: int = _flag(1, "--ray: put the weights in Ray's object store every K policy versions")
@@ -166,12 +169,19 @@ class Config:
         return self.slots_needed
 
     @property
+    def ray_unrolls_per_env(self) -> int:
+        """Unrolls of each env in one object of a remote actor: enough for --ray_steps_per_request."""
+        return max(1, -(-self.ray_steps_per_request // (self.ray_envs_per_actor * self.unroll_length)))
+
+    @property
     def remote_slots(self) -> int:
-        """Slots the unrolls of remote actors (--ray) are copied into: two per remote env, so one unroll of
-        each can wait while the next arrives, and the learners' share, so they never hold them all."""
+        """Slots the unrolls of remote actors (--ray) are copied into: one object's worth per remote actor (more
+        would only wait longer, acted with older weights: the next objects are on their way meanwhile) and the
+        learners' share, so they never hold them all."""
         if self.ray is None:
             return 0
-        return 2 * self.ray_actors * self.ray_envs_per_actor + self.num_learner_threads * self.batch_size
+        per_object = self.ray_envs_per_actor * self.ray_unrolls_per_env
+        return self.ray_actors * per_object + self.num_learner_threads * self.batch_size
 
     @property
     def steps_per_update(self) -> int:
@@ -182,7 +192,8 @@ class Config:
         problems = []
         positive_ints = ("envs_per_actor", "env_splits", "unroll_length", "total_steps", "batch_size",
                          "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches",
-                         "eval_episodes", "ray_actors", "ray_envs_per_actor", "ray_publish_every")
+                         "eval_episodes", "ray_actors", "ray_envs_per_actor", "ray_publish_every",
+                         "ray_steps_per_request")
         if self.num_actors < (0 if self.ray else 1):  # with --ray the remote actors may be the only ones
             problems.append(f"--num_actors must be >= {0 if self.ray else 1}, got {self.num_actors}")
         for name in positive_ints:

@@ -4,7 +4,7 @@
     main thread: start, check (replace the dead), stop   acting thread: `actor.run_actor` into its own
     receiver thread: REQUESTS_IN_FLIGHT `unrolls`          small buffers, exactly as a local actor acts
       calls per remote actor, taken with `ray.wait`      unrolls(version, [weights]): newer weights loaded
-      in completion order; each unroll copied into a       first, then one unroll of every env as numpy,
+      in completion order; each unroll copied into a       first, then whole unrolls of every env as numpy,
       free slot of the ledger's remote writer and          with the version it was acted with and the
       onto the full queue the local actors use             games finished meanwhile
     learner threads: `publish`: one `ray.put` per --ray_publish_every policy versions
@@ -43,7 +43,7 @@ from impala.seeding import ActorLives, LifeSeeds
 
 log = logging.getLogger("impala")
 
-REQUESTS_IN_FLIGHT = 2  # per remote actor: one unroll on the wire while the next is acted
+REQUESTS_IN_FLIGHT = 1  # per remote actor: its acting thread fills free slots meanwhile; more only adds lag
 WAIT_S = 0.2  # every wait of the receiver is bounded: it sees the stop flag and dead actors this often
 STOP_TIMEOUT_S = 5.0  # remote actors asked to stop get this long, then they are killed
 PLACEMENT_WARNING_S = 60.0  # a remote actor not acting after this long is reported (no resources for it?)
@@ -77,9 +77,9 @@ class _Version:
 class RemoteActor:
     """The body of one remote actor process, made a Ray actor by `RayActorPool`.
 
-    A thread runs `actor.run_actor` into slots of this process (two per env), exactly as a local actor
-    fills shared memory; `unrolls` hands out one full unroll of every env at a time and gives their
-    slots back. Calls from the learner's side: `unrolls` (one at a time) and `stop` (concurrently).
+    A thread runs `actor.run_actor` into slots of this process, exactly as a local actor fills shared memory;
+    `unrolls` hands out `ray_unrolls_per_env` full unrolls of every env at a time (one Ray object) and gives
+    their slots back. Calls from the learner's side: `unrolls` (one at a time) and `stop` (concurrently).
     """
 
     def __init__(self, actor_index: int, config: Config, observation_shape: tuple[int, ...],
@@ -92,12 +92,14 @@ class RemoteActor:
         self.actor_index, self.config, self.seeds = actor_index, config, seeds
         self.model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size).eval()
         self.num_envs = config.envs_per_actor
-        spec = BufferSpec(2 * self.num_envs, config.unroll_length, observation_shape, observation_dtype,
+        self.per_object = self.num_envs * config.ray_unrolls_per_env  # unrolls in one object
+        slots = self.per_object + self.num_envs  # while an object is packed, every env acts its next unroll
+        spec = BufferSpec(slots, config.unroll_length, observation_shape, observation_dtype,
                           num_actions, self.model.core_state_shapes())
         self.buffers = create_buffers(spec, shared=False)
         self.keys = shipped_keys(self.buffers)
         free: queue.Queue[int] = queue.Queue()
-        for slot in range(2 * self.num_envs):
+        for slot in range(slots):
             free.put(slot)
         self.full: queue.Queue[int] = queue.Queue()
         self.games: queue.Queue[tuple[int, float, int]] = queue.Queue()
@@ -109,8 +111,8 @@ class RemoteActor:
         self.node = _node_address()
 
     def unrolls(self, version: int, weights: list[Any]) -> dict[str, Any]:
-        """One unroll of every env, acted with weights of `version` or a little older (the acting thread runs
-        one unroll ahead). `weights`: [ObjectRef of a state dict], inside a list so that Ray passes the
+        """`ray_unrolls_per_env` unrolls of every env (at least --ray_steps_per_request agent steps), acted with
+        weights of `version` or a little older (the acting thread runs one unroll of each env ahead). `weights`: [ObjectRef of a state dict], inside a list so that Ray passes the
         reference and this call fetches the weights only when they are newer than its own."""
         if version > self.channels.policy_version.value:
             import ray
@@ -124,7 +126,7 @@ class RemoteActor:
                                                  self.channels, self.seeds))
             self.thread.start()
         start = time.perf_counter()
-        slots = [self._next_full_slot() for _ in range(self.num_envs)]
+        slots = [self._next_full_slot() for _ in range(self.per_object)]
         acting_s = time.perf_counter() - start
         fields = {key: self.buffers[key][slots].numpy() for key in self.keys}  # indexing copies
         for slot in slots:
@@ -500,5 +502,6 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
 
 def local_object_store_bytes(config: Config, unroll_bytes: int) -> int:
     """--ray local: room for every request in flight four times over (at least 256 MiB), not Ray's 30% of RAM."""
-    in_flight_bytes = REQUESTS_IN_FLIGHT * config.ray_actors * config.ray_envs_per_actor * unroll_bytes
+    in_flight_bytes = (REQUESTS_IN_FLIGHT * config.ray_actors * config.ray_envs_per_actor * config.ray_unrolls_per_env
+                       * unroll_bytes)
     return max(256 * 2**20, 4 * in_flight_bytes)

@@ -55,7 +55,9 @@ def test_num_actors_may_be_zero_only_with_ray() -> None:
     config = parse_config(["--num_actors", "0", "--ray", "local", "--ray_actors", "3", "--ray_envs_per_actor", "4",
                            "--batch_size", "5", "--num_learner_threads", "2"])
     assert config.resolved_num_buffers == 0
-    assert config.remote_slots == 2 * 3 * 4 + 2 * 5  # two per remote env, plus what the learners may hold
+    assert config.ray_unrolls_per_env == 2  # 256 agent steps per object at least: 4 envs x T=32 x 2
+    assert config.remote_slots == 3 * 4 * 2 + 2 * 5  # one object's worth per remote actor, the learners' B each
+    assert parse_config(["--ray", "local", "--ray_envs_per_actor", "4", "--unroll_length", "80"]).ray_unrolls_per_env == 1
     assert Config().remote_slots == 0
 
 
@@ -101,9 +103,11 @@ def test_without_ray_the_flag_is_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_a_remote_actor_ships_whole_unrolls_that_continue_each_other() -> None:
-    """The remote actor, called in this process: `unrolls` gives one unroll of each env, [N, T + 1, ...], and
-    row 0 of an env's next unroll repeats row T of its last (the bootstrap row), as in the local slots."""
-    config = Config(env="CartPole-v1", envs_per_actor=3, unroll_length=4, hidden_size=16)
+    """The remote actor, called in this process: `unrolls` gives `ray_unrolls_per_env` unrolls of each env in
+    one object, [N x k, T + 1, ...], and row 0 of every unroll after an env's first repeats row T of the one
+    before it (the bootstrap row), as in the local slots."""
+    config = Config(env="CartPole-v1", envs_per_actor=3, ray_envs_per_actor=3, unroll_length=4, hidden_size=16,
+                    ray_steps_per_request=24)  # 24 agent steps: 2 unrolls of each of 3 envs with T=4
     probe = EnvBatch("CartPole-v1", 1, 0)
     shape, actions = probe.observation_shape, probe.num_actions
     probe.close()
@@ -114,11 +118,11 @@ def test_a_remote_actor_ships_whole_unrolls_that_continue_each_other() -> None:
     finally:
         actor.stop()
     assert set(first["fields"]) == set(shipped_keys(actor.buffers))
-    obs = first["fields"]["obs"]
-    assert obs.shape == (3, 5, *shape) and obs.dtype == np.float32
-    assert first["fields"]["action"].shape == (3, 5)
-    np.testing.assert_array_equal(second["fields"]["obs"][:, 0], obs[:, -1])
-    np.testing.assert_array_equal(second["fields"]["done"][:, 0], first["fields"]["done"][:, -1])
+    assert first["fields"]["obs"].shape == (6, 5, *shape) and first["fields"]["obs"].dtype == np.float32
+    assert first["fields"]["action"].shape == (6, 5)
+    obs = np.concatenate([first["fields"]["obs"], second["fields"]["obs"]])  # 4 unrolls of each env
+    continued = [i for i in range(len(obs)) if any(np.array_equal(obs[i, 0], obs[j, -1]) for j in range(len(obs)))]
+    assert len(continued) == len(obs) - 3  # all but the first unroll of each env follow another
     assert (first["fields"]["policy_version"] == -1).all()
     assert first["pid"] == os.getpid()
 
