@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -69,6 +70,7 @@ def plot(points: list[dict], out: Path, title: str) -> None:
     axes.set_xlabel("actor processes")
     axes.set_ylabel("agent steps / s (steady)")
     axes.set_xscale("log", base=2)
+    axes.set_ylim(bottom=0)
     axes.set_title(title, fontsize=9)
     axes.legend()
     axes.grid(alpha=0.3)
@@ -85,8 +87,8 @@ def main() -> int:
     args = parser.parse_args()
     load_start = load_average()
     points = [measure(kind, count, args.total_steps) for count in args.actors for kind in args.kinds]
-    title = (f"CartPole, {ENVS} envs per actor process, {args.total_steps} steps per point; "
-             f"load average {load_start[0]:.1f} at start")
+    title = (f"CartPole, {ENVS} envs per actor process, {args.total_steps} steps per point\n"
+             f"{os.cpu_count()} cores, load average {load_start[0]:.1f} at start")
     plot(points, args.out, title)
     args.out.with_suffix(".json").write_text(json.dumps({"load_average_start": load_start,
                                                          "load_average_end": load_average(),
