@@ -86,11 +86,14 @@ class Ranks:
 def join(config: Config) -> tuple[Config, Coordinator | None]:
     """Under torchrun: join the job's process group; returns this rank's config (the run's xpid, its own
     seed) and its coordinator. Otherwise `(config, None)` and nothing happens. Raises UserError, before
-    joining, for a run that has no name every rank agrees on."""
+    joining, for a run that has no name every rank agrees on and for --ray local with several ranks."""
     if not launched_by_torchrun():
         return config, None
     xpid = config.xpid or default_xpid(config)
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if config.ray == "local" and world_size > 1:
+        raise UserError("--ray local starts a private Ray in every learner process; under torchrun start one "
+                        "cluster (ray start --head) and pass --ray auto or --ray HOST:PORT")
     local_rank = int(os.environ["LOCAL_RANK"])
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)

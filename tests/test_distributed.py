@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Torchrun, checkpoint_step, run_py, wait_until_gone
 
-from impala import learner
-from impala.config import Config
+from impala import distributed, learner
+from impala.config import Config, UserError
 from impala.distributed import Coordinator, GradientReducer, Ranks
 from impala.model import Net
 
@@ -132,6 +132,24 @@ def _reference(name: str) -> dict[str, torch.Tensor]:
     parameters, stats = _update(config, *_whole_batch(config), 1, None)
     assert stats["skipped"] == 0
     return parameters
+
+
+@pytest.mark.parametrize(("variables", "flags", "message"), [
+    ({"TORCHELASTIC_RUN_ID": "none"}, {}, "under torchrun without --standalone or --rdzv-id, pass --xpid NAME"),
+    ({"TORCHELASTIC_RUN_ID": "abc"}, {"ray": "local"}, "--ray local starts a private Ray in every learner process"),
+])
+def test_join_refuses_before_joining(monkeypatch: pytest.MonkeyPatch, variables: dict[str, str],
+                                     flags: dict[str, str], message: str) -> None:
+    """Refused before any rendezvous (none is running here: joining would wait for it)."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", **variables}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(UserError, match=re.escape(message)):
+        distributed.join(Config(env="CartPole-v1", **flags))
+
+
+def test_join_names_the_run_after_the_rendezvous_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a/b c")
+    assert distributed.default_xpid(Config(env="ALE/Pong-v5")) == "ALE_Pong-v5-a_b_c"
 
 
 @pytest.mark.parametrize("name", list(CASES))
