@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import dataclasses
 import json
 import os
@@ -438,6 +439,7 @@ def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "
         log_path = Path(savedir) / "run-output.log"
         usage = measure_process_tree(argv, cwd=REPO_ROOT, log_path=log_path)
         steps = _final_step(Path(savedir) / "bench")
+        logged = run_scalars(Path(savedir) / "bench")
         if usage.returncode != 0 or steps is None:
             tail = log_path.read_text(errors="replace").splitlines()[-20:]
             print(f"bench: end-to-end run {variant!r} exited with {usage.returncode}:\n" + "\n".join(tail),
@@ -448,7 +450,32 @@ def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "
             "cpu_s_wait4": usage.cpu_s_wait4, "cpu_s_by_depth": usage.cpu_s_by_depth, "steps_per_s": steps / usage.wall_s,
             "steps_per_cpu_s": steps / usage.cpu_s if usage.cpu_s else 0.0,
             "peak_pss_mib": usage.peak_pss_bytes / 2**20, "processes": usage.processes,
-            "monitor_cpu_s": usage.monitor_cpu_s}
+            "monitor_cpu_s": usage.monitor_cpu_s, **logged}
+
+
+# What the run itself logged, for its row: the mean over its log rows, or the last row's for running totals.
+MEAN_SCALARS = {"stats/policy_lag": "mean_policy_lag"}
+LAST_SCALARS = {"ray/bytes_per_step": "ray_bytes_per_step", "ray/receive_ms_per_unroll": "ray_receive_ms_per_unroll"}
+
+
+def run_scalars(run_dir: Path) -> dict[str, float]:
+    """The mean policy lag of a run, and with --ray the bytes per agent step and the receiver's ms per unroll
+    (running totals: the last row's), from its logs.csv; what is missing is left out."""
+    try:
+        with open(run_dir / "logs.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError:
+        return {}
+    found: dict[str, float] = {}
+    for column, key in MEAN_SCALARS.items():
+        values = [float(row[column]) for row in rows if row.get(column)]
+        if values:
+            found[key] = sum(values) / len(values)
+    for column, key in LAST_SCALARS.items():
+        values = [float(row[column]) for row in rows if row.get(column)]
+        if values:
+            found[key] = values[-1]
+    return found
 
 
 def _final_step(run_dir: Path) -> int | None:
@@ -543,6 +570,11 @@ def format_table(results: dict[str, Any]) -> str:
             by_depth = ", ".join(f"{cpu_s:.1f}" for cpu_s in r["cpu_s_by_depth"])
             lines.append(f"{r['variant'] or '(base flags)'}: CPU s by depth in the tree [{by_depth}] (run.py, its "
                          f"children, grandchildren = actors), the bench's polling {r['monitor_cpu_s']:.1f}")
+            logged = [f"{label} {r[key]:{spec}}" for key, label, spec in (
+                ("mean_policy_lag", "mean policy lag", ".2f"), ("ray_bytes_per_step", "Ray bytes per agent step", ",.0f"),
+                ("ray_receive_ms_per_unroll", "receiver ms per unroll", ".3f")) if key in r]
+            if logged:
+                lines.append(f"  logged by the run: {', '.join(logged)}")
             lines.append(f"  command: (cd {r['cwd']} && {r['command']})")
     return "\n".join(lines)
 
