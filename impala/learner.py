@@ -91,7 +91,7 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
         entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1]) / returns.vs.numel()
     else:
         pg_loss = losses.policy_gradient_loss(logits[:-1], batch["action"][:-1], returns.pg_advantages)
-        clip_fraction = torch.zeros(())
+        clip_fraction = torch.zeros((), device=logits.device)
         baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1])
         entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1])
     total_loss = pg_loss + baseline_loss + entropy_loss
@@ -173,7 +173,8 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
 
 def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], core_state: CoreState,
           config: Config, amp: bool, reducer: GradientReducer | None = None) -> dict[str, float]:
-    """One gradient step on `batch`, skipped if its loss or gradient is not finite. Synchronises once."""
+    """One gradient step on `batch`, skipped if its loss or gradient is not finite. Synchronises once: every
+    stat comes to the host in one copy, which the skip decision needs anyway."""
     device_type = batch["obs"].device.type
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
     with autocast:
@@ -184,7 +185,7 @@ def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.T
         reducer.reduce(model, loss)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_norm_clipping)
     stats["grad_norm"] = grad_norm.detach()
-    values = {k: float(v) for k, v in stats.items()}
+    values = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist(), strict=True))
     finite = math.isfinite(values["total_loss"]) and math.isfinite(values["grad_norm"])
     if finite:
         optimizer.step()
