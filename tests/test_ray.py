@@ -286,6 +286,53 @@ def test_remote_actors_killed_with_sigkill_are_replaced_and_the_run_reaches_its_
         assert len(acted) == 2 and acted[1] != old_pid, f"the replacement of remote actor {index} acted"
 
 
+def _add_node(cluster: Any, resources: dict[str, float]) -> Any:
+    """One more node with 2 CPUs (patient, as the cluster's own start)."""
+    import ray._private.node
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ray._private.node, "time", _PatientClock())
+        node = cluster.add_node(num_cpus=2, resources=resources, object_store_memory=OBJECT_STORE_BYTES)
+        cluster.wait_for_nodes()
+    return node
+
+
+@pytest.mark.slow
+def test_a_node_lost_mid_run_costs_its_actors_which_come_back_when_a_node_can_hold_them(
+        cluster: Any, tmp_path: Path) -> None:
+    """Every remote actor on a node whose processes are all killed: each is reported and replaced (a
+    replacement Ray places on the lost node before it is declared dead dies too, and is replaced again); the
+    replacements wait, without resources, until a new node offers them, and the run then reaches its total."""
+    doomed = _add_node(cluster, {"spare_slot": 2})
+    new_node = None
+    training = Training(tmp_path, "node", "--ray", cluster.address, *REMOTE_ONLY, "--ray_actor_resource",
+                        "spare_slot", total_steps=4_000)
+    try:
+        pids = _acting_pids(training, 2)
+        training.wait_for_steps(1000, timeout=120)
+        cluster.remove_node(doomed, allow_graceful=False)
+        for index in pids:
+            training.wait_for(rf"Remote actor {index} \(pid \d+, life \d+\) died: \w+", timeout=120)
+            training.wait_for(rf"Replaced remote actor {index}", timeout=30)
+        deadline, before, after = time.monotonic() + 120, -1, training.latest_step()
+        while after != before and time.monotonic() < deadline:  # the learner uses up what was on its way
+            time.sleep(3)
+            before, after = after, training.latest_step()
+        assert after == before, "no node holds the replacements: nothing acts"
+        assert training.process.poll() is None, training.text()  # the run waits for them
+        new_node = _add_node(cluster, {"spare_slot": 2})
+        assert training.process.wait(timeout=400) == 0, training.text()
+    finally:
+        training.close()
+        if new_node is not None:
+            cluster.remove_node(new_node)
+    text = training.text()
+    assert "Run ended (finished) at step 4000" in text
+    for index, old_pid in pids.items():
+        acted = [int(pid) for i, pid in re.findall(r"Remote actor (\d+) acting \(pid (\d+)", text) if int(i) == index]
+        assert len(acted) == 2 and acted[1] != old_pid, f"the replacement of remote actor {index} acted"
+
+
 @pytest.mark.slow
 def test_under_torchrun_each_rank_feeds_its_learner_from_its_own_remote_actors(cluster: Any, tmp_path: Path) -> None:
     """`torchrun --nproc_per_node 2 run.py --ray ADDRESS`: each rank starts one remote actor, named by rank (on
