@@ -453,9 +453,11 @@ def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "
             "monitor_cpu_s": usage.monitor_cpu_s, **logged}
 
 
-# What the run itself logged, for its row: the mean over its log rows, or the last row's for running totals.
-MEAN_SCALARS = {"stats/policy_lag": "mean_policy_lag"}
-LAST_SCALARS = {"ray/bytes_per_step": "ray_bytes_per_step", "ray/receive_ms_per_unroll": "ray_receive_ms_per_unroll"}
+# What the run itself logged, shown under its row: (CSV column, key in the row, how the rows combine, label,
+# format). A running total is the last row's; a per-interval figure is averaged over the run.
+LOGGED = (("stats/policy_lag", "mean_policy_lag", "mean", "mean policy lag", ".2f"),
+          ("ray/bytes_per_step", "ray_bytes_per_step", "last", "Ray bytes per agent step", ",.0f"),
+          ("ray/receive_ms_per_unroll", "ray_receive_ms_per_unroll", "last", "receiver ms per unroll", ".3f"))
 
 
 def run_scalars(run_dir: Path) -> dict[str, float]:
@@ -467,14 +469,10 @@ def run_scalars(run_dir: Path) -> dict[str, float]:
     except OSError:
         return {}
     found: dict[str, float] = {}
-    for column, key in MEAN_SCALARS.items():
+    for column, key, combine, _, _ in LOGGED:
         values = [float(row[column]) for row in rows if row.get(column)]
         if values:
-            found[key] = sum(values) / len(values)
-    for column, key in LAST_SCALARS.items():
-        values = [float(row[column]) for row in rows if row.get(column)]
-        if values:
-            found[key] = values[-1]
+            found[key] = sum(values) / len(values) if combine == "mean" else values[-1]
     return found
 
 
@@ -570,9 +568,7 @@ def format_table(results: dict[str, Any]) -> str:
             by_depth = ", ".join(f"{cpu_s:.1f}" for cpu_s in r["cpu_s_by_depth"])
             lines.append(f"{r['variant'] or '(base flags)'}: CPU s by depth in the tree [{by_depth}] (run.py, its "
                          f"children, grandchildren = actors), the bench's polling {r['monitor_cpu_s']:.1f}")
-            logged = [f"{label} {r[key]:{spec}}" for key, label, spec in (
-                ("mean_policy_lag", "mean policy lag", ".2f"), ("ray_bytes_per_step", "Ray bytes per agent step", ",.0f"),
-                ("ray_receive_ms_per_unroll", "receiver ms per unroll", ".3f")) if key in r]
+            logged = [f"{label} {r[key]:{spec}}" for _, key, _, label, spec in LOGGED if key in r]
             if logged:
                 lines.append(f"  logged by the run: {', '.join(logged)}")
             lines.append(f"  command: (cd {r['cwd']} && {r['command']})")
