@@ -112,8 +112,9 @@ class Config:
 
     # Optimiser (PyTorch's RMSprop adds epsilon outside the square root).
     optimizer: str = _flag("adam", "adam or rmsprop", choices=("rmsprop", "adam"))
-    learning_rate: float = _flag(0.00025, "learning rate, decayed linearly to 0 over total_steps (under torchrun "
-                                 "as for one learner with batch G x B)")
+    learning_rate: float = _flag(0.00025, "learning rate (under torchrun as for one learner with batch G x B)")
+    lr_schedule: str = _flag("linear", "learning-rate schedule: constant, or linear (decayed to 0 at "
+                             "total_steps, counted in agent steps)", choices=("constant", "linear"))
     alpha: float = _flag(0.99, "RMSprop smoothing constant")
     momentum: float = _flag(0.0, "RMSprop momentum")
     epsilon: float = _flag(1e-5, "optimizer epsilon (TorchBeast's RMSprop used 0.01)")

@@ -110,8 +110,8 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
 
 def make_optimizer(model: Net, config: Config, world_size: int = 1
                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
-    """RMSprop or Adam and a schedule that decays the learning rate linearly to 0 over `total_steps`
-    (`world_size` learner processes each add `steps_per_update` agent steps per update)."""
+    """RMSprop or Adam and the `--lr_schedule` (`world_size` learner processes each add `steps_per_update`
+    agent steps per update)."""
     if config.optimizer == "adam":
         optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate,
                                                             eps=config.epsilon)
@@ -123,15 +123,18 @@ def make_optimizer(model: Net, config: Config, world_size: int = 1
 
 def make_schedule(optimizer: torch.optim.Optimizer, config: Config, start_step: int = 0, world_size: int = 1
                   ) -> torch.optim.lr_scheduler.LRScheduler:
-    """`--learning_rate` decayed linearly to 0 at `--total_steps` agent steps, from agent step `start_step` on.
+    """`--learning_rate`, constant or (`--lr_schedule linear`) decayed linearly to 0 at `--total_steps` agent
+    steps, from agent step `start_step` on.
 
     A function of agent steps, not of updates, and of the flags given now: a run resumed with another
-    T, B, --learning_rate or --total_steps follows the schedule those flags give at its step.
+    T, B, --learning_rate, --lr_schedule or --total_steps follows the schedule those flags give at its step.
     """
     for group in optimizer.param_groups:  # a loaded optimizer state brings the previous session's rates
         group["lr"] = group["initial_lr"] = config.learning_rate
 
     def remaining_fraction(update: int) -> float:
+        if config.lr_schedule == "constant":
+            return 1.0
         step = start_step + update * config.steps_per_update * world_size
         return 1.0 - min(step, config.total_steps) / config.total_steps
 

@@ -30,7 +30,7 @@ from impala.bench import load_average, measure_process_tree
 
 CARTPOLE = ("--env", "CartPole-v1", "--unroll_length", "5", "--batch_size", "8", "--learning_rate", "0.001",
             "--policy_loss", "impala", "--optimizer", "rmsprop", "--epsilon", "0.01", "--grad_norm_clipping", "40",
-            "--epochs", "1", "--minibatches", "1", "--vtrace_lambda", "1", "--log_interval_s", "2")
+            "--epochs", "1", "--minibatches", "1", "--vtrace_lambda", "1", "--lr_schedule", "linear", "--log_interval_s", "2")
 ENVS = 4
 
 

@@ -38,7 +38,7 @@ EXPERIMENTS = {
     "cartpole": ["--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
                  "--batch_size", "8", "--learning_rate", "0.001", "--entropy_cost", "0.01",
                  "--total_steps", "300000", "--policy_loss", "impala", "--optimizer", "rmsprop", "--epsilon", "0.01",
-                 "--grad_norm_clipping", "40", "--epochs", "1", "--minibatches", "1", "--vtrace_lambda", "1"],
+                 "--grad_norm_clipping", "40", "--epochs", "1", "--minibatches", "1", "--vtrace_lambda", "1", "--lr_schedule", "linear"],
 }
 RETURN_TAG = "charts/episodic_return"
 LAST_GAMES = 100

@@ -17,7 +17,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The IMPALA rule (TorchBeast's loss and optimiser) that the README's CartPole command uses.
 IMPALA_RULE = ("--policy_loss", "impala", "--optimizer", "rmsprop", "--epsilon", "0.01", "--grad_norm_clipping", "40",
-               "--epochs", "1", "--minibatches", "1", "--vtrace_lambda", "1")
+               "--epochs", "1", "--minibatches", "1", "--vtrace_lambda", "1", "--lr_schedule", "linear")
 # Small and quick: 20 agent steps per update, one learner thread.
 SMALL_RUN = (*IMPALA_RULE, "--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "2", "--unroll_length", "5",
              "--batch_size", "4", "--num_learner_threads", "1", "--hidden_size", "32", "--learning_rate", "0.001",

@@ -24,7 +24,7 @@ def _config(**overrides: object) -> Config:
     values = {"env": "CartPole-v1", "unroll_length": 3, "batch_size": 1, "discounting": 0.9, "entropy_cost": 0.01,
               "baseline_cost": 0.5, "reward_clipping": "none", "grad_norm_clipping": 1e9, "learning_rate": 0.1,
               "policy_loss": "impala", "optimizer": "rmsprop", "epsilon": 0.01, "epochs": 1, "minibatches": 1,
-              "vtrace_lambda": 1.0}
+              "vtrace_lambda": 1.0, "lr_schedule": "linear"}
     values.update(overrides)
     return Config(**values)
 
@@ -286,6 +286,18 @@ def test_learning_rate_decays_linearly_to_zero_at_total_steps() -> None:
     expected = [0.01 * max(0.0, 1 - 10 * k / 100) for k in range(13)]
     assert rates == pytest.approx(expected, abs=1e-12)
     assert rates[10:] == [0.0, 0.0, 0.0]
+
+
+def test_a_constant_learning_rate_stays_at_the_flag_past_total_steps() -> None:
+    config = _config(learning_rate=0.01, unroll_length=5, batch_size=2, total_steps=100, lr_schedule="constant")
+    model = _model()
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    rates = []
+    for _ in range(13):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates == [0.01] * 13
 
 
 def test_a_resumed_schedule_follows_agent_steps_and_the_flags_given_now() -> None:
