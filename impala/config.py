@@ -113,7 +113,7 @@ class Config:
     # Optimiser (PyTorch's RMSprop adds epsilon outside the square root).
     optimizer: str = _flag("adam", "adam or rmsprop", choices=("rmsprop", "adam"))
     learning_rate: float = _flag(0.00025, "learning rate (under torchrun as for one learner with batch G x B)")
-    lr_schedule: str = _flag("linear", "learning-rate schedule: constant, or linear (decayed to 0 at "
+    lr_schedule: str = _flag("constant", "learning-rate schedule: constant, or linear (decayed to 0 at "
                              "total_steps, counted in agent steps)", choices=("constant", "linear"))
     alpha: float = _flag(0.99, "RMSprop smoothing constant")
     momentum: float = _flag(0.0, "RMSprop momentum")

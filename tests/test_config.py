@@ -24,7 +24,7 @@ def test_defaults_are_the_atari_settings_measured_in_results() -> None:
     assert (config.policy_loss, config.ppo_clip, config.epochs, config.minibatches) == ("ppo", 0.1, 2, 8)
     assert (config.ppo_dual_clip, config.num_learner_threads, config.num_buffers) == (3.0, 1, None)
     assert (config.optimizer, config.learning_rate, config.epsilon) == ("adam", 0.00025, 1e-5)
-    assert config.lr_schedule == "linear"
+    assert config.lr_schedule == "constant"
     assert (config.entropy_cost, config.vtrace_lambda) == (0.01, 0.95)
     assert (config.baseline_cost, config.discounting, config.grad_norm_clipping) == (0.5, 0.99, 0.5)
     assert config.total_steps == 5_000_000
