@@ -4,6 +4,7 @@
     python scripts/results.py breakout --minutes 120     # the same defaults on Breakout, stopped after 2 h
     python scripts/results.py cartpole --seeds 5         # the README's CartPole command, seeds 0..4
     python scripts/results.py pong --plot-only --savedir DIR --xpid NAME   # redraw from an existing run
+    python scripts/results.py pong --compare DIR1 DIR2 --labels A B --out cmp.png   # existing runs side by side
 
 Each run trains with `run.py` in SAVEDIR (default results/runs), then plays `--test_episodes` greedy
 games with `run.py --mode test`, prints one summary line per run (final mean of the last 100 training
@@ -92,7 +93,7 @@ def summary(run_dir: Path) -> dict:
             "command": meta.get("command")}
 
 
-def figure(run_dirs: list[Path], title: str) -> Figure:
+def figure(run_dirs: list[Path], title: str, labels: list[str] | None = None) -> Figure:
     """Return against agent steps (left) and wall time (right): raw games faint, mean of the last 100 bold."""
     fig = Figure(figsize=(12, 4.5), layout="constrained")
     by_steps, by_wall = fig.subplots(1, 2, sharey=True)
@@ -103,7 +104,7 @@ def figure(run_dirs: list[Path], title: str) -> Figure:
         mean = smooth(returns, LAST_GAMES)
         for axes, x in ((by_steps, steps), (by_wall, walls / seconds)):
             axes.plot(x, returns, color=f"C{i % 10}", alpha=0.15, linewidth=0.6)
-            axes.plot(x, mean, color=f"C{i % 10}", linewidth=2, label=run_dir.name)
+            axes.plot(x, mean, color=f"C{i % 10}", linewidth=2, label=labels[i] if labels else run_dir.name)
     by_steps.set_xlabel("agent steps")
     by_steps.xaxis.set_major_formatter(EngFormatter())
     by_wall.set_xlabel(f"wall time ({unit})")
@@ -125,7 +126,20 @@ def main() -> int:
     parser.add_argument("--test_episodes", type=int, default=10)
     parser.add_argument("--plot-only", action="store_true", help="do not train: summarise and plot existing runs")
     parser.add_argument("--out", type=Path, default=None, help="PNG path (default docs/results/EXPERIMENT.png)")
+    parser.add_argument("--compare", type=Path, nargs="+", default=None, metavar="RUN_DIR",
+                        help="do not train or test: summarise these run directories and plot them together")
+    parser.add_argument("--labels", nargs="+", default=None, help="--compare: a legend label per run directory")
     args = parser.parse_args()
+    if args.compare:
+        if args.labels and len(args.labels) != len(args.compare):
+            parser.error(f"--labels needs one label per run directory ({len(args.compare)})")
+        for run_dir in args.compare:
+            print(json.dumps(summary(run_dir)), flush=True)
+        out = args.out or ROOT / "docs" / "results" / f"{args.experiment}_compare.png"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        figure(args.compare, f"{EXPERIMENTS[args.experiment][1]}: runs compared", args.labels).savefig(out, dpi=100)
+        print(f"Wrote {out}")
+        return 0
 
     env = EXPERIMENTS[args.experiment][1]
     names = [args.xpid] if args.xpid and args.seeds == 1 else [

@@ -148,3 +148,23 @@ def test_evaluations_are_drawn_with_the_training_return_against_steps_or_wall_ti
 def test_wall_time_needs_event_files(savedir: Path) -> None:
     with pytest.raises(UserError, match=r"csv-only have no TensorBoard event files.*--plot_x steps"):
         plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--plot_x", "time"]))
+
+
+def test_results_script_compares_run_directories_of_different_savedirs(tmp_path: Path) -> None:
+    """`scripts/results.py --compare`: one summary line per run (mean of its last 100 games) and one PNG."""
+    steps = list(range(0, 30_000, 100))
+    for name, offset in (("a/linear", 0.0), ("b/constant", 5.0)):
+        _event_run(tmp_path, name, [offset + i % 10 for i in range(len(steps))], steps, env="PongNoFrameskip-v4")
+        (tmp_path / name / "meta.json").write_text(json.dumps({"final_step": steps[-1], "command": "run.py"}))
+    out = tmp_path / "cmp.png"
+    done = subprocess.run([sys.executable, "scripts/results.py", "pong", "--compare", str(tmp_path / "a/linear"),
+                           str(tmp_path / "b/constant"), "--labels", "linear lr", "constant lr", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [(r["xpid"], r["mean_last_100"], r["games"]) for r in rows] == [("linear", 4.5, 300), ("constant", 9.5, 300)]
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    refused = subprocess.run([sys.executable, "scripts/results.py", "pong", "--compare", str(tmp_path / "a/linear"),
+                              "--labels", "one", "two"], cwd=REPO, capture_output=True, text=True, timeout=60,
+                             check=False)
+    assert refused.returncode == 2 and "one label per run directory" in refused.stderr
