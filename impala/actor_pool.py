@@ -51,6 +51,7 @@ log = logging.getLogger("impala")
 # state, and (unlike spawn) it does not re-import torch for every actor.
 START_METHOD = "forkserver"
 ACTOR_JOIN_TIMEOUT_S = 5.0  # then terminate, then kill: shutdown is bounded whatever an env does
+FORK_SERVER_STOP_TIMEOUT_S = 10.0  # then kill it
 RESTART_WINDOW_S = 600.0
 ACTOR_NICENESS = 10
 LOCK_PROBE_S = 1.0  # live processes hold a queue lock for microseconds; one held this long belongs to the dead
@@ -400,10 +401,30 @@ def stop_fork_server() -> None:
     The next run starts a fresh one. `_stop` is the multiprocessing internal its own tests use (Python 3.8+).
     The resource tracker is left running: the queues' semaphores still unregister with it when they are
     garbage-collected, and it exits with this process, unlinking whatever is left in /dev/shm.
+
+    Bounded: `_stop` waits for the server to exit, which it does once every process it forked has closed
+    its copy of the server's "alive" pipe; a server still there after FORK_SERVER_STOP_TIMEOUT_S is killed,
+    so the end of a run never hangs on it.
     """
     if START_METHOD != "forkserver":
         return
     from multiprocessing import forkserver
 
-    with contextlib.suppress(AttributeError, OSError, ChildProcessError):
-        forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+
+    def stop() -> None:
+        with contextlib.suppress(AttributeError, OSError, ChildProcessError):
+            server._stop()  # type: ignore[attr-defined]
+
+    stopper = threading.Thread(target=stop, name="fork-server-stop", daemon=True)
+    stopper.start()
+    stopper.join(FORK_SERVER_STOP_TIMEOUT_S)
+    if stopper.is_alive():
+        log.warning("The fork server (pid %d) did not stop within %.0f s; killing it", pid,
+                    FORK_SERVER_STOP_TIMEOUT_S)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        stopper.join(FORK_SERVER_STOP_TIMEOUT_S)

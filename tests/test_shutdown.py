@@ -4,10 +4,15 @@ and a final checkpoint. (SIGTERM and resume: test_resume.py; actor failures: tes
 from __future__ import annotations
 
 import json
+import os
 import signal
+import time
 from pathlib import Path
 
+import pytest
 from process_helpers import Training, checkpoint_step, shm_left, wait_until_gone
+
+from impala import actor_pool
 
 
 def test_ctrl_c_to_the_process_group_stops_in_order(tmp_path: Path) -> None:
@@ -40,3 +45,24 @@ def test_a_finished_run_leaves_nothing(tmp_path: Path) -> None:
         assert json.loads((run.run_dir / "meta.json").read_text())["end_reason"] == "finished"
     finally:
         run.close()
+
+
+def test_a_fork_server_that_does_not_exit_is_killed_within_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process the fork server forked keeps the server's "alive" pipe open, so the server never exits by
+    itself: stopping it must still return, with the server gone."""
+    from multiprocessing import forkserver
+
+    monkeypatch.setattr(actor_pool, "FORK_SERVER_STOP_TIMEOUT_S", 1.0)
+    child = actor_pool.process_context().Process(target=time.sleep, args=(60,), daemon=True)
+    child.start()
+    server_pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
+    try:
+        start = time.monotonic()
+        actor_pool.stop_fork_server()
+        assert time.monotonic() - start < 5
+        with pytest.raises(ProcessLookupError):  # killed and reaped
+            os.kill(server_pid, 0)
+        assert forkserver._forkserver._forkserver_pid is None  # type: ignore[attr-defined]  # the next run starts one
+    finally:
+        child.kill()
+        child.join(timeout=10)
