@@ -13,7 +13,6 @@ writes the run directory.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import functools
 import logging
 import os
@@ -56,7 +55,6 @@ from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
 log = logging.getLogger("impala")
 
 LEARNER_JOIN_TIMEOUT_S = 10.0  # a learner in the middle of an update finishes it; the checkpoint waits for it
-END_STACKS_AFTER_S = 20.0  # an end of a run still going after this long prints every thread's stack to stderr
 
 
 class Stopped(Exception):
@@ -530,11 +528,7 @@ def _run(run: Run) -> Path:
 
 
 def _end(run: Run, reason: str) -> OSError | None:
-    """Shut down, with Ctrl-C and SIGTERM ignored, and record the end; returns the final save's error.
-
-    Every step is bounded; should the end hang all the same, the stacks of its threads go to stderr.
-    """
-    faulthandler.dump_traceback_later(END_STACKS_AFTER_S)
+    """Shut down, with Ctrl-C and SIGTERM ignored, and record the end; returns the final save's error."""
     try:
         with _signals_ignored():
             # A numerical failure keeps the last good checkpoint; any other ending saves the current state.
@@ -546,6 +540,5 @@ def _end(run: Run, reason: str) -> OSError | None:
                 log.error("Could not record the end of the run in %s: %s", run.run_dir, exc)
             log.info("Run ended (%s) at step %d in %s", reason, run.state.step, run.run_dir)
     finally:
-        faulthandler.cancel_dump_traceback_later()
         close_console()
     return save_error

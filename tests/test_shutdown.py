@@ -8,12 +8,11 @@ import os
 import signal
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from process_helpers import Training, checkpoint_step, shm_left, wait_until_gone
 
-from impala import actor_pool, training
+from impala import actor_pool
 
 
 def test_ctrl_c_to_the_process_group_stops_in_order(tmp_path: Path) -> None:
@@ -67,19 +66,3 @@ def test_a_fork_server_that_does_not_exit_is_killed_within_the_timeout(monkeypat
     finally:
         child.kill()
         child.join(timeout=10)
-
-
-def test_an_end_of_a_run_that_hangs_prints_the_stacks_of_its_threads(monkeypatch: pytest.MonkeyPatch,
-                                                                     capfd: pytest.CaptureFixture[str],
-                                                                     tmp_path: Path) -> None:
-    run = SimpleNamespace(learners=SimpleNamespace(errors=[]), writes_files=False, state=SimpleNamespace(step=7),
-                          run_dir=tmp_path)
-    monkeypatch.setattr(training, "END_STACKS_AFTER_S", 0.3)
-    monkeypatch.setattr(training, "shutdown", lambda run, save: None)
-    assert training._end(run, "interrupted") is None  # a quick end: nothing on stderr, even later
-    time.sleep(0.6)
-    assert "Timeout" not in capfd.readouterr().err
-    monkeypatch.setattr(training, "shutdown", lambda run, save: time.sleep(1.0))
-    assert training._end(run, "interrupted") is None
-    err = capfd.readouterr().err
-    assert "Timeout (0:00:00" in err and "in _end" in err and "in <lambda>" in err
