@@ -5,6 +5,9 @@
     python scripts/results.py cartpole --seeds 5         # the README's CartPole command, seeds 0..4
     python scripts/results.py pong --plot-only --savedir DIR --xpid NAME   # redraw from an existing run
     python scripts/results.py pong --compare DIR1 DIR2 --labels A B --out cmp.png   # existing runs side by side
+    python scripts/results.py spaceinvaders --xpid si-linear --total_steps 1500000 --lr_schedule linear
+
+Flags this script does not know are passed on to `run.py` after the experiment's own (the last one wins).
 
 Each run trains with `run.py` in SAVEDIR (default results/runs), then plays `--test_episodes` greedy
 games with `run.py --mode test`, prints one summary line per run (final mean of the last 100 training
@@ -36,6 +39,7 @@ from impala.plotting import smooth  # the repository root is on the path only no
 EXPERIMENTS = {
     "pong": ["--env", "PongNoFrameskip-v4"],
     "breakout": ["--env", "BreakoutNoFrameskip-v4"],
+    "spaceinvaders": ["--env", "SpaceInvadersNoFrameskip-v4"],
     "cartpole": ["--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
                  "--batch_size", "8", "--learning_rate", "0.001", "--entropy_cost", "0.01",
                  "--total_steps", "300000", "--policy_loss", "impala", "--optimizer", "rmsprop", "--epsilon", "0.01",
@@ -45,9 +49,9 @@ RETURN_TAG = "charts/episodic_return"
 LAST_GAMES = 100
 
 
-def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None) -> None:
+def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None, run_flags: list[str]) -> None:
     """Run the experiment's command; with `minutes`, stop it with Ctrl-C's signal after that long."""
-    command = [sys.executable, "run.py", *EXPERIMENTS[name], "--seed", str(seed),
+    command = [sys.executable, "run.py", *EXPERIMENTS[name], *run_flags, "--seed", str(seed),
                "--savedir", str(savedir), "--xpid", xpid]
     print("$ " + " ".join(command[1:]), flush=True)
     process = subprocess.Popen(command, cwd=ROOT)
@@ -129,7 +133,9 @@ def main() -> int:
     parser.add_argument("--compare", type=Path, nargs="+", default=None, metavar="RUN_DIR",
                         help="do not train or test: summarise these run directories and plot them together")
     parser.add_argument("--labels", nargs="+", default=None, help="--compare: a legend label per run directory")
-    args = parser.parse_args()
+    args, run_flags = parser.parse_known_args()
+    if run_flags and (args.compare or args.plot_only):
+        parser.error(f"unknown flags {' '.join(run_flags)}: run.py's flags are for training runs only")
     if args.compare:
         if args.labels and len(args.labels) != len(args.compare):
             parser.error(f"--labels needs one label per run directory ({len(args.compare)})")
@@ -148,7 +154,7 @@ def main() -> int:
     for seed, xpid in enumerate(names):
         start = time.monotonic()
         if not args.plot_only:
-            train(args.experiment, seed, args.savedir, xpid, args.minutes)
+            train(args.experiment, seed, args.savedir, xpid, args.minutes, run_flags)
         row = summary(args.savedir / xpid)
         if not args.plot_only:
             row["process_wall_s"] = round(time.monotonic() - start, 1)

@@ -168,3 +168,17 @@ def test_results_script_compares_run_directories_of_different_savedirs(tmp_path:
                               "--labels", "one", "two"], cwd=REPO, capture_output=True, text=True, timeout=60,
                              check=False)
     assert refused.returncode == 2 and "one label per run directory" in refused.stderr
+
+
+def test_results_script_passes_unknown_flags_to_the_training_run(tmp_path: Path) -> None:
+    """`scripts/results.py cartpole --total_steps N`: the run it starts trains to N and records the flag."""
+    done = subprocess.run([sys.executable, "scripts/results.py", "cartpole", "--total_steps", "3000", "--savedir",
+                           str(tmp_path), "--xpid", "short", "--test_episodes", "1", "--out", str(tmp_path / "s.png")],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    flags = json.loads((tmp_path / "short" / "flags.json").read_text())
+    assert flags["total_steps"] == 3000 and flags["lr_schedule"] == "linear"
+    assert 3000 <= json.loads((tmp_path / "short" / "meta.json").read_text())["final_step"] < 300_000
+    refused = subprocess.run([sys.executable, "scripts/results.py", "cartpole", "--plot-only", "--total_steps", "9"],
+                             cwd=REPO, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 2 and "unknown flags --total_steps 9" in refused.stderr
