@@ -306,7 +306,7 @@ def test_a_node_lost_mid_run_costs_its_actors_which_come_back_when_a_node_can_ho
     doomed = _add_node(cluster, {"spare_slot": 2})
     new_node = None
     training = Training(tmp_path, "node", "--ray", cluster.address, *REMOTE_ONLY, "--ray_actor_resource",
-                        "spare_slot", total_steps=4_000)
+                        "spare_slot", total_steps=20_000)  # long enough that both actors act before it ends
     try:
         pids = _acting_pids(training, 2)
         training.wait_for_steps(1000, timeout=120)
@@ -327,7 +327,7 @@ def test_a_node_lost_mid_run_costs_its_actors_which_come_back_when_a_node_can_ho
         if new_node is not None:
             cluster.remove_node(new_node)
     text = training.text()
-    assert "Run ended (finished) at step 4000" in text
+    assert "Run ended (finished) at step 20000" in text
     for index, old_pid in pids.items():
         acted = [int(pid) for i, pid in re.findall(r"Remote actor (\d+) acting \(pid (\d+)", text) if int(i) == index]
         assert len(acted) == 2 and acted[1] != old_pid, f"the replacement of remote actor {index} acted"
