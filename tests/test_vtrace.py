@@ -343,3 +343,58 @@ def test_outputs_carry_no_gradient() -> None:
     assert out.target_action_log_probs.requires_grad
     out.target_action_log_probs.sum().backward()
     assert target_logits.grad is not None and target_logits.grad.abs().sum() > 0
+
+
+def loop_discounted_sums(deltas: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """The backward recursion acc_t = deltas_t + coefficients_t * acc_{t+1}, one time step at a time."""
+    acc = torch.zeros_like(deltas[0])
+    out = torch.empty_like(deltas)
+    for t in reversed(range(deltas.shape[0])):
+        acc = deltas[t] + coefficients[t] * acc
+        out[t] = acc
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("num_steps", [1, 2, 32, 80, 200])
+def test_closed_form_sums_equal_the_recursion(num_steps: int, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(num_steps)
+    batch = 64
+    deltas = torch.randn(num_steps, batch, generator=generator, dtype=dtype) * 3
+    # gamma * c as the learner forms it: gamma 0.99, c = min(1, rho), episode ends as exact zeros.
+    rhos = torch.exp(torch.empty(num_steps, batch, dtype=dtype).uniform_(-3, 2, generator=generator))
+    coefficients = 0.99 * rhos.clamp(max=1.0)
+    coefficients[torch.rand(num_steps, batch, generator=generator) < 0.05] = 0.0
+    coefficients[:, 0] = 0.99  # one column that never ends: the longest products
+    out = vtrace.discounted_sums(deltas, coefficients)
+    assert out.dtype == dtype and out.shape == (num_steps, batch)
+    torch.testing.assert_close(out, loop_discounted_sums(deltas, coefficients), rtol=0, atol=1e-5)
+
+
+def test_closed_form_sums_by_hand() -> None:
+    deltas = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
+    coefficients = torch.tensor([[0.5], [0.0], [0.5], [0.5]])  # the trace is cut after t = 1
+    # acc_3 = 4; acc_2 = 3 + 0.5 * 4 = 5; acc_1 = 2 + 0 * 5 = 2; acc_0 = 1 + 0.5 * 2 = 2
+    torch.testing.assert_close(vtrace.discounted_sums(deltas, coefficients),
+                               torch.tensor([[2.0], [2.0], [5.0], [4.0]]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lambda_", [1.0, 0.95])
+def test_from_importance_weights_equals_the_loop_at_learner_shapes(lambda_: float) -> None:
+    """float32 at the learner's shapes ([T=80, B=32]), against the recursion written out in the test."""
+    generator = torch.Generator().manual_seed(7)
+    num_steps, batch = 80, 32
+    log_rhos = torch.empty(num_steps, batch).uniform_(-2, 1, generator=generator)
+    discounts = 0.99 * (torch.rand(num_steps, batch, generator=generator) > 0.02).float()
+    rewards = torch.randn(num_steps, batch, generator=generator).clamp(-1, 1)
+    values = torch.randn(num_steps, batch, generator=generator) * 5
+    bootstrap_value = torch.randn(batch, generator=generator) * 5
+    out = vtrace.from_importance_weights(log_rhos, discounts, rewards, values, bootstrap_value, lambda_=lambda_)
+    rhos = log_rhos.exp()
+    next_values = torch.cat([values[1:], bootstrap_value[None]])
+    deltas = rhos.clamp(max=1) * (rewards + discounts * next_values - values)
+    vs = values + loop_discounted_sums(deltas, discounts * lambda_ * rhos.clamp(max=1))
+    next_vs = torch.cat([vs[1:], bootstrap_value[None]])
+    torch.testing.assert_close(out.vs, vs, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.pg_advantages, rhos.clamp(max=1) * (rewards + discounts * next_vs - values),
+                               rtol=0, atol=1e-5)
