@@ -124,7 +124,7 @@ def serve_evaluations(model: Net, config: Config, connection: Connection) -> Non
             return
         start_cpu_s = time.process_time()
         returns = play(model, config.env, config.eval_episodes, config.seed + EVAL_SEED_OFFSET + number,
-                       greedy=config.eval_actions == "greedy")
+                       greedy=config.eval_actions == "greedy", fire_on_life_loss=config.fire_on_life_loss)
         connection.send((number, step, returns, time.process_time() - start_cpu_s))
 
 

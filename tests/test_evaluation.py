@@ -126,6 +126,30 @@ def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
     assert len(returns) == 3 and all(r >= 1 for r in returns) and cpu_s > 0
 
 
+
+def test_the_evaluator_follows_fire_on_life_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--no-fire_on_life_loss reaches the evaluation's envs, as it reaches the actors' and test mode's."""
+    import impala.evaluate
+
+    built: list[bool] = []
+
+    class RecordingEnvBatch(impala.evaluate.EnvBatch):
+        def __init__(self, *args: object, fire_on_life_loss: bool = True, **kwargs: object) -> None:
+            built.append(fire_on_life_loss)
+            super().__init__(*args, fire_on_life_loss=fire_on_life_loss, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(impala.evaluate, "EnvBatch", RecordingEnvBatch)
+    main_end, process_end = Pipe()
+    config = Config(env="CartPole-v1", eval_episodes=1, fire_on_life_loss=False)
+    server = threading.Thread(target=serve_evaluations, args=(_net(), config, process_end))
+    server.start()
+    main_end.send((0, 0))
+    main_end.recv()
+    main_end.close()
+    server.join(timeout=30)
+    assert built == [False]
+
+
 def _fake_run(tmp_path: Path, best: tuple[float, int] | None) -> types.SimpleNamespace:
     model = _net()
     evaluator = Evaluator(_net(), best)
