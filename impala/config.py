@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +32,25 @@ def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
+AUTO_ACTORS = -1  # --num_actors auto, until __post_init__ puts the number in its place
+CORES_KEPT = 2  # --num_actors auto leaves a core to the learner and one to the main process
+
+
+def auto_num_actors(cores: int, local_ranks: int, batch_size: int, envs_per_actor: int, other_actors: int) -> int:
+    """--num_actors auto: this process's share of `cores` (one of `local_ranks` learner processes on the
+    machine) less CORES_KEPT and less `other_actors` acting on it too (--ray local's), but never fewer
+    than it takes to fill one batch, ceil(batch_size / envs_per_actor)."""
+    return max(cores // local_ranks - CORES_KEPT - other_actors, math.ceil(batch_size / max(envs_per_actor, 1)))
+
+
+def _num_actors_arg(text: str) -> int:
+    if text == "auto":
+        return AUTO_ACTORS
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"takes a number >= 0 or auto, got {text!r}")
+    return int(text)
+
+
 @dataclass(frozen=True)
 class Config:
     # What to run.
@@ -45,7 +66,11 @@ class Config:
                       "gets its own env seeds and sampling stream from it")
 
     # Acting.
-    num_actors: int = _flag(4, "actor processes (of each rank under torchrun)")
+    num_actors: int = _flag(AUTO_ACTORS, "actor processes (of each rank under torchrun); auto: the cores this "
+                            f"process may use (its share under torchrun) less {CORES_KEPT} (the learner and the "
+                            "main process) and less --ray local's actors, but at least ceil(batch_size / "
+                            "envs_per_actor); the number is printed at start and kept in flags.json",
+                            type=_num_actors_arg, argparse_default="auto")
     envs_per_actor: int = _flag(8, "envs stepped together by each actor, with one batched policy forward")
     env_splits: int = _flag(1, "groups each actor steps its envs in, in turn: while one group's Atari envs step "
                                "(in ale-py's thread), the actor chooses actions for the next; pays where cores "
@@ -154,6 +179,14 @@ class Config:
                                   "model_step_STEP.tar; 0: only model.tar")
     checkpoint: str = _flag("latest", "test mode and resume: the checkpoint to load: latest (model.tar of the run), "
                             "best (its model_best.tar) or the PATH of a checkpoint file")
+
+    def __post_init__(self) -> None:
+        if self.num_actors == AUTO_ACTORS:  # resolved once, here: every reader of the config sees the number
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun
+            other = self.ray_actors if self.ray == "local" else 0
+            number = auto_num_actors(len(os.sched_getaffinity(0)), max(local_ranks, 1), self.batch_size,
+                                     self.envs_per_actor, other)
+            object.__setattr__(self, "num_actors", number)
 
     @property
     def slots_needed(self) -> int:
@@ -264,13 +297,14 @@ def build_parser() -> argparse.ArgumentParser:
         meta = dict(f.metadata)
         help_text = meta.pop("help")
         negatable = meta.pop("negatable", False)
+        default = meta.pop("argparse_default", f.default)  # what --help shows, converted by the flag's type
         if f.type in ("bool", "bool | None"):
             action = argparse.BooleanOptionalAction if negatable else "store_true"
-            parser.add_argument(f"--{f.name}", action=action, default=f.default, help=help_text)
+            parser.add_argument(f"--{f.name}", action=action, default=default, help=help_text)
             continue
-        if "nargs" not in meta:
+        if "nargs" not in meta and "type" not in meta:
             meta["type"] = _arg_type(str(f.type))
-        parser.add_argument(f"--{f.name}", default=f.default, help=help_text, **meta)
+        parser.add_argument(f"--{f.name}", default=default, help=help_text, **meta)
     return parser
 
 

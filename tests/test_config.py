@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from impala.config import Config, UserError, build_parser, config_from_dict, parse_config, run_path
+from impala.config import Config, UserError, auto_num_actors, build_parser, config_from_dict, parse_config, run_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,7 +20,9 @@ def test_defaults_are_the_atari_settings_measured_in_results() -> None:
     config = Config()
     assert config.mode == "train"
     assert config.env == "PongNoFrameskip-v4"
-    assert (config.unroll_length, config.batch_size, config.num_actors, config.envs_per_actor) == (32, 32, 4, 8)
+    assert (config.unroll_length, config.batch_size, config.envs_per_actor) == (32, 32, 8)
+    # --num_actors auto: the cores less the learner's and the main process's, at least one batch's worth (4).
+    assert config.num_actors == max(len(os.sched_getaffinity(0)) - 2, 4)
     assert (config.policy_loss, config.ppo_clip, config.epochs, config.minibatches) == ("ppo", 0.1, 2, 8)
     assert (config.ppo_dual_clip, config.num_learner_threads, config.num_buffers) == (3.0, 1, None)
     assert (config.optimizer, config.learning_rate, config.epsilon) == ("adam", 0.00025, 1e-5)
@@ -40,6 +42,40 @@ def test_derived_values() -> None:
     assert config.resolved_num_buffers == config.slots_needed  # actors at most about one batch ahead
     assert Config(num_buffers=100).resolved_num_buffers == 100
     assert config.steps_per_update == 20 * 4
+
+
+@pytest.mark.parametrize("cores, local_ranks, batch_size, envs_per_actor, other_actors, expected", [
+    (16, 1, 32, 8, 0, 14),  # one GPU machine: 14 actors, a core for the learner, one for the main process
+    (2, 1, 32, 8, 0, 4),  # two cores: still the 4 actors whose 32 envs fill one batch of 32 unrolls
+    (2, 1, 64, 8, 0, 8),
+    (2, 1, 30, 8, 0, 4),  # ceil(30 / 8)
+    (16, 2, 32, 8, 0, 6),  # two learner ranks on the machine (torchrun): each takes half
+    (16, 1, 32, 8, 2, 12),  # --ray local's 2 remote actors are processes of this machine too
+    (64, 1, 32, 8, 0, 62),
+])
+def test_auto_num_actors(cores: int, local_ranks: int, batch_size: int, envs_per_actor: int, other_actors: int,
+                         expected: int) -> None:
+    assert auto_num_actors(cores, local_ranks, batch_size, envs_per_actor, other_actors) == expected
+
+
+def test_num_actors_auto_is_resolved_once_from_this_process_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert parse_config([]).num_actors == 14
+    assert parse_config(["--num_actors", "auto"]).num_actors == 14
+    assert parse_config(["--num_actors", "3"]).num_actors == 3  # an explicit number is kept, whatever the cores
+    assert parse_config(["--ray", "local", "--ray_actors", "5"]).num_actors == 9
+    assert parse_config(["--ray", "auto", "--ray_actors", "5"]).num_actors == 14  # remote: another machine's cores
+    config = parse_config(["--batch_size", "8"])
+    assert config.to_dict()["num_actors"] == 14  # flags.json and checkpoints keep the number, not "auto"
+    assert config_from_dict(config.to_dict()).num_actors == 14
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun, 4 ranks on this machine
+    assert parse_config([]).num_actors == 4  # 16 / 4 - 2 = 2, but one batch needs 32 / 8 = 4
+
+
+@pytest.mark.parametrize("value", ["-1", "-3", "four", "2.5", ""])
+def test_num_actors_takes_a_number_or_auto(value: str) -> None:
+    with pytest.raises(UserError, match="--num_actors"):
+        parse_config(["--num_actors", value])
 
 
 def test_config_is_frozen() -> None:
@@ -77,7 +113,7 @@ def test_help_lists_every_field_with_its_default() -> None:
     for f in dataclasses.fields(Config):
         assert f"--{f.name}" in text, f"--{f.name} missing from --help"
         assert f.metadata["help"].split()[0] in text
-        default = f.default
+        default = f.metadata.get("argparse_default", f.default)  # --num_actors: auto
         if isinstance(default, bool) and f.metadata.get("negatable"):
             assert f"--no-{f.name}" in text
         # argparse writes the default after the flag's help text.
