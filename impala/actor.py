@@ -52,12 +52,21 @@ class Heartbeat:
 
 
 class Policy(Protocol):
-    """Chooses the actions at row t of the slots `index` and writes action, logits and baseline there."""
+    """Chooses the actions at row t of the slots `index` and writes action, logits and baseline there.
+
+    `final_values` values the observations that time limits cut episodes at, after the action at row t and
+    before the next call (with an LSTM, from the state that action was chosen with, not yet reset).
+    """
 
     core_state: tuple[torch.Tensor, ...]
 
     def __call__(self, buffers: Buffers, index: torch.Tensor, t: int, row: dict[str, torch.Tensor]
                  ) -> torch.Tensor: ...
+
+    def final_values(self, buffers: Buffers, index: torch.Tensor, t: int, final_obs: torch.Tensor,
+                     envs: torch.Tensor) -> torch.Tensor:
+        """The values [K] of rows `envs` [K] of `final_obs` [N, ...]."""
+        ...
 
 
 class StopActing(Exception):
@@ -83,6 +92,15 @@ class LocalPolicy:
         buffers["policy_logits"][index, t] = logits
         buffers["baseline"][index, t] = output.baseline[0]
         return action
+
+    def final_values(self, buffers: Buffers, index: torch.Tensor, t: int, final_obs: torch.Tensor,
+                     envs: torch.Tensor) -> torch.Tensor:
+        """One forward of the truncated envs' final observations; the core state is read, not advanced."""
+        state = tuple(s[:, envs] for s in self.core_state)  # [layers, N, H] -> [layers, K, H]
+        not_a_start = torch.zeros(1, len(envs), dtype=torch.bool)
+        with torch.no_grad(), self.autocast:
+            output, _ = self.model(final_obs[envs][None], not_a_start, state)
+        return output.baseline[0].float()
 
 
 class RemotePolicy:
@@ -111,6 +129,15 @@ class RemotePolicy:
             self.heartbeat()
         self.connection.recv_bytes()
         return buffers["action"][index, t]
+
+    def final_values(self, buffers: Buffers, index: torch.Tensor, t: int, final_obs: torch.Tensor,
+                     envs: torch.Tensor) -> torch.Tensor:
+        """An ordinary request for row t + 1 holding the final observations; the server's outputs there are
+        read for their baselines and then overwritten, as the actor writes row t + 1 and acts on it next."""
+        buffers["obs"][index, t + 1] = final_obs
+        buffers["done"][index, t + 1] = False
+        self(buffers, index, t + 1, {})
+        return buffers["baseline"][index[envs], t + 1].clone()
 
 
 def _take_slots(free_queue: SlotQueue, count: int, stop_event: StopSignal,
@@ -191,6 +218,8 @@ def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChann
         "obs": torch.from_numpy(env.reset()),
         "done": torch.ones(n, dtype=torch.bool),
         "reward": torch.zeros(n),
+        "truncated": torch.zeros(n, dtype=torch.bool),
+        "truncation_value": torch.zeros(n),
         "episode_return": torch.zeros(n),
         "episode_step": torch.zeros(n, dtype=torch.int64),
         "game_over": torch.zeros(n, dtype=torch.bool),
@@ -216,6 +245,10 @@ def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChann
             step = env.recv()
             heartbeat()
             row = _row_from_step(step)
+            if step.truncated.any():
+                envs = torch.from_numpy(np.flatnonzero(step.truncated))
+                row["truncation_value"][envs] = policy.final_values(buffers, index, t,
+                                                                    torch.from_numpy(step.final_obs), envs)
             for game in np.flatnonzero(step.game_over):
                 channels.episode_queue.put((actor_index, float(step.episode_return[game]),
                                             int(step.episode_step[game])))
@@ -229,6 +262,8 @@ def _row_from_step(step: Step) -> dict[str, torch.Tensor]:
         "obs": torch.from_numpy(step.obs),
         "done": torch.from_numpy(step.done),
         "reward": torch.from_numpy(step.reward),
+        "truncated": torch.from_numpy(step.truncated),
+        "truncation_value": torch.zeros(len(step.reward)),
         "episode_return": torch.from_numpy(step.episode_return.astype(np.float32)),
         "episode_step": torch.from_numpy(step.episode_step),
         "game_over": torch.from_numpy(step.game_over),

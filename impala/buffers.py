@@ -5,6 +5,8 @@ unroll of that env. Alignment (the same in every row t):
 
     obs[t], done[t]      the observation and whether it begins an episode
     reward[t]            the reward received on arriving at obs t
+    truncated[t]         whether the step that arrived at obs t hit a time limit (done[t] is true too)
+    truncation_value[t]  then the value of the observation that episode ended on; 0 elsewhere
     action[t], policy_logits[t], baseline[t]   chosen at obs t (row T's are not used)
 
 so the action at t pairs with reward[t + 1] and done[t + 1], and the bootstrap value is the value
@@ -38,6 +40,8 @@ class BufferSpec:
             "obs": ((n, rows, *self.observation_shape), self.observation_dtype),
             "done": ((n, rows), torch.bool),
             "reward": ((n, rows), torch.float32),
+            "truncated": ((n, rows), torch.bool),
+            "truncation_value": ((n, rows), torch.float32),
             "episode_return": ((n, rows), torch.float32),
             "episode_step": ((n, rows), torch.int64),
             "game_over": ((n, rows), torch.bool),

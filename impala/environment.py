@@ -5,6 +5,11 @@ Atari ids go to ale-py's native `AtariVectorEnv`, which does the DeepMind prepro
 goes to gymnasium's synchronous vector env. Both reset an env in the same step that ends it, so the
 observation returned after an end is the first one of the next episode (as in TorchBeast).
 
+An episode cut by a time limit (gymnasium's TimeLimit, ale-py's `max_num_frames_per_episode`) is not a
+termination: its last state still has a value. `Step.truncated` marks those envs and `Step.final_obs` holds
+the observation each one ended on (both vector envs hand it over in `info["final_obs"]`), for the actor to
+value; `done` stays true there, as the episode still ends.
+
 ale-py presses FIRE only at a full reset. Baselines' and TorchBeast's wrappers (episodic life, then
 FireResetEnv) press it after every lost life too, in games whose action 1 is FIRE; so does `EnvBatch`
 with `fire_on_life_loss`: one hidden FIRE step (4 frames) for the envs that lost a life, before the
@@ -55,7 +60,9 @@ class Step:
     """What one step of N envs returns; arrays are [N].
 
     `done` is the learner's episode boundary (a lost life counts when episodic life is on);
-    `game_over` marks the end of a full game, when `episode_return` and `episode_step` hold its totals.
+    `game_over` marks the end of a full game, when `episode_return` and `episode_step` hold its totals;
+    `truncated` marks the boundaries that a time limit made, not a termination (done is true there too);
+    `final_obs` [N, ...] is the observation each truncated env's episode ended on, `obs` in the other rows.
     """
 
     obs: np.ndarray
@@ -64,6 +71,8 @@ class Step:
     game_over: np.ndarray
     episode_return: np.ndarray
     episode_step: np.ndarray
+    truncated: np.ndarray
+    final_obs: np.ndarray
 
 
 class EnvBatch:
@@ -144,37 +153,63 @@ class EnvBatch:
         else:
             obs, reward, terminated, truncated, info = self._env.step(self._actions)
         reward = np.asarray(reward, np.float32)
-        game_over = np.logical_or(terminated, truncated)
+        terminated = np.asarray(terminated, bool)
+        truncated = np.asarray(truncated, bool) & ~terminated  # a game that ends at its time limit has ended
+        game_over = terminated | truncated
+        final_obs = _final_obs(obs, truncated, info)
         done = game_over
         if self._atari:
             lives = np.asarray(info["lives"], np.int64).copy()
             life_lost = (lives < self._lives) & ~game_over
             if self._fire_on_life_loss and life_lost.any():
-                obs, game_over = self._fire(np.flatnonzero(life_lost), obs, game_over, lives)
-            done = game_over | life_lost if self._episodic_life else game_over
+                obs, final_obs, game_over, truncated = self._fire(np.flatnonzero(life_lost), obs, final_obs,
+                                                                  game_over, truncated, lives)
+            if self._episodic_life:
+                done = game_over | life_lost
+                truncated = truncated & ~life_lost  # a lost life is a termination for the learner
+            else:
+                done = game_over
             self._lives = lives
         self._return += reward
         self._length += 1
-        step = Step(self._convert(obs), reward, done, game_over, self._return.copy(), self._length.copy())
+        step = Step(self._convert(obs), reward, done, game_over, self._return.copy(), self._length.copy(),
+                    truncated, self._convert(final_obs))
         self._return[game_over] = 0
         self._length[game_over] = 0
         return step
 
-    def _fire(self, envs: np.ndarray, obs: np.ndarray, game_over: np.ndarray, lives: np.ndarray
-              ) -> tuple[np.ndarray, np.ndarray]:
-        """Press FIRE in `envs` (which just lost a life) and return the observations after it. Its points
-        count in the game's return, not in the learner's reward; a game it ends is reported ended."""
-        fire_obs, fire_reward, terminated, truncated, fire_lives = self._env.step_only(envs, FIRE)
-        obs = obs.copy()
-        obs[envs] = fire_obs
+    def _fire(self, envs: np.ndarray, obs: np.ndarray, final_obs: np.ndarray, game_over: np.ndarray,
+              truncated: np.ndarray, lives: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Press FIRE in `envs` (which just lost a life) and return the observations after it, final
+        observations, games over and truncations. Its points count in the game's return, not in the learner's
+        reward; a game it ends is reported ended, and one it cuts at the time limit, truncated."""
+        fire_obs, fire_reward, terminated, fire_truncated, fire_lives, fire_final_obs = self._env.step_only(envs, FIRE)
+        fire_truncated = fire_truncated & ~terminated
+        obs, final_obs, game_over, truncated = obs.copy(), final_obs.copy(), game_over.copy(), truncated.copy()
+        obs[envs] = final_obs[envs] = fire_obs
+        final_obs[envs[fire_truncated]] = fire_final_obs[fire_truncated]
         self._return[envs] += fire_reward
-        game_over = game_over.copy()
-        game_over[envs] |= terminated | truncated
+        game_over[envs] |= terminated | fire_truncated
+        truncated[envs] |= fire_truncated
         lives[envs] = fire_lives
-        return obs, game_over
+        return obs, final_obs, game_over, truncated
 
     def close(self) -> None:
         self._env.close()
+
+
+def _final_obs(obs: np.ndarray, truncated: np.ndarray, info: dict[str, Any]) -> np.ndarray:
+    """`obs` with the rows of truncated envs replaced by the observation their episode ended on.
+
+    gymnasium's SAME_STEP autoreset gives `info["final_obs"]` as an object array (masked by
+    `info["_final_obs"]`), ale-py's as one array of all envs; both set the rows of every env that ended.
+    """
+    if not truncated.any():
+        return obs
+    final = obs.copy()
+    for i in np.flatnonzero(truncated):
+        final[i] = info["final_obs"][i]
+    return final
 
 
 def _make_atari(spec: gym.envs.registration.EnvSpec, num_envs: int) -> Any:
@@ -228,16 +263,20 @@ class _OneVectorEnvEach:
         return self._gather(range(len(self._envs)))
 
     def step_only(self, envs: np.ndarray, action: int) -> tuple[np.ndarray, ...]:
-        """Step only `envs` with `action`: observations, rewards, terminated, truncated and lives of those."""
+        """Step only `envs` with `action`: observations, rewards, terminated, truncated, lives and final
+        observations (those of ended games; the observation elsewhere) of those."""
         for i in envs:
             self._envs[i].send(np.array([action], np.int64))
         obs, reward, terminated, truncated, info = self._gather(envs)
-        return obs, reward, terminated, truncated, info["lives"]
+        return obs, reward, terminated, truncated, info["lives"], info["final_obs"]
 
     def _gather(self, envs: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """The results of `envs` as one vector env's: info has `lives` and `final_obs` (every row set)."""
         results = [self._envs[i].recv() for i in envs]
         obs, reward, terminated, truncated = (np.concatenate([r[k] for r in results]) for k in range(4))
-        return obs, reward, terminated, truncated, {"lives": np.concatenate([r[4]["lives"] for r in results])}
+        final_obs = np.concatenate([r[4].get("final_obs", r[0]) for r in results])
+        return obs, reward, terminated, truncated, {"lives": np.concatenate([r[4]["lives"] for r in results]),
+                                                    "final_obs": final_obs}
 
     def close(self) -> None:
         for env in self._envs:

@@ -10,7 +10,9 @@ from __future__ import annotations
 import queue
 import threading
 import types
+from multiprocessing import Pipe
 
+import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -19,10 +21,12 @@ from impala.actor import ActorChannels, run_actor
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.config import Config
 from impala.environment import EnvBatch
+from impala.inference import InferenceServer
 from impala.model import Net
 from impala.seeding import first_life
 
 POLICY_VERSION = 7
+SERVER_SEED = 1  # the inference server's sampling seed (with it, the time-limit test's games end in both ways)
 
 
 def _channels(num_buffers: int) -> ActorChannels:
@@ -46,7 +50,8 @@ class Rollout:
 
     def __init__(self, env: str = "CartPole-v1", envs_per_actor: int = 2, unroll_length: int = 20,
                  use_lstm: bool = False, model: str = "auto", max_unrolls: int = 2, extra_buffers: int = 1,
-                 env_splits: int = 1) -> None:
+                 env_splits: int = 1, central: bool = False) -> None:
+        """`central`: act through an inference server (--inference central) serving `model` in a thread."""
         self.config = Config(env=env, num_actors=1, envs_per_actor=envs_per_actor, unroll_length=unroll_length,
                              use_lstm=use_lstm, hidden_size=16, model=model, seed=3, env_splits=env_splits)
         probe = EnvBatch(env, 1, 0)
@@ -62,7 +67,10 @@ class Rollout:
                           core_shapes)
         self.buffers: Buffers = create_buffers(spec)
         self.channels = _channels(num_buffers)
-        run_actor(0, self.config, self.buffers, self.model, self.channels, max_unrolls=max_unrolls)
+        if central:
+            self._run_served(max_unrolls)
+        else:
+            run_actor(0, self.config, self.buffers, self.model, self.channels, max_unrolls=max_unrolls)
         self.full = _drain(self.channels.full_queue)
         self.episodes = _drain(self.channels.episode_queue)
         self.errors = _drain(self.channels.error_queue)
@@ -73,6 +81,27 @@ class Rollout:
 
     def field(self, unroll: int, env: int, name: str) -> torch.Tensor:
         return self.buffers[name][self.slots[unroll][env]]
+
+    def _run_served(self, max_unrolls: int) -> None:
+        splits = self.config.env_splits
+        positions = torch.full((splits, self.config.envs_per_actor // splits + 1), -1, dtype=torch.int64)
+        self.server = InferenceServer(self.model, self.buffers, positions, torch.device("cpu"), amp=False,
+                                      wait_s=0.0, seed=SERVER_SEED)
+        actor_ends = []
+        for client in range(splits):
+            main_end, actor_end = Pipe()
+            self.server.connect(client, main_end)
+            actor_ends.append(actor_end)
+        self.channels = self.channels._replace(inference_positions=positions)
+        stop = threading.Event()
+        thread = threading.Thread(target=self.server.serve, args=(stop,), daemon=True)
+        thread.start()
+        try:
+            run_actor(0, self.config, self.buffers, self.model, self.channels, max_unrolls=max_unrolls,
+                      inference_connections=actor_ends)
+        finally:
+            stop.set()
+            thread.join(5)
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-split", "two-splits"])
@@ -252,3 +281,77 @@ def test_atari_splits_step_in_turn_and_replay_like_one_batch() -> None:
                 assert rollout.field(0, i, "reward")[t + 1] == step.reward[i]
     finally:
         env.close()
+
+
+# ------------------------------------------------------------------------------- time limits
+
+TIME_LIMIT = 15  # short enough to cut some CartPole games of a random policy, long enough for others to end
+
+
+def _short_cartpole() -> str:
+    env_id = f"TestCartPoleLimit{TIME_LIMIT}-v1"
+    if env_id not in gym.registry:
+        gym.register(env_id, entry_point="gymnasium.envs.classic_control.cartpole:CartPoleEnv",
+                     max_episode_steps=TIME_LIMIT)
+    return env_id
+
+
+def _final_observations(rollout: Rollout) -> dict[tuple[int, int, int], np.ndarray]:
+    """{(unroll, env, row): final observation} for every row a time limit ended, by replaying the actions on
+    a fresh copy of the actor's envs."""
+    config = rollout.config
+    T, n = config.unroll_length, config.envs_per_actor
+    env = EnvBatch(config.env, n, first_life(config.seed, 0, n).env_seeds)
+    finals = {}
+    try:
+        env.reset()
+        for unroll in range(len(rollout.slots)):
+            for t in range(T):
+                step = env.step(np.array([int(rollout.field(unroll, i, "action")[t]) for i in range(n)]))
+                for i in range(n):
+                    np.testing.assert_array_equal(rollout.field(unroll, i, "obs")[t + 1].numpy(), step.obs[i])
+                    if step.truncated[i]:
+                        finals[(unroll, i, t + 1)] = step.final_obs[i]
+    finally:
+        env.close()
+    return finals
+
+
+@pytest.mark.parametrize("acting", ["local", "local-lstm", "central"])
+def test_a_time_limit_is_written_as_truncated_with_the_value_of_the_final_observation(acting: str) -> None:
+    """Where a time limit cut a game, the row of that step says `truncated` (and done), and `truncation_value`
+    holds the policy's value of the observation the game was cut at: computed after the action, with an LSTM
+    from the state that action was chosen with (the stored state unrolled over the rows before it, then the
+    final observation as no episode start). Everywhere else it is 0. The games are reported as before."""
+    rollout = Rollout(env=_short_cartpole(), envs_per_actor=3, unroll_length=12, use_lstm=acting == "local-lstm",
+                      max_unrolls=3, central=acting == "central")
+    assert rollout.errors == []
+    finals = _final_observations(rollout)
+    T = rollout.config.unroll_length
+    truncated_rows = set(finals)
+    ended_rows = set()
+    for unroll in range(3):
+        for env in range(3):
+            field = {name: rollout.field(unroll, env, name) for name in
+                     ("obs", "done", "truncated", "truncation_value", "episode_step")}
+            state = tuple(rollout.field(unroll, env, f"core_state_{i}").unsqueeze(1)
+                          for i in range(len(rollout.model.initial_state(1))))
+            for t in range(1, T + 1):
+                if field["done"][t]:
+                    ended_rows.add((unroll, env, t))
+                if (unroll, env, t) not in finals:
+                    assert not field["truncated"][t] and field["truncation_value"][t] == 0
+                    continue
+                assert field["truncated"][t] and field["done"][t] and field["episode_step"][t] == TIME_LIMIT
+                obs = torch.cat([field["obs"][:t], torch.from_numpy(finals[(unroll, env, t)])[None]])
+                done = torch.cat([field["done"][:t], torch.tensor([False])])
+                with torch.no_grad():
+                    output, _ = rollout.model(obs[:, None], done[:, None], state)
+                torch.testing.assert_close(field["truncation_value"][t], output.baseline[-1, 0])
+    assert len(truncated_rows) >= 2 and ended_rows - truncated_rows, "both time limits and terminations"
+    # Some step cut one env's game but not the others': the values are those of the right envs.
+    assert any(sum((u, e, t) in finals for e in range(3)) < 3 for u, _, t in finals)
+    games = [(0, float(rollout.field(u, e, "episode_return")[t]), int(rollout.field(u, e, "episode_step")[t]))
+             for u, e, t in ended_rows]
+    assert sorted(rollout.episodes) == sorted(games)
+    assert all(length <= TIME_LIMIT for _, _, length in games)

@@ -224,3 +224,100 @@ def test_breakout_ball_is_back_in_play_after_a_lost_life_without_the_agent_firin
 def test_breakout_without_fire_on_life_loss_waits_for_the_agent() -> None:
     changed, _ = _frames_after_first_life_loss(True, fire_on_life_loss=False)
     assert changed == [0] * 10  # nothing moves until the agent presses FIRE
+
+
+# ------------------------------------------------------------------------------- time limits
+
+
+CARTPOLE_LIMIT = 5
+
+
+def _register(env_id: str, entry_point: str, **kwargs: object) -> str:
+    if env_id not in gym.registry:
+        gym.register(env_id, entry_point=entry_point, **kwargs)  # type: ignore[arg-type]
+    return env_id
+
+
+def _short_cartpole() -> str:
+    """CartPole cut at 5 steps: alternating pushes keep the pole up that long, so every end is a truncation."""
+    return _register("TestCartPoleLimit5-v1", "gymnasium.envs.classic_control.cartpole:CartPoleEnv",
+                     max_episode_steps=CARTPOLE_LIMIT)
+
+
+def _short_atari(game: str, frames: int) -> str:
+    """An ALE game cut at `frames` frames (ale-py's max_num_frames_per_episode), as the 108,000 cap cuts it."""
+    return _register(f"Test{game.title()}Frames{frames}-v4", "ale_py.env:AtariEnv",
+                     kwargs={"game": game, "repeat_action_probability": 0.0, "full_action_space": False,
+                             "frameskip": 1, "max_num_frames_per_episode": frames})
+
+
+def test_a_time_limit_is_a_truncation_with_the_final_observation() -> None:
+    """At the limit the game is over and done is set (the episode ends), but `truncated` says it was cut, and
+    `final_obs` holds the observation it was cut at: the one a lone env returns there, not the next start."""
+    num_envs, seed = 2, 3
+    env = EnvBatch(_short_cartpole(), num_envs, seed=seed)
+    references = [gym.make("CartPole-v1") for _ in range(num_envs)]
+    try:
+        env.reset()
+        for i, reference in enumerate(references):
+            reference.reset(seed=seed + i)
+        for t in range(1, 2 * CARTPOLE_LIMIT + 1):
+            actions = np.full(num_envs, t % 2)
+            step = env.step(actions)
+            reference_obs = np.stack([r.step(int(actions[i]))[0] for i, r in enumerate(references)])
+            at_limit = t % CARTPOLE_LIMIT == 0
+            np.testing.assert_array_equal(step.truncated, [at_limit] * num_envs)
+            np.testing.assert_array_equal(step.done, [at_limit] * num_envs)
+            np.testing.assert_array_equal(step.game_over, [at_limit] * num_envs)
+            np.testing.assert_allclose(step.final_obs, reference_obs)
+            if at_limit:
+                np.testing.assert_array_equal(step.episode_step, [CARTPOLE_LIMIT] * num_envs)
+                assert not np.allclose(step.obs, reference_obs)  # the next game's start
+                for reference in references:
+                    reference.reset()
+            else:
+                np.testing.assert_array_equal(step.obs, step.final_obs)
+    finally:
+        env.close()
+        for reference in references:
+            reference.close()
+
+
+def test_a_termination_is_not_a_truncation() -> None:
+    env = EnvBatch("CartPole-v1", 2, seed=0)
+    try:
+        env.reset()
+        for _ in range(100):
+            step = env.step(np.zeros(2, np.int64))  # always left: the pole falls in about 10 steps
+            assert not step.truncated.any()
+            np.testing.assert_array_equal(step.final_obs, step.obs)
+            if step.done.all():
+                break
+        assert step.game_over.any()
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("game", ["pong", "breakout"])  # one vector env for all, and one per env (FIRE on life loss)
+def test_an_atari_frame_cap_is_a_truncation_with_the_final_frames(game: str) -> None:
+    """ale-py cuts a game at max_num_frames_per_episode: a truncation whose final observation is the stack
+    after the last action (the previous stack shifted by one frame), not the next game's first."""
+    frames = 160  # 40 agent steps less the random no-op start
+    env = EnvBatch(_short_atari(game, frames), 2, seed=0)
+    try:
+        obs = env.reset()
+        rng = np.random.default_rng(0)
+        truncations = 0
+        for _ in range(3 * frames // 4):
+            step = env.step(rng.integers(0, env.num_actions, 2))
+            assert not (step.game_over & ~step.truncated).any(), "no game ends by itself in 160 frames"
+            for i in np.flatnonzero(step.truncated):
+                truncations += 1
+                assert step.done[i] and step.episode_step[i] <= frames // 4
+                np.testing.assert_array_equal(step.final_obs[i, :-1], obs[i, 1:])
+                assert not np.array_equal(step.final_obs[i], step.obs[i])
+            np.testing.assert_array_equal(step.final_obs[~step.truncated], step.obs[~step.truncated])
+            obs = step.obs
+        assert truncations >= 2
+    finally:
+        env.close()

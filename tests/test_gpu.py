@@ -35,6 +35,8 @@ def test_a_gpu_update_from_pinned_staging_moves_the_weights_and_reports_finite_s
     buffers["obs"].random_(0, 255)
     buffers["done"].zero_()
     buffers["reward"].uniform_(-1, 1)
+    buffers["truncated"].zero_()
+    buffers["truncation_value"].zero_()
     buffers["action"].random_(0, 6)
     buffers["policy_logits"].normal_()
     staging = learner.BatchStaging(buffers, config.batch_size, pin=True)

@@ -35,11 +35,14 @@ def _model(use_lstm: bool = False) -> Net:
 
 
 def _batch(model: Net, rewards: list[list[float]], dones: list[list[bool]], actions: list[list[int]],
-           off_policy: bool = False) -> dict[str, torch.Tensor]:
+           off_policy: bool = False, truncations: dict[tuple[int, int], float] | None = None
+           ) -> dict[str, torch.Tensor]:
     """A batch [T + 1, B, ...] laid out as the actors write it.
 
     `rewards`/`dones` are rows 1..T (row 0 belongs to the previous unroll and must not be used);
     `actions` are rows 0..T-1 (row T's action is chosen in the next unroll). Unused entries hold poison.
+    `truncations`: {(row, env): value of the final observation} where a time limit ended the episode (the
+    row's done must be set).
     """
     T, B = len(rewards), len(rewards[0])
     generator = torch.Generator().manual_seed(1)
@@ -53,7 +56,14 @@ def _batch(model: Net, rewards: list[list[float]], dones: list[list[bool]], acti
     if off_policy:  # large enough to push pi/mu above and below 1
         behaviour_logits += 1.5 * torch.randn(behaviour_logits.shape, generator=generator)
     behaviour_logits[-1] = math.nan
-    return {"obs": obs, "done": done, "reward": reward, "action": action, "policy_logits": behaviour_logits}
+    truncated = torch.zeros(T + 1, B, dtype=torch.bool)
+    truncation_value = torch.zeros(T + 1, B)
+    truncated[0], truncation_value[0] = True, math.nan  # row 0 is the previous unroll's
+    for (t, b), value in (truncations or {}).items():
+        assert t > 0 and done[t, b], "a truncation ends the episode"
+        truncated[t, b], truncation_value[t, b] = True, value
+    return {"obs": obs, "done": done, "reward": reward, "truncated": truncated, "truncation_value": truncation_value,
+            "action": action, "policy_logits": behaviour_logits}
 
 
 def _reference_vtrace(values: list[float], rewards: list[float], discounts: list[float], rhos: list[float]
@@ -89,6 +99,9 @@ def _expected_losses(model: Net, batch: dict[str, torch.Tensor], config: Config)
         rewards = [float(r) for r in batch["reward"][1:, b]]
         if config.reward_clipping == "abs_one":
             rewards = [max(-1.0, min(1.0, r)) for r in rewards]
+        for t in range(T):  # a time limit: the final observation's value, discounted, is the bootstrap
+            if batch["truncated"][t + 1, b]:
+                rewards[t] += config.discounting * float(batch["truncation_value"][t + 1, b])
         discounts = [0.0 if bool(d) else config.discounting for d in batch["done"][1:, b]]
         rhos = [math.exp(float(log_pi[t, b, actions[t]] - log_mu[t, b, actions[t]])) for t in range(T)]
         vs, advantages = _reference_vtrace(values, rewards, discounts, rhos)
@@ -133,11 +146,40 @@ def test_on_policy_targets_are_discounted_returns_cut_at_the_episode_end() -> No
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("reward_clipping", ["none", "abs_one"])
+def test_a_time_limit_bootstraps_from_the_final_observation_and_cuts_the_trace(reward_clipping: str) -> None:
+    """Action 1's step hits a time limit (row 2: done and truncated) in a state of value v_f = 4. Its target is
+    r + gamma v_f, not r: the state had a future the limit cut off; v_f is not a reward, so it is not clipped.
+    Nothing from the next episode (row 3) reaches back: the discount into row 2 is still 0."""
+    model = _model()
+    config = _config(reward_clipping=reward_clipping)
+    v_f = 4.0
+    batch = _batch(model, rewards=[[1.0], [5.0], [-0.5]], dones=[[False], [True], [False]], actions=[[0], [2], [1]],
+                   truncations={(2, 0): v_f})
+    captured = _capture_vtrace(model, batch, config)
+    with torch.no_grad():
+        values = model(batch["obs"], batch["done"])[0].baseline[:, 0].tolist()
+    gamma = config.discounting
+    r_2 = 1.0 if reward_clipping == "abs_one" else 5.0
+    expected_vs = [1.0 + gamma * (r_2 + gamma * v_f),
+                   r_2 + gamma * v_f,
+                   -0.5 + gamma * values[3]]
+    torch.testing.assert_close(captured.vs[:, 0].double(), torch.tensor(expected_vs, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-6)
+    _, stats = learner.compute_loss(model, batch, (), config)
+    _assert_losses(stats, _expected_losses(model, batch, config))
+    # The same rows without the truncation: a termination, whose target is the reward alone.
+    terminated = _capture_vtrace(model, _batch(model, [[1.0], [5.0], [-0.5]], [[False], [True], [False]],
+                                               [[0], [2], [1]]), config)
+    assert float(terminated.vs[1, 0]) == pytest.approx(r_2)
+    torch.testing.assert_close(terminated.vs[2], captured.vs[2], rtol=0, atol=0)
+
+
 def test_losses_off_policy_match_a_hand_computation() -> None:
     model = _model()
     config = _config()
     batch = _batch(model, rewards=[[0.5, -1.0], [1.0, 0.0], [0.0, 2.0]], dones=[[False, False], [False, True],
-                   [True, False]], actions=[[0, 1], [2, 2], [1, 0]], off_policy=True)
+                   [True, False]], actions=[[0, 1], [2, 2], [1, 0]], off_policy=True, truncations={(2, 1): -3.0})
     _, stats = learner.compute_loss(model, batch, (), config)
     assert 0.0 < float(stats["rho_clipped_fraction"]) < 1.0  # the clipping threshold is crossed both ways
     _assert_losses(stats, _expected_losses(model, batch, config))

@@ -58,7 +58,8 @@ def test_policy_lag_counts_the_updates_between_acting_and_learning() -> None:
     torch.manual_seed(0)
     model = Net((4,), 2, "mlp", False, 8)
     buffers = create_buffers(BufferSpec(3 * B, T, (4,), torch.float32, 2))
-    for key, value in (("obs", 0.0), ("done", False), ("reward", 0.0), ("action", 0), ("policy_logits", 0.0)):
+    for key, value in (("obs", 0.0), ("done", False), ("reward", 0.0), ("truncated", False), ("truncation_value", 0.0),
+                       ("action", 0), ("policy_logits", 0.0)):
         buffers[key].fill_(value)
     buffers["policy_version"][:] = torch.tensor([0, 0, 0, 0, 1, 1])
     optimizer, scheduler = learner.make_optimizer(model, config)

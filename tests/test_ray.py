@@ -118,6 +118,7 @@ def test_a_remote_actor_ships_whole_unrolls_that_continue_each_other() -> None:
     finally:
         actor.stop()
     assert set(first["fields"]) == set(shipped_keys(actor.buffers))
+    assert {"truncated", "truncation_value"} <= set(first["fields"])  # time limits travel with the rewards
     assert first["fields"]["obs"].shape == (6, 5, *shape) and first["fields"]["obs"].dtype == np.float32
     assert first["fields"]["action"].shape == (6, 5)
     obs = np.concatenate([first["fields"]["obs"], second["fields"]["obs"]])  # 4 unrolls of each env
