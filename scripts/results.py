@@ -6,6 +6,8 @@
     python scripts/results.py pong --plot-only --savedir DIR --xpid NAME   # redraw from an existing run
     python scripts/results.py pong --compare DIR1 DIR2 --labels A B --out cmp.png   # existing runs side by side
     python scripts/results.py spaceinvaders --xpid si-linear --total_steps 1500000 --lr_schedule linear
+    python scripts/results.py atari5                     # the five Atari-5 games, 10M steps each; rerun to resume
+    python scripts/results.py atari5 --plot-only         # the Atari-5 table from the runs that exist, no training
 
 Flags this script does not know are passed on to `run.py` after the experiment's own (the last one wins).
 
@@ -13,11 +15,19 @@ Each run trains with `run.py` in SAVEDIR (default results/runs), then plays `--t
 games with `run.py --mode test`, prints one summary line per run (final mean of the last 100 training
 games, agent steps, wall time, greedy test mean) and writes a PNG of the return against agent steps and
 against wall time (default docs/results/NAME.png). With several seeds it also prints the spread.
+
+`atari5` trains the README's default command on each Atari-5 game for 10M agent steps (XPID atari5-GAME),
+one game after the other. Rerunning it skips the games that finished (and were tested), resumes the one
+with a checkpoint and starts the rest. Each run's atari5.json records every session's wall time and
+machine; the table (training and greedy returns, human-normalised scores, Atari-5's predicted Atari-57
+median, CleanRL's published PPO beside ours, settings and sources) is printed and written to
+SAVEDIR/atari5.md and SAVEDIR/atari5.json. docs/atari5.md explains every number.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import re
 import signal
@@ -33,7 +43,8 @@ from matplotlib.ticker import EngFormatter
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from impala.plotting import smooth  # the repository root is on the path only now
+from impala import atari5  # the repository root is on the path only now
+from impala.plotting import CSV_RETURN_COLUMN, smooth
 
 # The commands behind the results; flags not named here are run.py's defaults.
 EXPERIMENTS = {
@@ -45,14 +56,18 @@ EXPERIMENTS = {
                  "--total_steps", "300000", "--policy_loss", "impala", "--optimizer", "rmsprop", "--epsilon", "0.01",
                  "--grad_norm_clipping", "40", "--epochs", "1", "--minibatches", "1", "--vtrace_lambda", "1", "--lr_schedule", "linear"],
 }
+# Atari-5: the README's default command (`python run.py --env GAME`) for 10M agent steps (40M frames).
+ATARI5_FLAGS = ["--total_steps", "10000000"]
+ATARI5_RECORD = "atari5.json"  # in each run directory: its sessions (wall time, machine) and greedy test
 RETURN_TAG = "charts/episodic_return"
 LAST_GAMES = 100
 
 
-def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None, run_flags: list[str]) -> None:
+def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None, run_flags: list[str],
+          experiment_flags: list[str] | None = None) -> None:
     """Run the experiment's command; with `minutes`, stop it with Ctrl-C's signal after that long."""
-    command = [sys.executable, "run.py", *EXPERIMENTS[name], *run_flags, "--seed", str(seed),
-               "--savedir", str(savedir), "--xpid", xpid]
+    command = [sys.executable, "run.py", *(EXPERIMENTS[name] if experiment_flags is None else experiment_flags),
+               *run_flags, "--seed", str(seed), "--savedir", str(savedir), "--xpid", xpid]
     print("$ " + " ".join(command[1:]), flush=True)
     process = subprocess.Popen(command, cwd=ROOT)
     try:
@@ -60,6 +75,9 @@ def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None,
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGINT)  # a stopped run writes its checkpoint and ends in order
         process.wait()
+    except KeyboardInterrupt:  # the terminal's Ctrl-C reached the run too: let it save before we stop
+        process.wait()
+        raise
 
 
 def greedy_test(env: str, savedir: Path, xpid: str, episodes: int) -> float:
@@ -119,10 +137,209 @@ def figure(run_dirs: list[Path], title: str, labels: list[str] | None = None) ->
     fig.suptitle(title)
     return fig
 
+# ------------------------------------------------------------------------------------------------ Atari-5
+
+
+def atari5_xpid(prefix: str, env_id: str, seed: int, seeds: int) -> str:
+    """`atari5-BattleZone`, or `atari5-BattleZone-s1` with several seeds."""
+    return f"{prefix}-{env_id.removesuffix('NoFrameskip-v4')}" + (f"-s{seed}" if seeds > 1 else "")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def run_state(run_dir: Path) -> str:
+    """What a rerun does with `run_dir`: "finished" (trained to its own total_steps: skip it), "resume" (a
+    checkpoint to continue from: run.py resumes it given the same --xpid) or "new" (train from the start)."""
+    meta, flags = _read_json(run_dir / "meta.json"), _read_json(run_dir / "flags.json")
+    if meta.get("end_reason") == "finished" and (meta.get("final_step") or 0) >= flags.get("total_steps", float("inf")):
+        return "finished"
+    return "resume" if (run_dir / "model.tar").is_file() else "new"
+
+
+def machine_description() -> str:
+    """CPU model and usable cores, and the GPU if any, e.g. `AMD EPYC, 2 cores, cpu (no CUDA device)`."""
+    from impala.bench import machine  # torch and the trainer: only when a run is recorded
+
+    m = machine()
+    return f"{m['cpu']}, {m['cores_usable']} cores, {m['device']}"
+
+
+def record_session(run_dir: Path, wall_s: float, state_before: str, machine: str) -> None:
+    """Add one training session (its wall time, machine, the step it reached) to the run's atari5.json."""
+    path = run_dir / ATARI5_RECORD
+    record = _read_json(path)
+    record.setdefault("sessions", []).append({
+        "ended": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "wall_s": round(wall_s, 1),
+        "was": state_before, "machine": machine, "final_step": _read_json(run_dir / "meta.json").get("final_step")})
+    if run_dir.is_dir():
+        path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str, seed: int, xpid: str) -> None:
+    """Train one game unless it finished, then test it greedily once (the result is kept in atari5.json)."""
+    run_dir = args.savedir / xpid
+    state = run_state(run_dir)
+    if state == "finished":
+        print(f"{xpid}: finished, not trained again", flush=True)
+    else:
+        print(f"{xpid}: {'resuming from its checkpoint' if state == 'resume' else 'new run'}", flush=True)
+        machine, start = machine_description(), time.monotonic()
+        try:
+            train("atari5", seed, args.savedir, xpid, args.minutes, run_flags, ["--env", env_id, *ATARI5_FLAGS])
+        finally:
+            record_session(run_dir, time.monotonic() - start, state, machine)
+    record = _read_json(run_dir / ATARI5_RECORD)
+    if run_state(run_dir) == "finished" and record.get("greedy_test_episodes") != args.test_episodes:
+        record["greedy_test_mean"] = greedy_test(env_id, args.savedir, xpid, args.test_episodes)
+        record["greedy_test_episodes"] = args.test_episodes
+        (run_dir / ATARI5_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def last_games_mean(run_dir: Path) -> tuple[float | None, int]:
+    """Mean return of the run's last 100 full training games and how many games it played; from the event
+    files, else the last `charts/mean_return_100` of logs.csv (with the game count unknown: 0)."""
+    if any(run_dir.glob("events.out.tfevents.*")):
+        _, returns, _ = episodes(run_dir)
+        if len(returns):
+            return float(returns[-LAST_GAMES:].mean()), len(returns)
+    mean = None
+    if (run_dir / "logs.csv").is_file():
+        import csv
+
+        with open(run_dir / "logs.csv", newline="") as f:
+            for row in csv.DictReader(f):
+                value = row.get(CSV_RETURN_COLUMN) or ""
+                if value and np.isfinite(float(value)):
+                    mean = float(value)
+    return mean, 0
+
+
+def atari5_row(run_dir: Path, env_id: str, seed: int) -> dict:
+    """One game's line of the table, from what its run directory holds (None where it holds nothing yet)."""
+    game = atari5.game(env_id)
+    meta, record = _read_json(run_dir / "meta.json"), _read_json(run_dir / ATARI5_RECORD)
+    mean, games = last_games_mean(run_dir) if run_dir.is_dir() else (None, 0)
+    greedy = record.get("greedy_test_mean")
+    sessions = record.get("sessions", [])
+    machines = sorted({s["machine"] for s in sessions})
+    return {"game": game.name, "env": env_id, "xpid": run_dir.name, "seed": seed, "state": run_state(run_dir),
+            "final_step": meta.get("final_step"), "games": games, f"mean_last_{LAST_GAMES}": mean,
+            "greedy_test_mean": greedy, "greedy_test_episodes": record.get("greedy_test_episodes"),
+            f"hns_last_{LAST_GAMES}": None if mean is None else atari5.normalised(env_id, mean),
+            "hns_greedy": None if greedy is None else atari5.normalised(env_id, greedy),
+            "random": game.random, "human": game.human, "cleanrl_ppo": game.cleanrl_ppo,
+            "cleanrl_ppo_std": game.cleanrl_ppo_std, "cleanrl_hns": atari5.normalised(env_id, game.cleanrl_ppo),
+            "wall_s": round(sum(s["wall_s"] for s in sessions), 1) if sessions else None,
+            "sessions": len(sessions), "machine": "; ".join(machines) or None}
+
+
+def atari5_medians(rows: list[dict]) -> dict[str, float | None]:
+    """Atari-5's predicted Atari-57 median from our training and greedy scores (the mean over seeds of each
+    game) and from CleanRL's; None while a game has no score yet."""
+    result: dict[str, float | None] = {"cleanrl": atari5.cleanrl_predicted_median()}
+    for key, column in (("last_100", f"hns_last_{LAST_GAMES}"), ("greedy", "hns_greedy")):
+        by_game = {g.env_id: [r[column] for r in rows if r["env"] == g.env_id and r[column] is not None]
+                   for g in atari5.GAMES}
+        complete = all(by_game.values())
+        result[key] = atari5.predicted_median({k: float(np.mean(v)) for k, v in by_game.items()}) if complete else None
+    return result
+
+
+def _number(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _hours(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds / 3600:.2f} h"
+
+
+def atari5_settings(flags: dict) -> list[tuple[str, str, str]]:
+    """(setting, ours, CleanRL's) lines; ours from a run's flags.json (`?` where it does not say)."""
+    f = {k: flags.get(k, "?") for k in ("total_steps", "num_actors", "envs_per_actor", "unroll_length",
+                                         "batch_size", "policy_loss", "ppo_clip", "vtrace_lambda", "epochs",
+                                         "minibatches", "optimizer", "learning_rate", "lr_schedule", "entropy_cost",
+                                         "baseline_cost", "discounting", "grad_norm_clipping", "reward_clipping",
+                                         "episodic_life", "model")}
+    steps = f["total_steps"]
+    frames = f"{steps * 4 / 1e6:g}M frames" if isinstance(steps, int) else "?"
+    return [
+        ("agent steps per game", f"{steps} ({frames}), 1 seed", "10,000,000 (40M frames), 3 seeds"),
+        ("environments", (f"{f['num_actors']} actors x {f['envs_per_actor']} envs, ALE *NoFrameskip-v4: frame skip 4, "
+         "no sticky actions, up to 30 no-ops, 108k frames per game"), "8 envpool *-v5 envs (envpool's Atari defaults)"),
+        ("data per update", f"unroll {f['unroll_length']} x batch {f['batch_size']}", "128 steps x 8 envs = 1,024"),
+        ("loss", f"{f['policy_loss']} (clip {f['ppo_clip']}), V-trace lambda {f['vtrace_lambda']}",
+         "PPO clip 0.1, GAE lambda 0.95, no value clipping"),
+        ("epochs x minibatches", f"{f['epochs']} x {f['minibatches']}", "4 x 4"),
+        ("optimiser", f"{f['optimizer']} lr {f['learning_rate']}, {f['lr_schedule']}", "Adam lr 2.5e-4, linear to 0"),
+        ("entropy, value cost", f"{f['entropy_cost']}, {f['baseline_cost']}", "0.01, 0.5"),
+        ("discount", f"{f['discounting']}", "0.99"),
+        ("gradient-norm clip", f"{f['grad_norm_clipping']}", "0.5"),
+        ("rewards for learning", f"clipping {f['reward_clipping']}", "clipped (envpool reward_clip=True)"),
+        ("episodic life", f"{f['episodic_life']}", "True (envpool episodic_life=True)"),
+        ("network", f"{f['model']}", "Nature CNN"),
+        ("score reported", f"mean of the last {LAST_GAMES} full training games; greedy: full games after training",
+         "charts/avg_episodic_return (last full game of each of the 8 envs, averaged), mean +- std over seeds"),
+    ]
+
+
+def format_atari5(rows: list[dict], flags: dict) -> str:
+    """The Atari-5 table in Markdown: per game, our scores beside CleanRL's, then the predicted medians,
+    the settings side by side and where every reference number comes from."""
+    lines = [(f"| game | agent steps | mean of last {LAST_GAMES} training games | greedy test (games) | "
+             "human-normalised % (training / greedy) | CleanRL PPO 10M | CleanRL human-normalised % | "
+             "random | human | wall time | machine |"), "|" + "---|" * 11]
+    for r in rows:
+        greedy = "-" if r["greedy_test_mean"] is None else f"{r['greedy_test_mean']:,.1f} ({r['greedy_test_episodes']})"
+        name = f"{r['game']} (seed {r['seed']})" if len(rows) > len(atari5.GAMES) else r["game"]
+        lines.append(
+            f"| {name} | "
+            f"{_number(r['final_step'], 0)} | {_number(r[f'mean_last_{LAST_GAMES}'])} | {greedy} | "
+            f"{_number(r[f'hns_last_{LAST_GAMES}'])} / {_number(r['hns_greedy'])} | "
+            f"{r['cleanrl_ppo']:,.2f} +- {r['cleanrl_ppo_std']:,.2f} | {r['cleanrl_hns']:.1f} | "
+            f"{r['random']:g} | {r['human']:g} | {_hours(r['wall_s'])} | {r['machine'] or '-'} |")
+    medians = atari5_medians(rows)
+    lines += ["", (f"Atari-5 predicted Atari-57 median human-normalised score: ours {_number(medians['last_100'])}% "
+              f"(training, last {LAST_GAMES} games), {_number(medians['greedy'])}% (greedy test); CleanRL PPO "
+              f"{_number(medians['cleanrl'])}%. '-': not every game has a score yet. The paper's cross-validated "
+              f"error of the prediction: {atari5.RELATIVE_ERROR_PERCENT}%."), "",
+              "| setting | ours | CleanRL ppo_atari_envpool_xla_jax |", "|---|---|---|"]
+    lines += [f"| {name} | {ours} | {theirs} |" for name, ours, theirs in atari5_settings(flags)]
+    lines += ["", f"Atari-5: {atari5.PAPER}.", f"Random and human scores: {atari5.REFERENCE_SCORES_SOURCE}.",
+              f"Regression weights: {atari5.WEIGHTS_SOURCE}.", f"CleanRL: {atari5.CLEANRL_SOURCE}."]
+    return "\n".join(lines) + "\n"
+
+
+def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
+    """Train (unless --plot-only) and test each game in turn, then print and write the table."""
+    prefix = args.xpid or "atari5"
+    runs = [(g.env_id, seed, atari5_xpid(prefix, g.env_id, seed, args.seeds))
+            for g in atari5.GAMES for seed in range(args.seeds)]
+    if not args.plot_only:
+        for env_id, seed, xpid in runs:
+            run_atari5_game(args, run_flags, env_id, seed, xpid)
+    rows = [atari5_row(args.savedir / xpid, env_id, seed) for env_id, seed, xpid in runs]
+    flags = next((_read_json(args.savedir / xpid / "flags.json") for _, _, xpid in runs
+                  if (args.savedir / xpid / "flags.json").is_file()), {})
+    table = format_atari5(rows, flags)
+    print(table, flush=True)
+    args.savedir.mkdir(parents=True, exist_ok=True)
+    (args.savedir / f"{prefix}.md").write_text(table)
+    (args.savedir / f"{prefix}.json").write_text(json.dumps(
+        {"rows": rows, "predicted_median": atari5_medians(rows), "flags": flags,
+         "sources": {"paper": atari5.PAPER, "reference_scores": atari5.REFERENCE_SCORES_SOURCE,
+                     "weights": atari5.WEIGHTS_SOURCE, "cleanrl": atari5.CLEANRL_SOURCE}}, indent=2) + "\n")
+    print(f"Wrote {args.savedir / f'{prefix}.md'} and {args.savedir / f'{prefix}.json'}")
+    return 0
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("experiment", choices=sorted(EXPERIMENTS))
+    parser.add_argument("experiment", choices=sorted([*EXPERIMENTS, "atari5"]))
     parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, one run each")
     parser.add_argument("--minutes", type=float, default=None, help="stop each run after this long")
     parser.add_argument("--savedir", type=Path, default=ROOT / "results" / "runs")
@@ -136,6 +353,10 @@ def main() -> int:
     args, run_flags = parser.parse_known_args()
     if run_flags and (args.compare or args.plot_only):
         parser.error(f"unknown flags {' '.join(run_flags)}: run.py's flags are for training runs only")
+    if args.experiment == "atari5":
+        if args.compare:
+            parser.error("atari5 takes no --compare: rerun it with --plot-only for the table")
+        return atari5_experiment(args, run_flags)
     if args.compare:
         if args.labels and len(args.labels) != len(args.compare):
             parser.error(f"--labels needs one label per run directory ({len(args.compare)})")

@@ -1,0 +1,187 @@
+"""Atari-5 arithmetic against numbers worked by hand and from the authors' data, and the `atari5` experiment
+of scripts/results.py on run directories written the way run.py writes them (no training)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from impala import atari5
+
+REPO = Path(__file__).resolve().parent.parent
+BZ, DD, NTG, PHX, QB = (g.env_id for g in atari5.GAMES)
+
+
+def _results_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("results_script", REPO / "scripts" / "results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["results_script"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+results = _results_script()
+
+
+def _authors_subset_score(normalised: dict[str, float]) -> float:
+    """The prediction written out as the first author's `subset_score` does it (tools/plot_util.py of
+    maitchison/PPO): a running total of weight * log10(1 + clip(x, 0)) over the games, then 10 ** total - 1."""
+    weights = {"battlezone": 0.3819751237831753, "doubledunk": 0.0679099488887574,
+               "namethisgame": 0.310804148620847, "phoenix": 0.12412619402774641, "qbert": 0.08048518286466755}
+    total = 0.0
+    for name, weight in weights.items():
+        total += math.log10(1 + max(normalised[name], 0.0)) * weight
+    return 10 ** total - 1
+
+
+def test_normalisation_by_hand() -> None:
+    # Battle Zone: random 2360, human 37187.5, so a score of 19773.75 is half way: 50%.
+    assert atari5.normalised(BZ, 19773.75) == pytest.approx(50.0)
+    assert atari5.normalised(BZ, 2360.0) == 0.0 and atari5.normalised(BZ, 37187.5) == pytest.approx(100.0)
+    # Double Dunk: random -18.55, human -16.4 (a gap of 2.15): a score of 0 is 18.55 / 2.15 = 862.79%.
+    assert atari5.normalised(DD, 0.0) == pytest.approx(100 * 18.55 / 2.15)
+    assert atari5.normalised(DD, -20.0) == pytest.approx(-100 * 1.45 / 2.15)  # worse than random: negative
+    # Q*bert: random 163.88, human 13455.
+    assert atari5.normalised(QB, 13455.0 + 13291.12) == pytest.approx(200.0)
+    with pytest.raises(KeyError, match="not an Atari-5 game"):
+        atari5.normalised("PongNoFrameskip-v4", 21.0)
+
+
+def test_normalisation_matches_the_authors_dataset() -> None:
+    """IMPALA (deep)'s raw scores and the Normalized column of dataset.csv in maitchison/Atari-5 (118cad5),
+    which the authors' atari5.py wrote from the same Random and Human columns."""
+    impala_deep = {BZ: (20885.0, 53.190725719618115), DD: (-0.33, 847.4418604651155),
+                   NTG: (21537.2, 334.3064108465862), PHX: (210996.45, 3243.7673578966856),
+                   QB: (351200.12, 2641.1336290696345)}
+    for env_id, (score, normalised) in impala_deep.items():
+        assert atari5.normalised(env_id, score) == pytest.approx(normalised, rel=1e-12)
+
+
+def test_weights_are_the_papers_and_a_game_at_zero_counts_as_zero() -> None:
+    assert [g.weight for g in atari5.GAMES] == [0.3819751237831753, 0.0679099488887574, 0.310804148620847,
+                                                  0.12412619402774641, 0.08048518286466755]
+    assert sum(g.weight for g in atari5.GAMES) == pytest.approx(0.9654, abs=1e-4)  # no intercept: not 1
+    assert atari5.predicted_median({g.env_id: 0.0 for g in atari5.GAMES}) == 0.0
+    assert atari5.predicted_median({g.env_id: -50.0 for g in atari5.GAMES}) == 0.0  # clipped at 0 as in the fit
+    # Every game at 99%: 10 ** (0.9654 * log10(100)) - 1 = 100 ** 0.9654 - 1.
+    same = atari5.predicted_median({g.env_id: 99.0 for g in atari5.GAMES})
+    assert same == pytest.approx(100 ** sum(g.weight for g in atari5.GAMES) - 1)
+    with pytest.raises(KeyError, match="missing QbertNoFrameskip-v4"):
+        atari5.predicted_median({BZ: 1.0, DD: 1.0, NTG: 1.0, PHX: 1.0})
+
+
+@pytest.mark.parametrize(("name", "scores", "true_median", "predicted"), [
+    # Rainbow (no-op starts), RAINBOW (fixed).csv in maitchison/Atari-5: its median over the 56 games there.
+    ("Rainbow", {BZ: 62010.0, DD: -0.3, NTG: 13136.0, PHX: 108528.6, QB: 33817.5}, 227.05, 225.10),
+    # IMPALA (deep), from paperswithcode in the same dataset: its 57-game median there is 191.82 (the
+    # IMPALA paper's own figure is 191.8%), the prediction 18% above it.
+    ("IMPALA (deep)", {BZ: 20885.0, DD: -0.33, NTG: 21537.2, PHX: 210996.45, QB: 351200.12}, 191.82, 226.70),
+    ("DQN (no-op starts)", {BZ: 29900.0, DD: -6.6, NTG: 8207.8, PHX: 8485.2, QB: 13117.3}, 77.57, 89.93),
+])
+def test_regression_on_published_algorithms(name: str, scores: dict[str, float], true_median: float,
+                                            predicted: float) -> None:
+    """Published five-game scores from the authors' dataset: the prediction equals the authors' formula,
+    and it lands near the median of all games that the same dataset gives for that algorithm."""
+    normalised = {env_id: atari5.normalised(env_id, score) for env_id, score in scores.items()}
+    ours = atari5.predicted_median(normalised)
+    by_name = dict(zip(("battlezone", "doubledunk", "namethisgame", "phoenix", "qbert"), normalised.values()))
+    assert ours == pytest.approx(_authors_subset_score(by_name), rel=1e-12)
+    assert ours == pytest.approx(predicted, abs=0.01)
+    assert abs(math.log(ours / true_median)) < 0.2, name  # within ~20%: the paper's typical error is ~10%
+
+
+def test_cleanrl_reference_and_its_predicted_median() -> None:
+    g = atari5.game(BZ)
+    assert (g.cleanrl_ppo, g.cleanrl_ppo_std) == (24283.75, 1841.94)
+    expected = {BZ: 100 * (24283.75 - 2360) / 34827.5, DD: 100 * (-6.81 + 18.55) / 2.15,
+                NTG: 100 * (5750 - 2292.35) / 5756.65, PHX: 100 * (14474.11 - 761.4) / 6481.2,
+                QB: 100 * (17246.27 - 163.88) / 13291.12}
+    assert atari5.cleanrl_predicted_median() == pytest.approx(atari5.predicted_median(expected))
+    assert atari5.cleanrl_predicted_median() == pytest.approx(76.566, abs=1e-3)  # docs/atari5.md quotes it
+
+
+# ------------------------------------------------------------------------------- the atari5 experiment
+
+
+def _finished_run(savedir: Path, xpid: str, env_id: str, returns: list[float], total_steps: int = 10_000_000,
+                  end_reason: str = "finished", checkpoint: bool = True) -> Path:
+    """A run directory as run.py leaves it: flags.json, meta.json, logs.csv (no event files), model.tar."""
+    run_dir = savedir / xpid
+    run_dir.mkdir(parents=True)
+    (run_dir / "flags.json").write_text(json.dumps({"env": env_id, "total_steps": total_steps, "num_actors": 4,
+                                                    "envs_per_actor": 8, "policy_loss": "ppo"}))
+    final_step = total_steps if end_reason == "finished" else total_steps // 2
+    (run_dir / "meta.json").write_text(json.dumps({"starts": ["2026-01-01T00:00:00+00:00"], "end_reason": end_reason,
+                                                   "final_step": final_step}))
+    with open(run_dir / "logs.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "charts/SPS", "charts/mean_return_100"])
+        writer.writerows([[1000 * (i + 1), 5000, value] for i, value in enumerate(returns)])
+    if checkpoint:
+        (run_dir / "model.tar").write_bytes(b"")
+    return run_dir
+
+
+def test_a_finished_game_is_skipped_and_an_unfinished_one_resumed(tmp_path: Path) -> None:
+    done = _finished_run(tmp_path, "done", BZ, [1.0])
+    stopped = _finished_run(tmp_path, "stopped", BZ, [1.0], end_reason="interrupted")
+    short = _finished_run(tmp_path, "short", BZ, [1.0], total_steps=3000)  # finished at its own total_steps
+    crashed = _finished_run(tmp_path, "crashed", BZ, [1.0], end_reason="error", checkpoint=False)
+    assert [results.run_state(d) for d in (done, stopped, short, crashed)] == ["finished", "resume", "finished", "new"]
+    assert results.run_state(tmp_path / "never") == "new"
+    assert results.atari5_xpid("atari5", BZ, 0, 1) == "atari5-BattleZone"
+    assert results.atari5_xpid("a5", QB, 2, 3) == "a5-Qbert-s2"
+
+
+def test_table_from_finished_run_directories(tmp_path: Path) -> None:
+    """Five finished games (their last mean_return_100 in logs.csv, a session and a greedy test in
+    atari5.json): the table shows each game's scores, normalised scores, CleanRL's, and the medians."""
+    mean_returns = {BZ: 19773.75, DD: 0.0, NTG: 2292.35, PHX: 7242.6, QB: 163.88 + 2 * 13291.12}
+    rows = []
+    for g in atari5.GAMES:
+        xpid = results.atari5_xpid("atari5", g.env_id, 0, 1)
+        run_dir = _finished_run(tmp_path, xpid, g.env_id, [0.0, mean_returns[g.env_id]])
+        (run_dir / results.ATARI5_RECORD).write_text(json.dumps({
+            "sessions": [{"wall_s": 3600.0, "machine": "CPU X, 16 cores, GPU Y"},
+                         {"wall_s": 1800.0, "machine": "CPU X, 16 cores, GPU Y"}],
+            "greedy_test_mean": g.random, "greedy_test_episodes": 10}))
+        rows.append(results.atari5_row(run_dir, g.env_id, 0))
+    battle_zone = rows[0]
+    assert battle_zone["mean_last_100"] == 19773.75 and battle_zone["hns_last_100"] == pytest.approx(50.0)
+    assert battle_zone["hns_greedy"] == 0.0 and battle_zone["wall_s"] == 5400.0 and battle_zone["sessions"] == 2
+    assert battle_zone["machine"] == "CPU X, 16 cores, GPU Y" and battle_zone["state"] == "finished"
+    medians = results.atari5_medians(rows)
+    normalised = {BZ: 50.0, DD: 100 * 18.55 / 2.15, NTG: 0.0, PHX: 100.0, QB: 200.0}
+    assert medians["last_100"] == pytest.approx(atari5.predicted_median(normalised))
+    assert medians["greedy"] == 0.0  # every greedy test scored exactly random
+    table = results.format_atari5(rows, json.loads((tmp_path / "atari5-BattleZone" / "flags.json").read_text()))
+    assert "| Battle Zone | 10,000,000 | 19,773.8 | 2,360.0 (10) | 50.0 / 0.0 | 24,283.75 +- 1,841.94 | 62.9 |" in table
+    assert "1.50 h | CPU X, 16 cores, GPU Y |" in table
+    assert f"ours {medians['last_100']:,.1f}% (training" in table
+    assert f"CleanRL PPO {atari5.cleanrl_predicted_median():,.1f}%" in table
+    assert "| environments | 4 actors x 8 envs" in table and atari5.WEIGHTS_SOURCE in table
+
+
+def test_plot_only_prints_and_writes_the_table_for_the_games_that_exist(tmp_path: Path, capsys) -> None:
+    _finished_run(tmp_path, "atari5-Phoenix", PHX, [7242.6])
+    argv = sys.argv
+    sys.argv = ["results.py", "atari5", "--plot-only", "--savedir", str(tmp_path)]
+    try:
+        assert results.main() == 0
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    assert "| Phoenix | 10,000,000 | 7,242.6 | - | 100.0 / - |" in out
+    assert "| Battle Zone | - | - | - | - / - |" in out  # no run yet
+    assert "ours -% (training" in out  # no prediction until all five games have a score
+    written = json.loads((tmp_path / "atari5.json").read_text())
+    assert [r["state"] for r in written["rows"]] == ["new", "new", "new", "finished", "new"]
+    assert (tmp_path / "atari5.md").read_text() in out
