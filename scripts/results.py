@@ -64,8 +64,9 @@ LAST_GAMES = 100
 
 
 def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None, run_flags: list[str],
-          experiment_flags: list[str] | None = None) -> None:
-    """Run the experiment's command; with `minutes`, stop it with Ctrl-C's signal after that long."""
+          experiment_flags: list[str] | None = None) -> int:
+    """Run the experiment's command; with `minutes`, stop it with Ctrl-C's signal after that long.
+    Returns run.py's exit code (130 when stopped that way)."""
     command = [sys.executable, "run.py", *(EXPERIMENTS[name] if experiment_flags is None else experiment_flags),
                *run_flags, "--seed", str(seed), "--savedir", str(savedir), "--xpid", xpid]
     print("$ " + " ".join(command[1:]), flush=True)
@@ -78,6 +79,7 @@ def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None,
     except KeyboardInterrupt:  # the terminal's Ctrl-C reached the run too: let it save before we stop
         process.wait()
         raise
+    return process.returncode
 
 
 def greedy_test(env: str, savedir: Path, xpid: str, episodes: int) -> float:
@@ -96,6 +98,8 @@ def episodes(run_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
     accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
     accumulator.Reload()
+    if RETURN_TAG not in accumulator.Tags()["scalars"]:  # no game finished yet
+        return np.empty(0, np.int64), np.empty(0), np.empty(0)
     events = accumulator.Scalars(RETURN_TAG)
     first_wall = min(accumulator.Scalars(tag)[0].wall_time for tag in accumulator.Tags()["scalars"])
     steps = np.array([e.step for e in events], np.int64)
@@ -190,9 +194,13 @@ def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str,
         print(f"{xpid}: {'resuming from its checkpoint' if state == 'resume' else 'new run'}", flush=True)
         machine, start = machine_description(), time.monotonic()
         try:
-            train("atari5", seed, args.savedir, xpid, args.minutes, run_flags, ["--env", env_id, *ATARI5_FLAGS])
+            code = train("atari5", seed, args.savedir, xpid, args.minutes, run_flags, ["--env", env_id, *ATARI5_FLAGS])
         finally:
             record_session(run_dir, time.monotonic() - start, state, machine)
+        if code in (2, 143):  # bad input fails every game alike; SIGTERM means stop
+            raise SystemExit(code)
+        if code not in (0, 130):  # 130: stopped by --minutes, resumable
+            print(f"{xpid}: run.py exited with {code} (its out.log says why); going on with the next game", flush=True)
     record = _read_json(run_dir / ATARI5_RECORD)
     if run_state(run_dir) == "finished" and record.get("greedy_test_episodes") != args.test_episodes:
         record["greedy_test_mean"] = greedy_test(env_id, args.savedir, xpid, args.test_episodes)
@@ -258,7 +266,7 @@ def _hours(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds / 3600:.2f} h"
 
 
-def atari5_settings(flags: dict) -> list[tuple[str, str, str]]:
+def atari5_settings(flags: dict, seeds: int = 1) -> list[tuple[str, str, str]]:
     """(setting, ours, CleanRL's) lines; ours from a run's flags.json (`?` where it does not say)."""
     f = {k: flags.get(k, "?") for k in ("total_steps", "num_actors", "envs_per_actor", "unroll_length",
                                          "batch_size", "policy_loss", "ppo_clip", "vtrace_lambda", "epochs",
@@ -266,9 +274,10 @@ def atari5_settings(flags: dict) -> list[tuple[str, str, str]]:
                                          "baseline_cost", "discounting", "grad_norm_clipping", "reward_clipping",
                                          "episodic_life", "model")}
     steps = f["total_steps"]
-    frames = f"{steps * 4 / 1e6:g}M frames" if isinstance(steps, int) else "?"
+    steps_frames = f"{steps:,} ({steps * 4 / 1e6:g}M frames)" if isinstance(steps, int) else "?"
     return [
-        ("agent steps per game", f"{steps} ({frames}), 1 seed", "10,000,000 (40M frames), 3 seeds"),
+        ("agent steps per game", f"{steps_frames}, {seeds} seed{'s' if seeds > 1 else ''}",
+         "10,000,000 (40M frames), 3 seeds"),
         ("environments", (f"{f['num_actors']} actors x {f['envs_per_actor']} envs, ALE *NoFrameskip-v4: frame skip 4, "
          "no sticky actions, up to 30 no-ops, 108k frames per game"), "8 envpool *-v5 envs (envpool's Atari defaults)"),
         ("data per update", f"unroll {f['unroll_length']} x batch {f['batch_size']}", "128 steps x 8 envs = 1,024"),
@@ -308,7 +317,8 @@ def format_atari5(rows: list[dict], flags: dict) -> str:
               f"{_number(medians['cleanrl'])}%. '-': not every game has a score yet. The paper's cross-validated "
               f"error of the prediction: {atari5.RELATIVE_ERROR_PERCENT}%."), "",
               "| setting | ours | CleanRL ppo_atari_envpool_xla_jax |", "|---|---|---|"]
-    lines += [f"| {name} | {ours} | {theirs} |" for name, ours, theirs in atari5_settings(flags)]
+    seeds = max(1, len(rows) // len(atari5.GAMES))
+    lines += [f"| {name} | {ours} | {theirs} |" for name, ours, theirs in atari5_settings(flags, seeds)]
     lines += ["", f"Atari-5: {atari5.PAPER}.", f"Random and human scores: {atari5.REFERENCE_SCORES_SOURCE}.",
               f"Regression weights: {atari5.WEIGHTS_SOURCE}.", f"CleanRL: {atari5.CLEANRL_SOURCE}."]
     return "\n".join(lines) + "\n"

@@ -81,8 +81,8 @@ def test_weights_are_the_papers_and_a_game_at_zero_counts_as_zero() -> None:
 @pytest.mark.parametrize(("name", "scores", "true_median", "predicted"), [
     # Rainbow (no-op starts), RAINBOW (fixed).csv in maitchison/Atari-5: its median over the 56 games there.
     ("Rainbow", {BZ: 62010.0, DD: -0.3, NTG: 13136.0, PHX: 108528.6, QB: 33817.5}, 227.05, 225.10),
-    # IMPALA (deep), from paperswithcode in the same dataset: its 57-game median there is 191.82 (the
-    # IMPALA paper's own figure is 191.8%), the prediction 18% above it.
+    # IMPALA (deep), from paperswithcode in the same dataset: its 57-game median there is 191.82, the
+    # prediction 18% above it.
     ("IMPALA (deep)", {BZ: 20885.0, DD: -0.33, NTG: 21537.2, PHX: 210996.45, QB: 351200.12}, 191.82, 226.70),
     ("DQN (no-op starts)", {BZ: 29900.0, DD: -6.6, NTG: 8207.8, PHX: 8485.2, QB: 13117.3}, 77.57, 89.93),
 ])
