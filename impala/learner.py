@@ -11,7 +11,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -21,8 +21,18 @@ from impala.config import Config, UserError
 from impala.model import CoreState, Net
 from impala.seeding import ActorLives
 
-if TYPE_CHECKING:
-    from impala.distributed import GradientReducer
+
+class GradientReducer(Protocol):
+    """What an update needs from several learner processes (`distributed.GradientReducer` under torchrun):
+    handed in by the caller, so this module knows nothing of how the processes talk."""
+
+    def reduce(self, model: Net, loss: torch.Tensor) -> None:
+        """Replace every rank's gradients in `model` by those of the batches of all ranks."""
+        ...
+
+    def moments(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and standard deviation of `values` over the batches of all ranks."""
+        ...
 
 # The fields the learner reads, time-major in a batch: [T + 1, B, ...].
 BATCH_KEYS = ("obs", "done", "reward", "truncated", "truncation_value", "action", "policy_logits")
