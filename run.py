@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 from impala.config import UserError, parse_config
+from impala.stopping import ignore_stop_signals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,10 +19,11 @@ def main(argv: list[str] | None = None) -> int:
         config = parse_config(argv)
         if config.mode == "train":
             from impala import training
+            from impala.stopping import Stopped
 
             try:
                 training.train(config)
-            except training.Stopped as stopped:
+            except Stopped as stopped:
                 return stopped.exit_code
             except training.TrainingError as exc:
                 print(f"run.py: training failed: {exc}", file=sys.stderr)
@@ -43,4 +45,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    ignore_stop_signals()  # done: a late signal of the process group (`timeout`'s second) must not kill the exit
+    sys.exit(exit_code)

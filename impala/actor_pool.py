@@ -6,7 +6,7 @@ however they were filled; a pool owns the actors that fill them.
         pool.check()        replace actors that died or hung; TrainingError when they keep dying
         pool.publish(...)   (learner threads) new weights for the actors, with their policy version
     pool.request_stop()     actors finish their unroll or wait (shutdown, before the learners are joined)
-    pool.stop(drain)        stop flag, join with a timeout, terminate, kill
+    pool.stop(drain)        stop flag, join with a timeout, kill
     pool.close()            the channels and the fork server
 
 `LocalActorPool` runs actors as processes of this machine, writing into shared memory. A pool of
@@ -43,6 +43,7 @@ from impala.inference import InferenceServer
 from impala.model import Net
 from impala.seeding import ActorLives
 from impala.slots import SlotLedger
+from impala.stopping import STOP_SIGNALS, ignore_stop_signals
 
 log = logging.getLogger("impala")
 
@@ -50,7 +51,7 @@ log = logging.getLogger("impala")
 # context exists, so (unlike plain fork) a restarted actor never inherits a held lock or a CUDA
 # state, and (unlike spawn) it does not re-import torch for every actor.
 START_METHOD = "forkserver"
-ACTOR_JOIN_TIMEOUT_S = 5.0  # then terminate, then kill: shutdown is bounded whatever an env does
+ACTOR_JOIN_TIMEOUT_S = 5.0  # then kill: shutdown is bounded whatever an env does
 FORK_SERVER_STOP_TIMEOUT_S = 10.0  # then kill it
 RESTART_WINDOW_S = 600.0
 ACTOR_NICENESS = 10
@@ -179,7 +180,7 @@ class LocalActorPool:
                   self.channels._replace(free_queue=self.slots.free_queue(actor_index)), seeds),
             kwargs={"inference_connections": [actor_end for _, actor_end in pipes] if pipes else None},
         )
-        process.start()
+        start_process(process)
         for split, (main_end, actor_end) in enumerate(pipes):
             actor_end.close()  # only the actor holds its end, so its death reads as end-of-file here
             assert self.inference is not None
@@ -283,7 +284,7 @@ class LocalActorPool:
 
     def stop(self, drain: Callable[[], None]) -> None:
         """Set the stop flag and wait for actors to see it, calling `drain` meanwhile (an exiting process first
-        flushes what it put, and would block on a full pipe); then terminate, then kill, the stragglers."""
+        flushes what it put, and would block on a full pipe); then kill the stragglers (actors ignore SIGTERM)."""
         self.channels.stop_event.set()
         deadline = time.monotonic() + ACTOR_JOIN_TIMEOUT_S
         while time.monotonic() < deadline and any(process.is_alive() for process in self.processes):
@@ -293,11 +294,8 @@ class LocalActorPool:
             time.sleep(0.02)
         for process in self.processes:
             if process.is_alive():
-                log.warning("Actor %s (pid %d) did not stop in %.0f s; terminating it", process.name, process.pid,
+                log.warning("Actor %s (pid %d) did not stop in %.0f s; killing it", process.name, process.pid,
                             ACTOR_JOIN_TIMEOUT_S)
-                process.terminate()
-                process.join(timeout=2)
-            if process.is_alive():
                 process.kill()
             process.join()
 
@@ -327,7 +325,7 @@ def _seed_range(seeds: tuple[int, ...]) -> str:
 def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None:
     """The body of an actor process: die with the run, report crashes, act (`actor.run_actor`)."""
     die_with_main_process(main_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process decides
+    leave_stop_signals_to_main_process()
     torch.set_num_threads(1)  # batched inference is cheapest per sample with one thread per actor
     faulthandler.enable()  # a segfault in an env prints the Python stack to stderr before the process dies
     # Actors run ahead of the learner until the free slots run out; on a machine with fewer cores than
@@ -336,6 +334,31 @@ def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None
         os.nice(ACTOR_NICENESS)
     keep_freed_memory()
     run_actor(*actor_args, **actor_kwargs)
+
+
+def start_process(process: BaseProcess) -> None:
+    """Start a child process of the run with Ctrl-C and SIGTERM blocked in this thread meanwhile.
+
+    The fork server, started by the first child, inherits the block and keeps it for good, and every
+    process it forks starts with it, until `leave_stop_signals_to_main_process` ignores both: so no child
+    dies of a signal meant for the process group (`timeout`, `docker stop`, a terminal's Ctrl-C), not even
+    in its first instant, and a fork server killed by one could not fail every actor's liveness check at
+    once (its pipes carry their exit codes). Blocked here rather than ignored: a signal that comes
+    meanwhile waits, or reaches another thread, and the main process still records it (`stopping.py`).
+    """
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def leave_stop_signals_to_main_process() -> None:
+    """In a child process of the run: ignore Ctrl-C and SIGTERM, which reach the whole process group. The
+    main process stops its children in order; an actor killed mid-unroll would read as a crash and be
+    restarted during the stop. (The child started with both blocked: see `start_process`.)"""
+    ignore_stop_signals()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 def die_with_main_process(main_pid: int) -> None:

@@ -10,7 +10,6 @@ import contextlib
 import faulthandler
 import logging
 import os
-import signal
 import statistics
 import threading
 import time
@@ -23,7 +22,13 @@ from typing import Any, Protocol
 
 import torch
 
-from impala.actor_pool import ACTOR_JOIN_TIMEOUT_S, RESTART_WINDOW_S, die_with_main_process, exit_description
+from impala.actor_pool import (
+    RESTART_WINDOW_S,
+    die_with_main_process,
+    exit_description,
+    leave_stop_signals_to_main_process,
+    start_process,
+)
 from impala.checkpoint import BEST_CHECKPOINT_NAME, best_so_far, save_checkpoint
 from impala.config import Config
 from impala.evaluate import serve_evaluations
@@ -97,7 +102,7 @@ def start_evaluator(run: EvaluatedRun) -> None:
     main_end, process_end = ctx.Pipe()
     process = ctx.Process(target=_evaluator_process, name="evaluator",
                           args=(os.getpid(), run.config, evaluator.model, process_end))
-    process.start()
+    start_process(process)
     process_end.close()  # only the evaluator holds its end, so its death reads as end-of-file here
     evaluator.process, evaluator.connection, evaluator.error_text = process, main_end, ""
     log.info("Evaluator started (pid %d): %d %s full games every %g s", process.pid, run.config.eval_episodes,
@@ -107,7 +112,7 @@ def start_evaluator(run: EvaluatedRun) -> None:
 def _evaluator_process(main_pid: int, config: Config, model: Net, connection: Connection) -> None:
     """The body of the evaluation process: die with the run, stay out of everyone's way, play (`evaluate`)."""
     die_with_main_process(main_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process decides when evaluation stops
+    leave_stop_signals_to_main_process()  # the main process decides when evaluation stops
     torch.set_num_threads(1)
     faulthandler.enable()
     with contextlib.suppress(OSError):
@@ -234,7 +239,8 @@ def replace_evaluator(run: EvaluatedRun, evaluator: Evaluator) -> None:
 
 def stop_evaluator(run: EvaluatedRun) -> None:
     """Stop the evaluation process. An evaluation that finished is logged; one still playing is dropped
-    (a full game can take minutes: shutdown does not wait for it)."""
+    (a full game can take minutes: shutdown does not wait for it). Killed: it ignores SIGTERM, and has
+    nothing to save."""
     evaluator = run.evaluator
     if evaluator is None or evaluator.process is None:
         return
@@ -242,9 +248,6 @@ def stop_evaluator(run: EvaluatedRun) -> None:
         _receive_evaluation(run, evaluator)
     process = evaluator.process
     _pipe(evaluator).close()
-    if process.is_alive():
-        process.terminate()
-        process.join(timeout=ACTOR_JOIN_TIMEOUT_S)
     if process.is_alive():
         process.kill()
     process.join()

@@ -6,24 +6,21 @@
     learner threads: take batch_size full slots, update, publish weights through the actor pool
     evaluation process (--eval_interval_s, evaluator.py): full games with a weights snapshot
 
-Under torchrun every rank runs all of this, in lockstep with the others (`distributed.py`); rank 0 alone
-writes the run directory.
+Ctrl-C and SIGTERM are recorded (`stopping.py`), never raised: `train` and the monitor read them and stop
+in order through `shutdown`; children ignore them (`actor_pool.start_process`). Under torchrun every rank
+runs all of this, in lockstep with the others (`distributed.py`); rank 0 alone writes the run directory.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
-import signal
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from pathlib import Path
-from types import FrameType
 from typing import Any, cast
 
 import torch
@@ -51,19 +48,11 @@ from impala.model import Net, use_amp
 from impala.ray_pool import RayActorPool, require_ray
 from impala.rundir import finish_run_files, prepare_run_directory, resume_checkpoint, run_directory, write_run_files
 from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
+from impala.stopping import StopRequests, stop_requests
 
 log = logging.getLogger("impala")
 
 LEARNER_JOIN_TIMEOUT_S = 10.0  # a learner in the middle of an update finishes it; the checkpoint waits for it
-
-
-class Stopped(Exception):
-    """Raised by `train` after an orderly stop on Ctrl-C or SIGTERM; `exit_code` is the shell convention."""
-
-    def __init__(self, reason: str, signum: int) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.exit_code = 128 + signum
 
 
 @dataclass
@@ -97,6 +86,7 @@ class Run:
     stats: IntervalStats = field(default_factory=IntervalStats)  # learners add under `update_lock`
     update_lock: threading.Lock = field(default_factory=threading.Lock)  # one update, or one copy of the weights
     coordinator: Coordinator | None = None  # under torchrun: this rank among the learner processes
+    stop: StopRequests = field(default_factory=StopRequests)  # a Ctrl-C or SIGTERM; the monitor reads it
 
     @property
     def writes_files(self) -> bool:
@@ -135,13 +125,15 @@ def probe_env(config: Config) -> tuple[tuple[int, ...], torch.dtype, int]:
         probe.close()
 
 
-def build(config: Config, coordinator: Coordinator | None = None) -> Run:
+def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequests | None = None) -> Run:
     """Everything a run needs, with no process or thread started yet.
 
     Every check a user can fail (env id, model, checkpoint, shared memory, savedir) comes before the
-    first file is written, so a refused run leaves an existing run directory exactly as it was. Under
-    torchrun only rank 0 opens the run directory; the others take its state (`Coordinator.share_state`).
+    first file is written, so a refused run leaves an existing run directory exactly as it was; so does
+    a Ctrl-C or SIGTERM that came before then (`Stopped`). Under torchrun only rank 0 opens the run
+    directory; the others take its state (`Coordinator.share_state`).
     """
+    stop = stop if stop is not None else StopRequests()
     if config.ray:
         require_ray()  # before anything is written
     observation_shape, observation_dtype, num_actions = probe_env(config)
@@ -172,6 +164,7 @@ def build(config: Config, coordinator: Coordinator | None = None) -> Run:
     spec = BufferSpec(config.resolved_num_buffers + config.remote_slots, config.unroll_length, observation_shape, observation_dtype,
                       num_actions, model.core_state_shapes())
     buffers = create_buffers(spec)
+    stop.check()  # the last moment at which stopping changes nothing
     runlog: RunLog
     session, runlog = 0, distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
     if writes_files:
@@ -191,7 +184,7 @@ def build(config: Config, coordinator: Coordinator | None = None) -> Run:
     learners = Learners(config, state, buffers, pool, device, learner_model, amp, stats, update_lock, coordinator)
     run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
               resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None, stats=stats,
-              update_lock=update_lock, coordinator=coordinator)
+              update_lock=update_lock, coordinator=coordinator, stop=stop)
     if config.inference == "central":
         positions = run.pool.channels.inference_positions
         assert positions is not None, "made by the pool for --inference central"
@@ -266,11 +259,15 @@ def start_learners(run: Run) -> None:
 
 
 def monitor(run: Run) -> str:
-    """Watch the run until it is done; returns why it ended. Raises TrainingError on a fault."""
+    """Watch the run until it is done or a Ctrl-C or SIGTERM came; returns why it ended. Raises TrainingError
+    on a fault."""
     config, state = run.config, run.state
     last_log_time = last_checkpoint_time = start_time = time.monotonic()
     last_log_step = state.step
     while True:
+        if run.stop.reason is not None:
+            log.info(run.stop.log_line)
+            return run.stop.reason
         _check_threads(run)
         if run.coordinator is not None and run.coordinator.stopped_by is not None:
             return f"stopped by rank {run.coordinator.stopped_by}"  # it says why in its own log
@@ -448,97 +445,70 @@ def shutdown(run: Run, save: bool) -> OSError | None:
     return save_error
 
 
-class _Terminated(Exception):
-    pass
-
-
-def _raise_terminated(signum: int, frame: FrameType | None) -> None:
-    raise _Terminated()
-
-
-@contextlib.contextmanager
-def _signals_ignored() -> Iterator[None]:
-    """Ctrl-C and SIGTERM do nothing inside: a second one must not cut the (bounded) shutdown short."""
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
 def train(config: Config) -> Path:
     """Train until `total_steps`; every ending goes through `shutdown`. Call from the main thread.
 
     Returns the run directory when the run finished. Raises `Stopped` after an orderly stop on Ctrl-C or
-    SIGTERM (a final checkpoint written), `TrainingError` when the run itself failed (actors dying too
-    often, non-finite updates; the last good checkpoint kept), and `UserError` for bad input, before
-    anything in the run directory has changed.
+    SIGTERM (a final checkpoint written; before anything started, nothing written), `TrainingError` when
+    the run itself failed (actors dying too often, non-finite updates; the last good checkpoint kept), and
+    `UserError` for bad input, before anything in the run directory has changed.
     """
     keep_freed_memory()
-    previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
-    # Ctrl-C must stop the run in order even when this process was started with SIGINT ignored
-    # (inherited from a shell's background job or a parent process).
-    previous_interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
     coordinator = None
-    try:
+    with stop_requests() as stop:
         try:
             config, coordinator = distributed.join(config)  # under torchrun; else (config, None)
-            run = build(config, coordinator)
-        except _Terminated:
-            raise Stopped("terminated", signal.SIGTERM) from None
-        return _run(run)
-    finally:
-        distributed.leave(coordinator)
-        signal.signal(signal.SIGTERM, previous_handler)
-        signal.signal(signal.SIGINT, previous_interrupt)
+            stop.check()
+            return _run(build(config, coordinator, stop))
+        finally:
+            distributed.leave(coordinator)
 
 
 def _run(run: Run) -> Path:
     setup_console(run.run_dir / "out.log" if run.writes_files else None)
     if run.coordinator is not None and not run.writes_files:
         distributed.rank_console(run.coordinator.rank)
-    reason = "error"
+    reason, started = "error", False
     try:
         _log_start(run)
-        start_inference(run)
-        start_actors(run)
-        start_learners(run)
-        start_evaluator(run)
-        reason = monitor(run)
-    except KeyboardInterrupt:
-        reason = "interrupted"
-        log.info("Interrupted: stopping")
-    except _Terminated:
-        reason = "terminated"
-        log.info("SIGTERM: stopping")
+        if run.stop.reason is not None:  # it came while building: nothing is started, nothing learned to save
+            log.info(run.stop.log_line)
+            reason = run.stop.reason
+        else:
+            started = True
+            reason = _start_and_monitor(run)
     except BaseException as exc:
         log.error("Stopping: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         raise
     finally:
-        save_error = _end(run, reason)
+        save_error = _end(run, reason, save=started and not run.learners.errors)
     if save_error is not None:
         raise TrainingError(f"could not save the final checkpoint to {run.run_dir / CHECKPOINT_NAME}: "
                             f"{save_error} ({_last_saved(run)})")
-    if reason == "interrupted":
-        raise Stopped(reason, signal.SIGINT)
-    if reason == "terminated":
-        raise Stopped(reason, signal.SIGTERM)
+    if reason == run.stop.reason:
+        run.stop.check()  # raises Stopped
     return run.run_dir
 
 
-def _end(run: Run, reason: str) -> OSError | None:
-    """Shut down, with Ctrl-C and SIGTERM ignored, and record the end; returns the final save's error."""
+def _start_and_monitor(run: Run) -> str:
+    start_inference(run)
+    start_actors(run)
+    start_learners(run)
+    start_evaluator(run)
+    return monitor(run)
+
+
+def _end(run: Run, reason: str, save: bool) -> OSError | None:
+    """Shut down and record the end; returns the final save's error. A Ctrl-C or SIGTERM meanwhile changes
+    nothing (`stopping.py`). `save`: False after a numerical failure (the last good checkpoint stays)."""
     try:
-        with _signals_ignored():
-            # A numerical failure keeps the last good checkpoint; any other ending saves the current state.
-            save_error = shutdown(run, save=not run.learners.errors)
-            try:
-                if run.writes_files:
-                    finish_run_files(run.run_dir, reason, run.state.step)
-            except OSError as exc:
-                log.error("Could not record the end of the run in %s: %s", run.run_dir, exc)
-            log.info("Run ended (%s) at step %d in %s", reason, run.state.step, run.run_dir)
+        save_error = shutdown(run, save=save)
+        try:
+            if run.writes_files:
+                finish_run_files(run.run_dir, reason, run.state.step)
+        except OSError as exc:
+            log.error("Could not record the end of the run in %s: %s", run.run_dir, exc)
+        log.info("Run ended (%s) at step %d in %s", reason, run.state.step, run.run_dir)
     finally:
         close_console()
     return save_error

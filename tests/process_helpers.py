@@ -33,13 +33,15 @@ def run_py(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 class Training:
     """A `run.py` training in the background, in its own session; `close()` kills whatever is left."""
 
-    def __init__(self, savedir: Path, xpid: str, *args: str, total_steps: int = 1_000_000) -> None:
+    def __init__(self, savedir: Path, xpid: str, *args: str, total_steps: int = 1_000_000,
+                 wrapper: tuple[str, ...] = ()) -> None:
+        """`wrapper`: a command that runs run.py, such as ("timeout", "600"); then `process` is the wrapper's."""
         self.savedir, self.xpid = savedir, xpid
         self.log_path = savedir / f"{xpid}.console"
         savedir.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "a")  # noqa: SIM115 - open for the life of the process
         self.process = subprocess.Popen(
-            [sys.executable, "run.py", *SMALL_RUN, "--savedir", str(savedir), "--xpid", xpid,
+            [*wrapper, sys.executable, "run.py", *SMALL_RUN, "--savedir", str(savedir), "--xpid", xpid,
              "--total_steps", str(total_steps), *args],
             cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pgid = self.process.pid
@@ -83,12 +85,12 @@ class Training:
         """The latest pid of every actor, from the "Actor N started (pid P)" lines."""
         return {int(i): int(p) for i, p in re.findall(r"Actor (\d+) started \(pid (\d+)\)", self.text())}
 
-    def shm_inodes(self) -> set[int]:
-        """Inodes of the /dev/shm files the main process has mapped now (semaphores, shared tensors).
+    def shm_inodes(self, pid: int | None = None) -> set[int]:
+        """Inodes of the /dev/shm files the main process (or `pid`) has mapped now (semaphores, shared tensors).
 
         Inodes, not names: most are unlinked or renamed after mapping, and other runs share /dev/shm.
         """
-        with open(f"/proc/{self.process.pid}/maps") as f:
+        with open(f"/proc/{pid or self.process.pid}/maps") as f:
             return {int(line.split()[4]) for line in f if "/dev/shm/" in line}
 
     def wait(self, timeout: float = 60) -> int:
@@ -128,6 +130,14 @@ def group_processes(pgid: int) -> list[int]:
         if group == pgid and state not in ("Z", "X"):
             pids.append(int(entry.name))
     return pids
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (and has not lost), from /proc."""
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def wait_until_gone(pgid: int, timeout: float = 30) -> list[int]:

@@ -205,21 +205,6 @@ def test_a_killed_main_process_leaves_no_actor_and_its_run_resumes(tmp_path: Pat
     assert checkpoint_step(run.run_dir) >= saved + 2_000
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM])
-def test_shutdown_is_not_cut_short_by_a_second_signal(tmp_path: Path, signum: int) -> None:
-    run = Training(tmp_path, "twice")
-    try:
-        run.wait_for_steps(200)
-        run.signal(signum)
-        run.wait_for(r"SIGTERM: stopping", timeout=15)
-        run.signal(signum)  # ignored while the shutdown runs
-        assert run.wait(timeout=30) == 143
-        assert "Run ended (terminated)" in run.text()
-        assert wait_until_gone(run.pgid, timeout=30) == []
-    finally:
-        run.close()
-
-
 def _disk_full(*args: object, **kwargs: object) -> None:
     raise OSError(errno.ENOSPC, "No space left on device")
 

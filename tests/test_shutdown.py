@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
+import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from process_helpers import Training, checkpoint_step, shm_left, wait_until_gone
+from process_helpers import Training, checkpoint_step, children, group_processes, shm_left, wait_until_gone
 
 from impala import actor_pool
 
@@ -66,3 +69,75 @@ def test_a_fork_server_that_does_not_exit_is_killed_within_the_timeout(monkeypat
     finally:
         child.kill()
         child.join(timeout=10)
+
+
+def _assert_stopped_in_order(run: Training, shm: set[int]) -> None:
+    """One orderly stop on SIGTERM: no traceback, a whole final checkpoint, nothing of the run left running or
+    in /dev/shm, no actor or evaluator that died or was restarted on the way."""
+    assert wait_until_gone(run.pgid, timeout=30) == []
+    assert shm_left(shm) == []
+    for text in (run.text(), (run.run_dir / "out.log").read_text()):
+        assert "Traceback" not in text and "SIGTERM: stopping" in text, text
+        assert not re.search(r"died|Restarted|did not stop", text), text
+    assert checkpoint_step(run.run_dir) > 0  # loads: a whole checkpoint, saved after the signals
+    assert json.loads((run.run_dir / "meta.json").read_text())["end_reason"] == "terminated"
+
+
+def test_back_to_back_sigterms_to_the_process_and_its_group_stop_every_run_in_order(tmp_path: Path) -> None:
+    """What `timeout`, `docker stop` and job schedulers do: SIGTERM to run.py and at once to its whole group.
+    A second signal used to raise inside the handling of the first (a traceback, exit 1) or inside the
+    shutdown (no final checkpoint). Where the signals land varies, so the stop is repeated; a third one,
+    after a random pause, lands somewhere in the shutdown."""
+    pauses = random.Random(0)
+    for attempt in range(10):
+        run = Training(tmp_path, f"twice-{attempt}")
+        try:
+            run.wait_for_steps(1)  # learning: the signals land in the middle of the run
+            shm = run.shm_inodes()
+            os.kill(run.process.pid, signal.SIGTERM)
+            os.killpg(run.pgid, signal.SIGTERM)
+            time.sleep(pauses.uniform(0, 0.5))
+            if run.process.poll() is None:
+                os.killpg(run.pgid, signal.SIGTERM)
+            assert run.wait(timeout=60) == 143, run.text()
+            _assert_stopped_in_order(run, shm)
+        finally:
+            run.close()
+
+
+@pytest.mark.skipif(shutil.which("timeout") is None, reason="needs GNU timeout")
+def test_gnu_timeout_expiring_stops_the_run_in_order(tmp_path: Path) -> None:
+    """`timeout -s TERM N run.py` at its expiry signals run.py and then its group. SIGALRM is what expires
+    `timeout`'s timer: sent now, it expires while the run learns, whatever the machine's load."""
+    for attempt in range(2):
+        run = Training(tmp_path, f"timeout-{attempt}", wrapper=("timeout", "--preserve-status", "-s", "TERM", "600"))
+        try:
+            run.wait_for_steps(1)
+            [main_pid] = children(run.process.pid)
+            shm = run.shm_inodes(main_pid)
+            os.kill(run.process.pid, signal.SIGALRM)
+            assert run.wait(timeout=60) == 143, run.text()  # --preserve-status: run.py's own exit code
+            _assert_stopped_in_order(run, shm)
+        finally:
+            run.close()
+
+
+def test_children_leave_sigterm_to_the_main_process(tmp_path: Path) -> None:
+    """Actors, the evaluator and the fork server ignore a SIGTERM meant for the group: they go on until the
+    main process stops them in order, and a stop never reads as actors crashing."""
+    run = Training(tmp_path, "group", "--eval_interval_s", "1")
+    try:
+        run.wait_for(r"Evaluator started")
+        run.wait_for_steps(1)
+        shm = run.shm_inodes()
+        others = [pid for pid in group_processes(run.pgid) if pid != run.process.pid]
+        assert len(others) >= 4, others  # two actors, the evaluator, the fork server (and the resource tracker)
+        for pid in others:  # a group's SIGTERM, as each child sees it, before the main process handles its own
+            os.kill(pid, signal.SIGTERM)
+        run.wait_for_steps(run.latest_step() + 500)
+        assert set(others) <= set(group_processes(run.pgid))  # all alive, still acting
+        os.killpg(run.pgid, signal.SIGTERM)
+        assert run.wait(timeout=60) == 143, run.text()
+        _assert_stopped_in_order(run, shm)
+    finally:
+        run.close()

@@ -1,0 +1,87 @@
+"""Ctrl-C and SIGTERM during a run: the first one asks for an orderly stop, the ones after it change nothing.
+
+Signals come in pairs: GNU `timeout`, `docker stop` and job schedulers signal the main process and then its
+whole group, and a user presses Ctrl-C twice. So the handler never raises: an exception raised from a
+handler lands wherever the main thread happens to be (inside a log call, inside the shutdown) and cuts that
+short. It records the first signal only; `train` checks it between the stages of a build, the monitor
+reads it on every pass, and each stops in order from where it stands:
+
+    with stop_requests() as stop:    the handler installed: Ctrl-C and SIGTERM are recorded in `stop`
+        stop.check()                 raises Stopped once one came (before anything is written or started)
+        stop.signum                  what the monitor reads (None: no stop asked for)
+
+The run's children (actors, the evaluator, the fork server) ignore both signals: the main process stops
+them (`actor_pool.start_process`). This module creates no process, thread or lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterator
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_REASONS: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+_LOG_LINES: dict[int, str] = {signal.SIGINT: "Interrupted: stopping", signal.SIGTERM: "SIGTERM: stopping"}
+
+
+class Stopped(Exception):
+    """Raised by `train` after an orderly stop on Ctrl-C or SIGTERM; `exit_code` is the shell convention."""
+
+    def __init__(self, reason: str, signum: int) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.exit_code = 128 + signum
+
+
+class StopRequests:
+    """The first Ctrl-C or SIGTERM that reached this process while `stop_requests` was active."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None  # written by the handler, in the main thread, once
+
+    def record(self, signum: int, frame: FrameType | None) -> None:
+        """The signal handler: remember the first signal; never raise, never log (the main thread may be
+        inside a log call that holds the handler's lock)."""
+        if self.signum is None:
+            self.signum = signum
+
+    @property
+    def reason(self) -> str | None:
+        """Why the run stops, as meta.json records it: interrupted or terminated; None while none came."""
+        return None if self.signum is None else _REASONS.get(self.signum, "terminated")
+
+    @property
+    def log_line(self) -> str:
+        assert self.signum is not None, "a stop was asked for"
+        return _LOG_LINES.get(self.signum, f"Signal {self.signum}: stopping")
+
+    def check(self) -> None:
+        """Raise Stopped if a stop was asked for."""
+        if self.signum is not None:
+            raise Stopped(self.reason or "terminated", self.signum)
+
+
+def ignore_stop_signals() -> None:
+    """Ignore Ctrl-C and SIGTERM from now on: in a child of the run (the main process stops it), or in a
+    process whose run has ended and that exits next (a late signal of its group must not turn an orderly
+    exit into a kill)."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+@contextlib.contextmanager
+def stop_requests() -> Iterator[StopRequests]:
+    """Record Ctrl-C and SIGTERM inside, then put back the handlers that were there. Main thread only.
+
+    Installed even where this process started with SIGINT ignored (a shell's background job), so that
+    Ctrl-C stops a run in order however it was started.
+    """
+    requests = StopRequests()
+    previous = {signum: signal.signal(signum, requests.record) for signum in STOP_SIGNALS}
+    try:
+        yield requests
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

@@ -1,0 +1,84 @@
+"""Ctrl-C and SIGTERM (`impala/stopping.py`): the first one is recorded and the ones after it change nothing;
+one that comes while a run is being built stops it before anything starts, leaving its directory as it was.
+(Signals to a running trainer and its process group: test_shutdown.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from process_helpers import checkpoint_step
+
+from impala import training
+from impala.config import Config
+from impala.stopping import Stopped, stop_requests
+
+
+def test_the_first_signal_is_recorded_and_the_ones_after_it_change_nothing() -> None:
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with stop_requests() as stop:
+        assert stop.reason is None
+        stop.check()  # nothing asked for: no exception
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM):  # the handler runs after each kill
+            os.kill(os.getpid(), signum)
+        assert (stop.signum, stop.reason, stop.log_line) == (signal.SIGTERM, "terminated", "SIGTERM: stopping")
+        with pytest.raises(Stopped) as stopped:
+            stop.check()
+        assert stopped.value.exit_code == 143
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def _config(savedir: Path, total_steps: int) -> Config:
+    return Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=5, batch_size=4,
+                  num_learner_threads=1, hidden_size=16, total_steps=total_steps, log_interval_s=0.2,
+                  disable_cuda=True, savedir=str(savedir), xpid="built")
+
+
+@pytest.fixture(scope="module")
+def savedir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished run of 200 steps, the run that the tests here try to resume."""
+    savedir = tmp_path_factory.mktemp("runs")
+    training.train(_config(savedir, 200))
+    return savedir
+
+
+def _files(savedir: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(savedir)): path.read_bytes() for path in sorted(savedir.rglob("*")) if path.is_file()}
+
+
+def _signalling(function: Callable[..., Any], signum: int) -> Callable[..., Any]:
+    def wrapper(*args: Any) -> Any:
+        os.kill(os.getpid(), signum)  # the handler has run when kill returns
+        return function(*args)
+    return wrapper
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_building_stops_before_anything_is_written(savedir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  signum: int) -> None:
+    before = _files(savedir)
+    monkeypatch.setattr(training, "probe_env", _signalling(training.probe_env, signum))
+    with pytest.raises(Stopped) as stopped:
+        training.train(_config(savedir, 400))
+    assert stopped.value.exit_code == 128 + signum
+    assert _files(savedir) == before  # not a byte changed in the run directory, nor `latest` beside it
+
+
+def test_a_signal_after_the_run_files_are_written_starts_nothing_and_saves_nothing(
+        savedir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = (savedir / "built" / "model.tar").read_bytes()
+    monkeypatch.setattr(training, "write_run_files", _signalling(training.write_run_files, signal.SIGTERM))
+    with pytest.raises(Stopped) as stopped:
+        training.train(_config(savedir, 400))
+    assert stopped.value.exit_code == 143
+    log_text = (savedir / "built" / "out.log").read_text().split("Resuming from step 200")[1]
+    assert "SIGTERM: stopping" in log_text and "started" not in log_text  # no actor, no learner
+    assert (savedir / "built" / "model.tar").read_bytes() == saved and checkpoint_step(savedir / "built") == 200
+    meta = json.loads((savedir / "built" / "meta.json").read_text())
+    assert (meta["end_reason"], meta["final_step"], len(meta["starts"])) == ("terminated", 200, 2)
+
