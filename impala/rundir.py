@@ -1,5 +1,6 @@
-"""The run directory, SAVEDIR/XPID: where it is, whether it resumes a run, and the files that explain it
-(flags.json, meta.json with versions, commit, start and end, and the `latest` file beside it).
+"""The run directory, SAVEDIR/XPID: where it is, whether it resumes a run (and from which checkpoint), and
+the files that explain it (flags.json, meta.json with versions, commit, start and end, and the `latest`
+file beside it).
 
 `SAVEDIR/latest` is a one-line text file naming the newest run, not a symlink: TensorBoard follows a
 symlinked directory and listed every run twice. `--xpid latest` reads it (`config.run_path`)."""
@@ -13,10 +14,17 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from impala.checkpoint import CHECKPOINT_NAME, find_checkpoint, remove_stale_temporaries
+from impala.checkpoint import (
+    CHECKPOINT_NAME,
+    check_compatible,
+    find_checkpoint,
+    load_checkpoint,
+    remove_stale_temporaries,
+)
 from impala.config import LATEST_NAME, Config, UserError, run_path
 
 
@@ -29,6 +37,25 @@ def run_directory(config: Config) -> tuple[Path, bool]:
         raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from; "
                         "drop --resume to start a new run")
     return run_dir, resuming
+
+
+def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num_actions: int
+             ) -> tuple[Path, bool, Path | None, dict[str, Any] | None]:
+    """(run directory, whether it resumes a run, the checkpoint to start from and its content), refusing a
+    checkpoint that does not fit the model (--model `model`, its shapes) or that already reached
+    --total_steps. Writes nothing."""
+    run_dir, resuming = run_directory(config)
+    checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
+    if checkpoint_path is None:
+        return run_dir, resuming, None, None
+    checkpoint = load_checkpoint(checkpoint_path)
+    check_compatible(checkpoint, env=config.env, model=model, use_lstm=config.use_lstm,
+                     hidden_size=config.hidden_size, observation_shape=observation_shape,
+                     num_actions=num_actions, path=checkpoint_path)
+    if int(checkpoint["step"]) >= config.total_steps:
+        raise UserError(f"run {run_dir} already reached step {checkpoint['step']} of --total_steps "
+                        f"{config.total_steps}; pass a larger --total_steps to train it further")
+    return run_dir, resuming, checkpoint_path, checkpoint
 
 
 def resume_checkpoint(config: Config, run_dir: Path) -> Path | None:

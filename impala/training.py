@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 
@@ -31,9 +31,7 @@ from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.checkpoint import (
     BEST_CHECKPOINT_NAME,
     CHECKPOINT_NAME,
-    check_compatible,
     keep_step_copy,
-    load_checkpoint,
     save_checkpoint,
 )
 from impala.config import Config, TrainingError, UserError
@@ -46,7 +44,7 @@ from impala.learners import Learners
 from impala.metrics import STATUS, IntervalStats, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
 from impala.ray_pool import RayActorPool, require_ray
-from impala.rundir import finish_run_files, prepare_run_directory, resume_checkpoint, run_directory, write_run_files
+from impala.rundir import finish_run_files, open_run, prepare_run_directory, write_run_files
 from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
 from impala.stopping import StopRequests, stop_requests
 
@@ -144,7 +142,8 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         raise UserError(str(exc)) from None
     writes_files = coordinator is None or coordinator.rank == 0
     if writes_files:
-        run_dir, resuming, checkpoint_path, checkpoint = _open_run(config, model, num_actions)
+        run_dir, resuming, checkpoint_path, checkpoint = open_run(config, model.model, observation_shape,
+                                                                  num_actions)
     else:
         run_dir, resuming, checkpoint_path, checkpoint = distributed.rank_run_dir(config), False, None, None
     # Made here, before anything else draws from torch's generator, so their initial draws stay the same.
@@ -193,24 +192,6 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
                                  seed=sampling_seed(config.seed, session, INFERENCE_STREAM, 0))
         run.inference, run.pool.inference = InferenceThread(server), server
     return run
-
-
-def _open_run(config: Config, model: Net, num_actions: int
-              ) -> tuple[Path, bool, Path | None, dict[str, Any] | None]:
-    """(run directory, whether it resumes a run, the checkpoint to start from and its content), refusing a
-    checkpoint that does not fit `model` or that already reached --total_steps. Writes nothing."""
-    run_dir, resuming = run_directory(config)
-    checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
-    checkpoint = load_checkpoint(checkpoint_path) if checkpoint_path is not None else None
-    if checkpoint is not None:
-        assert checkpoint_path is not None
-        check_compatible(checkpoint, env=config.env, model=model.model, use_lstm=config.use_lstm,
-                         hidden_size=config.hidden_size, observation_shape=model.observation_shape,
-                         num_actions=num_actions, path=checkpoint_path)
-        if int(checkpoint["step"]) >= config.total_steps:
-            raise UserError(f"run {run_dir} already reached step {checkpoint['step']} of --total_steps "
-                            f"{config.total_steps}; pass a larger --total_steps to train it further")
-    return run_dir, resuming, checkpoint_path, checkpoint
 
 
 def _actor_pool(config: Config, ctx: BaseContext, buffers: Buffers, state: LearnerState,
