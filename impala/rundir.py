@@ -1,6 +1,6 @@
 """The run directory, SAVEDIR/XPID: where it is, whether it resumes a run (and from which checkpoint), and
-the files that explain it (flags.json, meta.json with versions, commit, start and end, and the `latest`
-file beside it).
+the files that explain it (flags.json, meta.json with versions, commit, learner ranks, start and end, and
+the `latest` file beside it).
 
 `SAVEDIR/latest` is a one-line text file naming the newest run, not a symlink: TensorBoard follows a
 symlinked directory and listed every run twice. `--xpid latest` reads it (`config.run_path`)."""
@@ -80,8 +80,9 @@ def prepare_run_directory(run_dir: Path) -> None:
     remove_stale_temporaries(run_dir)
 
 
-def write_run_files(config: Config, run_dir: Path, resuming: bool) -> int:
-    """flags.json, meta.json (versions, commit, start time) and the `latest` file beside the run.
+def write_run_files(config: Config, run_dir: Path, resuming: bool, world_size: int = 1) -> int:
+    """flags.json, meta.json (versions, commit, start time, `world_size`: the learner ranks under torchrun,
+    else 1) and the `latest` file beside the run.
 
     Returns this session's number: 0 for a new run, then one more for every start recorded in meta.json
     (a resumed session killed before its next checkpoint counts too).
@@ -90,7 +91,8 @@ def write_run_files(config: Config, run_dir: Path, resuming: bool) -> int:
     meta_path = run_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if resuming and meta_path.exists() else {}
     meta.setdefault("starts", []).append(datetime.now(UTC).isoformat(timespec="seconds"))
-    meta.update(versions(), command=" ".join(sys.argv), git_commit=git_commit(), ended=None, end_reason=None)
+    meta.update(versions(), command=" ".join(sys.argv), git_commit=git_commit(), world_size=world_size,
+                ended=None, end_reason=None)
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     write_latest(run_dir)
     return len(meta["starts"]) - 1

@@ -168,9 +168,9 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     session, runlog = 0, distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
     if writes_files:
         prepare_run_directory(run_dir)  # the last check; nothing in the directory changed before it
-        session = write_run_files(config, run_dir, resuming)
+        session = write_run_files(config, run_dir, resuming, world_size)
         runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
-        runlog.flags(config.to_dict(), state.step)
+        runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained
     if coordinator is not None:
         session = coordinator.share_state(state, session, config)  # every rank starts from rank 0's weights
     state.lives.session = session
@@ -379,7 +379,7 @@ def _log_start(run: Run) -> None:
              ", bfloat16 autocast" if run.amp else "")
     if run.coordinator is not None:
         ranks = run.coordinator.ranks
-        log.info("%d learner processes (torchrun, %s): each with these actors and batch; this one, rank 0, "
+        log.info("%d learner ranks (torchrun, %s): each with these actors and batch; this one, rank 0, "
                  "writes the run", ranks.world_size, "NCCL" if ranks.device.type == "cuda" else "gloo")
     if config.ray:
         log.info("Remote actors: %d x %d envs on Ray (%s)", config.ray_actors, config.ray_envs_per_actor, config.ray)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -21,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Torchrun, checkpoint_step, run_py, wait_until_gone
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.hparams import plugin_data_pb2
 
 from impala import distributed, learner
 from impala.config import Config, UserError
@@ -279,6 +282,19 @@ def test_sigterm_to_torchrun_stops_every_rank_in_order_with_a_checkpoint(tmp_pat
         assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "term", "term.console"]  # one run
     finally:
         run.close()
+    _assert_run_says_two_ranks_trained(run.run_dir, text)
+
+
+def _assert_run_says_two_ranks_trained(run_dir: Path, text: str) -> None:
+    """In the first lines of the log, in meta.json and in the flags TensorBoard shows."""
+    assert re.search(r"Run .*\n.*\] 2 learner ranks \(torchrun, gloo\)", text), text[:2000]
+    assert json.loads((run_dir / "meta.json").read_text())["world_size"] == 2
+    events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    assert "| world_size | `2` |" in events.Tensors("flags/text_summary")[0].tensor_proto.string_val[0].decode()
+    content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+    assert hparams["world_size"].number_value == 2
 
 
 def test_kill_9_of_one_rank_ends_the_job_with_one_line_and_the_last_checkpoint_kept(tmp_path: Path) -> None:
