@@ -416,6 +416,28 @@ def _release_queue_locks(error_queue: multiprocessing.queues.Queue[tuple[int, st
         lock.release()
 
 
+def finish_within(timeout_s: float, step: Callable[[], None], what: str) -> None:
+    """Run `step` in a daemon thread and wait for it at most `timeout_s`; one still going then is logged
+    and left behind (it ends with the process). For the end of a run after its final checkpoint, where
+    nothing is worth a process that never exits (a CI job that hangs, a scheduler's slot held for good).
+    An exception `step` ended with is raised here."""
+    failures: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            step()
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            failures.append(exc)
+
+    thread = threading.Thread(target=target, name=what, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.error("The end of the run left %s behind: it was still going after %.0f s", what, timeout_s)
+    elif failures:
+        raise failures[0]
+
+
 def stop_fork_server() -> None:
     """Stop the fork server once every actor is joined.
 

@@ -26,7 +26,7 @@ from typing import cast
 import torch
 
 from impala import distributed, learner
-from impala.actor_pool import LocalActorPool, keep_freed_memory, process_context
+from impala.actor_pool import LocalActorPool, finish_within, keep_freed_memory, process_context
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.checkpoint import (
     BEST_CHECKPOINT_NAME,
@@ -51,6 +51,7 @@ from impala.stopping import StopRequests, stop_requests
 log = logging.getLogger("impala")
 
 LEARNER_JOIN_TIMEOUT_S = 10.0  # a learner in the middle of an update finishes it; the checkpoint waits for it
+END_CLOSE_TIMEOUT_S = 30.0  # each close after the final checkpoint (the fork server's stop alone may take 20 s)
 
 
 @dataclass
@@ -400,8 +401,9 @@ def shutdown(run: Run, save: bool) -> OSError | None:
     """Stop acting and learning, save, close: the one ordered path for every way a run ends. Returns why
     the final checkpoint could not be written, if it could not.
 
-    Bounded in time (learners LEARNER_JOIN_TIMEOUT_S, actors actor_pool.ACTOR_JOIN_TIMEOUT_S, then
-    terminate and kill); on return no actor process, fork server or queue thread of the run is left.
+    Bounded in time (learners LEARNER_JOIN_TIMEOUT_S, actors actor_pool.ACTOR_JOIN_TIMEOUT_S, then killed,
+    each close after the checkpoint END_CLOSE_TIMEOUT_S); on return no actor process, fork server or queue
+    thread of the run is left, unless a close had to be left behind (logged).
     """
     run.pool.request_stop()
     run.learners.stop(LEARNER_JOIN_TIMEOUT_S)
@@ -421,8 +423,8 @@ def shutdown(run: Run, save: bool) -> OSError | None:
                 log.error("Could not save the final checkpoint at step %d: %s (%s)", run.state.step, exc,
                           _last_saved(run))
     finally:
-        run.runlog.close()
-        run.pool.close()
+        finish_within(END_CLOSE_TIMEOUT_S, run.runlog.close, "closing the TensorBoard and CSV logs")
+        finish_within(END_CLOSE_TIMEOUT_S, run.pool.close, "closing the actors' channels and the fork server")
     return save_error
 
 

@@ -9,13 +9,16 @@ import random
 import re
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from process_helpers import Training, checkpoint_step, children, group_processes, shm_left, wait_until_gone
 
-from impala import actor_pool
+from impala import actor_pool, training
+from impala.config import Config
+from impala.metrics import RunLog
 
 
 def test_ctrl_c_to_the_process_group_stops_in_order(tmp_path: Path) -> None:
@@ -86,39 +89,49 @@ def _assert_stopped_in_order(run: Training, shm: set[int]) -> None:
 def test_back_to_back_sigterms_to_the_process_and_its_group_stop_every_run_in_order(tmp_path: Path) -> None:
     """What `timeout`, `docker stop` and job schedulers do: SIGTERM to run.py and at once to its whole group.
     A second signal used to raise inside the handling of the first (a traceback, exit 1) or inside the
-    shutdown (no final checkpoint). Where the signals land varies, so the stop is repeated; a third one,
-    after a random pause, lands somewhere in the shutdown."""
+    shutdown (no final checkpoint). Where the signals land varies, so the stop is repeated, two runs at a
+    time; a third signal, after a random pause, lands somewhere in the shutdown."""
     pauses = random.Random(0)
-    for attempt in range(10):
-        run = Training(tmp_path, f"twice-{attempt}")
+    for pair in range(5):
+        runs = [Training(tmp_path, f"twice-{pair}-{i}") for i in range(2)]
         try:
-            run.wait_for_steps(1)  # learning: the signals land in the middle of the run
-            shm = run.shm_inodes()
-            os.kill(run.process.pid, signal.SIGTERM)
-            os.killpg(run.pgid, signal.SIGTERM)
-            time.sleep(pauses.uniform(0, 0.5))
-            if run.process.poll() is None:
+            for run in runs:
+                run.wait_for_steps(1)  # learning: the signals land in the middle of the run
+            shm = [run.shm_inodes() for run in runs]
+            for run in runs:
+                os.kill(run.process.pid, signal.SIGTERM)
                 os.killpg(run.pgid, signal.SIGTERM)
-            assert run.wait(timeout=60) == 143, run.text()
-            _assert_stopped_in_order(run, shm)
+            time.sleep(pauses.uniform(0, 0.5))
+            for run in runs:
+                if run.process.poll() is None:
+                    os.killpg(run.pgid, signal.SIGTERM)
+            for run, inodes in zip(runs, shm):
+                assert run.wait(timeout=60) == 143, run.text()
+                _assert_stopped_in_order(run, inodes)
         finally:
-            run.close()
+            for run in runs:
+                run.close()
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs GNU timeout")
 def test_gnu_timeout_expiring_stops_the_run_in_order(tmp_path: Path) -> None:
     """`timeout -s TERM N run.py` at its expiry signals run.py and then its group. SIGALRM is what expires
     `timeout`'s timer: sent now, it expires while the run learns, whatever the machine's load."""
-    for attempt in range(2):
-        run = Training(tmp_path, f"timeout-{attempt}", wrapper=("timeout", "--preserve-status", "-s", "TERM", "600"))
-        try:
+    runs = [Training(tmp_path, f"timeout-{i}", wrapper=("timeout", "--preserve-status", "-s", "TERM", "600"))
+            for i in range(2)]
+    try:
+        for run in runs:
             run.wait_for_steps(1)
-            [main_pid] = children(run.process.pid)
-            shm = run.shm_inodes(main_pid)
+        main_pids = [children(run.process.pid) for run in runs]
+        assert all(len(pids) == 1 for pids in main_pids), main_pids  # run.py, timeout's one child
+        shm = [run.shm_inodes(pids[0]) for run, pids in zip(runs, main_pids)]
+        for run in runs:
             os.kill(run.process.pid, signal.SIGALRM)
+        for run, inodes in zip(runs, shm):
             assert run.wait(timeout=60) == 143, run.text()  # --preserve-status: run.py's own exit code
-            _assert_stopped_in_order(run, shm)
-        finally:
+            _assert_stopped_in_order(run, inodes)
+    finally:
+        for run in runs:
             run.close()
 
 
@@ -141,3 +154,24 @@ def test_children_leave_sigterm_to_the_main_process(tmp_path: Path) -> None:
         _assert_stopped_in_order(run, shm)
     finally:
         run.close()
+
+
+def test_a_close_that_hangs_after_the_final_checkpoint_is_left_behind(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing after the final checkpoint may hold the end of a run for good: a close still going after
+    END_CLOSE_TIMEOUT_S (here the TensorBoard and CSV logs', blocked for 60 s) is left behind."""
+    release = threading.Event()
+    monkeypatch.setattr(training, "END_CLOSE_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(RunLog, "close", lambda self: release.wait(60))
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=5, batch_size=4,
+                    num_learner_threads=1, hidden_size=16, total_steps=200, disable_cuda=True,
+                    savedir=str(tmp_path), xpid="stuck-close")
+    start = time.monotonic()
+    try:
+        run_dir = training.train(config)
+    finally:
+        release.set()
+    assert time.monotonic() - start < 45  # without the bound, 60 s and more
+    log_text = (run_dir / "out.log").read_text()
+    assert "left closing the TensorBoard and CSV logs behind: it was still going after 1 s" in log_text
+    assert "Run ended (finished) at step 200" in log_text and checkpoint_step(run_dir) == 200
