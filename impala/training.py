@@ -483,7 +483,8 @@ def _start_and_monitor(run: Run) -> str:
 
 def _end(run: Run, reason: str, save: bool) -> OSError | None:
     """Shut down and record the end; returns the final save's error. A Ctrl-C or SIGTERM meanwhile changes
-    nothing (`stopping.py`). `save`: False after a numerical failure (the last good checkpoint stays)."""
+    nothing (`stopping.py`). `save`: False after a numerical failure (the last good checkpoint stays) and
+    for a run stopped before it started (nothing learned)."""
     try:
         save_error = shutdown(run, save=save)
         try:
