@@ -80,11 +80,9 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
     rewards = batch["reward"][1:]
     if config.reward_clipping == "abs_one":
         rewards = rewards.clamp(-1, 1)
-    if "truncated" in batch:  # batches made by hand (tests) may have no time limits
-        # A time limit cut the episode: the trace stops there (done), but the state it stopped in still had
-        # a value, which the actor computed; added unclipped, it is the bootstrap of that episode.
-        rewards = torch.where(batch["truncated"][1:],
-                              rewards + config.discounting * batch["truncation_value"][1:], rewards)
+    # A time limit cut the episode: the trace stops there (done), but the state it stopped in still had a
+    # value, which the actor computed; added unclipped, it is the bootstrap of that episode.
+    rewards = torch.where(batch["truncated"][1:], rewards + config.discounting * batch["truncation_value"][1:], rewards)
     discounts = (~batch["done"][1:]).float() * config.discounting
     returns = vtrace.from_logits(
         behaviour_policy_logits=batch["policy_logits"][:-1],

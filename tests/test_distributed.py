@@ -63,6 +63,9 @@ def _whole_batch(config: Config, nan_in_column: int | None = None) -> tuple[dict
         "action": torch.randint(0, NUM_ACTIONS, (T + 1, columns), generator=generator),
         "policy_logits": torch.randn(T + 1, columns, NUM_ACTIONS, generator=generator),
     }
+    # Some of the episode ends are time limits, each with the value of the observation it stopped at.
+    batch["truncated"] = batch["done"] & (torch.rand(T + 1, columns, generator=generator) < 0.5)
+    batch["truncation_value"] = torch.where(batch["truncated"], torch.randn(T + 1, columns, generator=generator), 0.0)
     if nan_in_column is not None:
         batch["reward"][2, nan_in_column] = float("nan")
     core_state: tuple = ()

@@ -38,7 +38,8 @@ T, B = 5, 4
 def _batch(reward: float) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
     return {"obs": torch.randn(T + 1, B, 4, generator=generator), "done": torch.zeros(T + 1, B, dtype=torch.bool),
-            "reward": torch.full((T + 1, B), reward), "action": torch.randint(0, 2, (T + 1, B), generator=generator),
+            "reward": torch.full((T + 1, B), reward), "truncated": torch.zeros(T + 1, B, dtype=torch.bool),
+            "truncation_value": torch.zeros(T + 1, B), "action": torch.randint(0, 2, (T + 1, B), generator=generator),
             "policy_logits": torch.zeros(T + 1, B, 2)}
 
 
