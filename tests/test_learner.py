@@ -83,17 +83,22 @@ def _reference_vtrace(values: list[float], rewards: list[float], discounts: list
     return vs, advantages
 
 
-def _expected_losses(model: Net, batch: dict[str, torch.Tensor], config: Config) -> dict[str, float]:
-    """pg, baseline and entropy losses computed from the model's outputs with plain Python floats."""
-    with torch.no_grad():
-        output, _ = model(batch["obs"], batch["done"], model.initial_state(batch["obs"].shape[1]))
+def _expected_losses(model: Net, batch: dict[str, torch.Tensor], config: Config,
+                     outputs: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
+    """pg, baseline and entropy losses computed with plain Python floats from `outputs` (logits [T + 1, B, A],
+    values [T + 1, B]; default: the model's from a zero core state)."""
+    if outputs is None:
+        with torch.no_grad():
+            output, _ = model(batch["obs"], batch["done"], model.initial_state(batch["obs"].shape[1]))
+        outputs = output.policy_logits, output.baseline
+    policy_logits, baseline = outputs
     T = batch["obs"].shape[0] - 1
     B = batch["obs"].shape[1]
-    log_pi = F.log_softmax(output.policy_logits.double(), -1)
+    log_pi = F.log_softmax(policy_logits.double(), -1)
     log_mu = F.log_softmax(batch["policy_logits"].double(), -1)
     totals = {"pg_loss": 0.0, "baseline_loss": 0.0, "entropy_loss": 0.0}
     for b in range(B):
-        values = [float(v) for v in output.baseline[:, b]]
+        values = [float(v) for v in baseline[:, b]]
         actions = [int(a) for a in batch["action"][:T, b]]
         # Action t was taken at obs t; its reward and done are in row t + 1.
         rewards = [float(r) for r in batch["reward"][1:, b]]
@@ -425,15 +430,41 @@ def test_batch_staging_stacks_slots_time_major() -> None:
     assert torch.isfinite(staging.tensors["reward"]).all()
 
 
+def _hand_run_lstm(model: Net, obs: torch.Tensor, done: torch.Tensor, core_state: tuple[torch.Tensor, ...]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and values [T + 1, B] of `model` from `core_state`, its LSTM cell written out step by step:
+    the state zeroed where obs t begins an episode, then i, f, g, o = W_ih x + b_ih + W_hh h + b_hh."""
+    assert model.core is not None
+    with torch.no_grad():
+        features = model.torso(obs.flatten(0, 1).float()).view(*obs.shape[:2], -1)
+        h, c = (s[0].clone() for s in core_state)  # [B, H]: one layer
+        logits, values = [], []
+        for t in range(obs.shape[0]):
+            keep = (~done[t]).float()[:, None]
+            h, c = keep * h, keep * c
+            gates = (features[t] @ model.core.weight_ih_l0.T + model.core.bias_ih_l0
+                     + h @ model.core.weight_hh_l0.T + model.core.bias_hh_l0)
+            i, f, g, o = gates.chunk(4, dim=1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+            logits.append(model.policy(h))
+            values.append(model.baseline(h)[:, 0])
+    return torch.stack(logits), torch.stack(values)
+
+
 def test_lstm_loss_starts_from_the_stored_core_state() -> None:
+    """The loss is that of the LSTM run by hand from the slot's stored state, reset where an episode begins."""
     model = _model(use_lstm=True)
-    config = _config(use_lstm=True)
-    batch = _batch(model, [[1.0], [0.0], [1.0]], [[False], [False], [False]], [[0], [1], [2]])
-    zero = model.initial_state(1)
-    other = tuple(torch.full_like(s, 0.5) for s in zero)
-    _, from_zero = learner.compute_loss(model, batch, zero, config)
-    _, from_other = learner.compute_loss(model, batch, other, config)
-    assert float(from_zero["total_loss"]) != pytest.approx(float(from_other["total_loss"]))
+    config = _config(use_lstm=True, batch_size=2)
+    batch = _batch(model, [[1.0, 0.5], [0.0, -1.0], [1.0, 2.0]], [[False, False], [True, False], [False, False]],
+                   [[0, 1], [1, 2], [2, 0]], off_policy=True)
+    generator = torch.Generator().manual_seed(3)
+    stored = tuple(torch.randn(1, 2, 8, generator=generator) for _ in range(2))  # (h, c) [layers, B, H]
+    _, stats = learner.compute_loss(model, batch, stored, config)
+    _assert_losses(stats, _expected_losses(model, batch, config, _hand_run_lstm(model, batch["obs"], batch["done"],
+                                                                                stored)))
+    _, from_zero = learner.compute_loss(model, batch, model.initial_state(2), config)
+    assert float(from_zero["total_loss"]) != pytest.approx(float(stats["total_loss"]), rel=1e-3)
 
 
 def test_dual_clip_bounds_the_loss_of_a_negative_advantage() -> None:
