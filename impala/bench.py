@@ -587,12 +587,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name in CONFIG_FLAGS:  # the trainer's flags, help and choices; defaults from Config (or BENCH_DEFAULTS)
         meta = dict(fields[name].metadata)
         help_text, negatable = meta.pop("help"), meta.pop("negatable", False)
-        default = BENCH_DEFAULTS.get(name, fields[name].default)
+        default = BENCH_DEFAULTS.get(name, meta.pop("argparse_default", fields[name].default))
         if fields[name].type in ("bool", "bool | None"):
             action = argparse.BooleanOptionalAction if negatable else "store_true"
             parser.add_argument(f"--{name}", action=action, default=default, help=help_text)
         else:
-            kind = {"int": int, "float": float, "str": str}[fields[name].type.replace(" | None", "")]
+            kind = meta.pop("type", None) or {"int": int, "float": float, "str": str}[fields[name].type.replace(" | None", "")]
             parser.add_argument(f"--{name}", type=kind, default=default, help=help_text, **meta)
     parser.add_argument("--only", default=",".join(COMPONENTS),
                         help=f"comma-separated subset of {','.join(COMPONENTS)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -83,6 +84,16 @@ def test_end_to_end_command_passes_the_config_then_extra_flags() -> None:
     argv = bench.run_argv(config, "/tmp/x", ["--amp", "--num_actors=3"])
     assert "--no-amp" not in argv and "--amp" in argv and argv[-1] == "--num_actors=3"
     assert "--num_actors" not in argv
+
+
+def test_num_actors_auto_reaches_the_bench_as_the_trainer_resolves_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    _, config, _ = bench.parse_args(["--num_actors", "auto", "--only", "e2e"])
+    assert config.num_actors == 14
+    argv = bench.run_argv(config, "/tmp/x", [])
+    assert argv[argv.index("--num_actors") + 1] == "14"
+    _, config, _ = bench.parse_args(["--only", "e2e"])
+    assert config.num_actors == 2  # the bench's own default: the README's measured command
 
 
 def test_unknown_component_is_a_user_error(capsys: pytest.CaptureFixture) -> None:
