@@ -8,10 +8,18 @@ why); 2 bad input (a flag, an env id, a path, a checkpoint: one line on stderr, 
 
 from __future__ import annotations
 
+import faulthandler
+import os
 import sys
+import threading
+from typing import NoReturn
 
 from impala.config import UserError, parse_config
 from impala.stopping import ignore_stop_signals
+
+# How long the interpreter's own exit may take once the run has ended (its final checkpoint and logs
+# written and closed): atexit handlers, the threads it joins, finalizers. Longer, and the process ends anyway.
+EXIT_GRACE_S = 60.0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +52,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    exit_code = main()
+def exit_within(exit_code: int) -> NoReturn:
+    """Exit with `exit_code`, and never hang doing it: if the interpreter's exit still runs EXIT_GRACE_S
+    later (a thread it waits for, an atexit handler, a library's finalizer stuck on a lock), print every
+    thread's stack to stderr, so that the culprit is named, and end the process with the same code. Nothing
+    is lost: the run wrote its final checkpoint and closed its files before `main` returned."""
+
+    def force() -> None:
+        print(f"run.py: the process had not exited {EXIT_GRACE_S:g} s after the run ended; the stacks of its "
+              f"threads follow, then it exits with code {exit_code}", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        os._exit(exit_code)
+
     ignore_stop_signals()  # done: a late signal of the process group (`timeout`'s second) must not kill the exit
+    timer = threading.Timer(EXIT_GRACE_S, force)
+    timer.daemon = True  # the interpreter's exit does not wait for it
+    timer.start()
     sys.exit(exit_code)
+
+
+if __name__ == "__main__":
+    exit_within(main())

@@ -464,12 +464,25 @@ def stop_fork_server() -> None:
         with contextlib.suppress(AttributeError, OSError, ChildProcessError):
             server._stop()  # type: ignore[attr-defined]
 
-    stopper = threading.Thread(target=stop, name="fork-server-stop", daemon=True)
-    stopper.start()
-    stopper.join(FORK_SERVER_STOP_TIMEOUT_S)
-    if stopper.is_alive():
-        log.warning("The fork server (pid %d) did not stop within %.0f s; killing it", pid,
-                    FORK_SERVER_STOP_TIMEOUT_S)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    # A pidfd names this server for good: once `_stop` has reaped it, its pid may be another process's, but
+    # the pidfd still refers to the dead server, so the kill below can never hit someone else. Opened
+    # before `_stop`, while the server is an unreaped child of this process (Linux 5.3+; else the pid).
+    pidfd = None
+    with contextlib.suppress(AttributeError, OSError):
+        pidfd = os.pidfd_open(pid)
+    try:
+        stopper = threading.Thread(target=stop, name="fork-server-stop", daemon=True)
+        stopper.start()
         stopper.join(FORK_SERVER_STOP_TIMEOUT_S)
+        if stopper.is_alive():
+            log.warning("The fork server (pid %d) did not stop within %.0f s; killing it", pid,
+                        FORK_SERVER_STOP_TIMEOUT_S)
+            with contextlib.suppress(ProcessLookupError):
+                if pidfd is not None:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+            stopper.join(FORK_SERVER_STOP_TIMEOUT_S)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)

@@ -28,12 +28,7 @@ import torch
 from impala import distributed, learner
 from impala.actor_pool import LocalActorPool, finish_within, keep_freed_memory, process_context
 from impala.buffers import Buffers, BufferSpec, create_buffers
-from impala.checkpoint import (
-    BEST_CHECKPOINT_NAME,
-    CHECKPOINT_NAME,
-    keep_step_copy,
-    save_checkpoint,
-)
+from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, keep_step_copy, save_checkpoint
 from impala.config import Config, TrainingError, UserError
 from impala.distributed import Coordinator
 from impala.environment import EnvBatch, is_atari
@@ -444,7 +439,9 @@ def train(config: Config) -> Path:
             stop.check()
             return _run(build(config, coordinator, stop))
         finally:
-            distributed.leave(coordinator)
+            if coordinator is not None:  # bounded too: a rank that cannot leave its group must still exit
+                finish_within(END_CLOSE_TIMEOUT_S, functools.partial(distributed.leave, coordinator),
+                              "leaving the learner ranks' process group")
 
 
 def _run(run: Run) -> Path:

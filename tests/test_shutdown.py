@@ -4,20 +4,32 @@ and a final checkpoint. (SIGTERM and resume: test_resume.py; actor failures: tes
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from process_helpers import Training, checkpoint_step, children, group_processes, shm_left, wait_until_gone
+from process_helpers import (
+    REPO_ROOT,
+    SMALL_RUN,
+    Training,
+    checkpoint_step,
+    children,
+    group_processes,
+    shm_left,
+    wait_until_gone,
+)
 
-from impala import actor_pool, training
-from impala.config import Config
+from impala import actor_pool, distributed, training
+from impala.config import Config, UserError
 from impala.metrics import RunLog
 
 
@@ -49,8 +61,52 @@ def test_a_finished_run_leaves_nothing(tmp_path: Path) -> None:
         assert shm_left(shm) == []
         assert checkpoint_step(run.run_dir) == 2_000
         assert json.loads((run.run_dir / "meta.json").read_text())["end_reason"] == "finished"
+        assert "had not exited" not in run.text()  # the exit's own bound (run.exit_within) never came into it
     finally:
         run.close()
+
+
+def test_the_process_exits_even_when_the_interpreter_exit_hangs(tmp_path: Path) -> None:
+    """The last step of a run is the interpreter's exit, which waits for every non-daemon thread and runs the
+    atexit handlers: one that never ends (here a thread started before the run) would keep the process for
+    good after its run ended. `run.exit_within` ends it EXIT_GRACE_S later with the run's exit code and
+    prints the stuck thread's stack. Without it this test hits its 120 s timeout."""
+    driver = ("import sys, threading, run\n"
+              "run.EXIT_GRACE_S = 2\n"
+              "threading.Thread(target=threading.Event().wait, name='never-ends').start()\n"
+              "run.exit_within(run.main(sys.argv[1:]))\n")
+    result = subprocess.run([sys.executable, "-c", driver, *SMALL_RUN, "--total_steps", "200",
+                             "--savedir", str(tmp_path), "--xpid", "exit-hangs"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert "run.py: the process had not exited 2 s after the run ended" in result.stderr
+    assert re.search(r"threading\.py\", line \d+ in wait", result.stderr), result.stderr  # the stuck thread
+    run_dir = tmp_path / "exit-hangs"
+    assert checkpoint_step(run_dir) == 200
+    assert json.loads((run_dir / "meta.json").read_text())["end_reason"] == "finished"
+
+
+def test_a_rank_that_cannot_leave_its_process_group_still_ends(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Under torchrun the last step of `train` is leaving the process group (`destroy_process_group`), which
+    waits on the other ranks: bounded like every close after the final checkpoint."""
+    release = threading.Event()
+    monkeypatch.setattr(training, "END_CLOSE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(distributed, "join", lambda config: (config, object()))  # as if under torchrun
+    monkeypatch.setattr(distributed, "leave", lambda coordinator: release.wait(60))
+
+    def build(config: Config, coordinator: object, stop: object) -> None:
+        raise UserError("the build refused the run")
+
+    monkeypatch.setattr(training, "build", build)
+    start = time.monotonic()
+    try:
+        with pytest.raises(UserError, match="refused"), caplog.at_level(logging.ERROR, logger=training.log.name):
+            training.train(Config(env="CartPole-v1", disable_cuda=True))
+    finally:
+        release.set()
+    assert time.monotonic() - start < 10  # without the bound, 60 s
+    assert "left leaving the learner ranks' process group behind" in caplog.text
 
 
 def test_a_fork_server_that_does_not_exit_is_killed_within_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -64,7 +120,9 @@ def test_a_fork_server_that_does_not_exit_is_killed_within_the_timeout(monkeypat
     server_pid = forkserver._forkserver._forkserver_pid  # type: ignore[attr-defined]
     try:
         start = time.monotonic()
-        actor_pool.stop_fork_server()
+        with monkeypatch.context() as patch:  # killed through its pidfd, never by a pid another process may have
+            patch.setattr(os, "kill", lambda pid, signum: pytest.fail(f"os.kill({pid}, {signum})"))
+            actor_pool.stop_fork_server()
         assert time.monotonic() - start < 5
         with pytest.raises(ProcessLookupError):  # killed and reaped
             os.kill(server_pid, 0)
