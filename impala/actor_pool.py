@@ -25,8 +25,10 @@ import os
 import queue
 import select
 import signal
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
@@ -432,8 +434,11 @@ def finish_within(timeout_s: float, step: Callable[[], None], what: str) -> None
     thread = threading.Thread(target=target, name=what, daemon=True)
     thread.start()
     thread.join(timeout_s)
-    if thread.is_alive():
-        log.error("The end of the run left %s behind: it was still going after %.0f s", what, timeout_s)
+    if thread.is_alive():  # its stack names what it waits for
+        frame = sys._current_frames().get(thread.ident or 0)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(ended meanwhile)\n"
+        log.error("The end of the run left %s behind: it was still going after %.0f s, at\n%s", what, timeout_s,
+                  stack.rstrip())
     elif failures:
         raise failures[0]
 

@@ -231,5 +231,6 @@ def test_a_close_that_hangs_after_the_final_checkpoint_is_left_behind(tmp_path: 
         release.set()
     assert time.monotonic() - start < 45  # without the bound, 60 s and more
     log_text = (run_dir / "out.log").read_text()
-    assert "left closing the TensorBoard and CSV logs behind: it was still going after 1 s" in log_text
+    assert "left closing the TensorBoard and CSV logs behind: it was still going after 1 s, at" in log_text
+    assert re.search(r'test_shutdown\.py", line \d+, in <lambda>', log_text), log_text  # where it was stuck
     assert "Run ended (finished) at step 200" in log_text and checkpoint_step(run_dir) == 200
