@@ -6,7 +6,6 @@ Nothing here starts a thread or touches a queue: `learners.py` calls these from 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -126,8 +125,9 @@ def make_optimizer(model: Net, config: Config, world_size: int = 1
     """RMSprop or Adam and the `--lr_schedule` (`world_size` learner processes each add `steps_per_update`
     agent steps per update)."""
     if config.optimizer == "adam":
+        # Fused: one kernel per step, which also skips a non-finite step on the device (`_step`).
         optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rate,
-                                                            eps=config.epsilon)
+                                                            eps=config.epsilon, fused=True)
     else:
         optimizer = torch.optim.RMSprop(model.parameters(), lr=config.learning_rate, alpha=config.alpha,
                                         momentum=config.momentum, eps=config.epsilon)
@@ -142,8 +142,14 @@ def make_schedule(optimizer: torch.optim.Optimizer, config: Config, start_step: 
     A function of agent steps, not of updates, and of the flags given now: a run resumed with another
     T, B, --learning_rate, --lr_schedule or --total_steps follows the schedule those flags give at its step.
     """
-    for group in optimizer.param_groups:  # a loaded optimizer state brings the previous session's rates
+    for group in optimizer.param_groups:  # a loaded optimizer state brings the previous session's settings
         group["lr"] = group["initial_lr"] = config.learning_rate
+        if isinstance(optimizer, torch.optim.Adam):  # a checkpoint from before fused Adam: its steps on the CPU
+            group["fused"], group["foreach"] = True, None
+            for param in group["params"]:
+                state = optimizer.state.get(param, {})
+                if "step" in state:
+                    state["step"] = state["step"].to(param.device, torch.float32)
 
     def remaining_fraction(update: int) -> float:
         if config.lr_schedule == "constant":
@@ -161,25 +167,26 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
     With several learner processes, `reducer` makes each step's gradient that of all their batches.
 
     A step whose loss or gradient is not finite is not applied, and `stats["skipped"]` is then 1. The schedule
-    steps once per batch. Returns the stats averaged over the steps, as Python floats.
+    steps once per batch. Returns the stats averaged over the steps, as Python floats: the one wait for the
+    device in a batch (with Adam; RMSprop waits once per step to decide whether to apply it).
     """
     batch_size = batch["obs"].shape[1]
     parts = min(config.minibatches, batch_size)
-    totals: dict[str, float] = {}
+    totals: dict[str, torch.Tensor] = {}
+    device = batch["obs"].device
     for _ in range(config.epochs):
-        order = torch.randperm(batch_size) if parts > 1 else torch.arange(batch_size)
+        order = torch.randperm(batch_size, device=device)  # drawn where it is used: no copy, no wait
         for columns in torch.tensor_split(order, parts):  # near-equal parts, sizes differing by at most one
             if parts == 1:
                 part, part_state = batch, core_state
             else:
-                columns = columns.to(batch["obs"].device)
                 part = {k: v.index_select(1, columns) for k, v in batch.items()}
                 part_state = tuple(s.index_select(1, columns) for s in core_state)
             for key, value in _step(model, optimizer, part, part_state, config, amp, reducer).items():
-                totals[key] = totals.get(key, 0.0) + value
+                totals[key] = totals[key] + value if key in totals else value
     steps = config.epochs * parts
-    values = {k: v / steps for k, v in totals.items()}
-    values["skipped"] = 1.0 if totals["skipped"] else 0.0  # a batch with a non-finite step counts as skipped
+    values = {k: v / steps for k, v in zip(totals, torch.stack(list(totals.values())).tolist(), strict=True)}
+    values["skipped"] = 1.0 if values["skipped"] else 0.0  # a batch with a non-finite step counts as skipped
     values["learning_rate"] = float(scheduler.get_last_lr()[0])
     with warnings.catch_warnings():  # a skipped first update steps the schedule before the optimizer: intended
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step", category=UserWarning)
@@ -188,9 +195,13 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
 
 
 def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], core_state: CoreState,
-          config: Config, amp: bool, reducer: GradientReducer | None = None) -> dict[str, float]:
-    """One gradient step on `batch`, skipped if its loss or gradient is not finite. Synchronises once: every
-    stat comes to the host in one copy, which the skip decision needs anyway."""
+          config: Config, amp: bool, reducer: GradientReducer | None = None) -> dict[str, torch.Tensor]:
+    """One gradient step on `batch`, skipped if its loss or gradient is not finite. Returns its stats as float32
+    scalars on the device, `skipped` among them (1 when skipped).
+
+    Fused Adam takes the decision on the device (`found_inf`, as for a gradient scaler: the kernel then leaves
+    weights, moments and step count as they were), so the host never waits here; other optimisers wait for
+    the device once, to decide."""
     device_type = batch["obs"].device.type
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
     with autocast:
@@ -201,12 +212,23 @@ def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.T
         reducer.reduce(model, loss)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_norm_clipping)
     stats["grad_norm"] = grad_norm.detach()
-    values = dict(zip(stats, torch.stack([v.float() for v in stats.values()]).tolist(), strict=True))
-    finite = math.isfinite(values["total_loss"]) and math.isfinite(values["grad_norm"])
-    if finite:
+    not_finite = (~(torch.isfinite(stats["total_loss"]) & torch.isfinite(stats["grad_norm"]))).float()
+    stats = {k: v.float() for k, v in stats.items()}
+    stats["skipped"] = not_finite
+    if _skips_on_device(optimizer):
+        optimizer.found_inf = not_finite  # type: ignore[attr-defined]  # read by Adam.step, as GradScaler sets it
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf  # type: ignore[attr-defined]
+    elif not not_finite.item():
         optimizer.step()
-    values["skipped"] = 0.0 if finite else 1.0
-    return values
+    return stats
+
+
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` honours `found_inf` (fused Adam, whose kernel then changes nothing)."""
+    return isinstance(optimizer, torch.optim.Adam) and all(group.get("fused") for group in optimizer.param_groups)
 
 
 @dataclass

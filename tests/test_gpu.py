@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,34 @@ def test_a_gpu_update_from_pinned_staging_moves_the_weights_and_reports_finite_s
     assert stats["skipped"] == 0
     assert all(torch.isfinite(torch.tensor(v)) for v in stats.values())
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def test_a_default_update_waits_for_the_gpu_once_per_batch():
+    """The default rule (PPO, fused Adam, 2 passes x 8 minibatches): 16 gradient steps, one wait for the GPU,
+    for the stats at the end. Non-finite steps are skipped on the device."""
+    config = Config(unroll_length=20, batch_size=16)
+    device = torch.device("cuda")
+    model = Net((4, 84, 84), 6).to(device)
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    T, B = config.unroll_length + 1, config.batch_size
+    batch = {"obs": torch.randint(0, 255, (T, B, 4, 84, 84), dtype=torch.uint8, device=device),
+             "done": torch.zeros(T, B, dtype=torch.bool, device=device),
+             "reward": torch.rand(T, B, device=device), "truncated": torch.zeros(T, B, dtype=torch.bool, device=device),
+             "truncation_value": torch.zeros(T, B, device=device),
+             "action": torch.randint(0, 6, (T, B), device=device), "policy_logits": torch.randn(T, B, 6, device=device)}
+    amp = use_amp(None, device, "shallow")
+    learner.update(model, optimizer, scheduler, batch, (), config, amp=amp)  # the optimizer's state is made here
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            stats = learner.update(model, optimizer, scheduler, batch, (), config, amp=amp)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs
+    assert stats["skipped"] == 0 and all(math.isfinite(v) for v in stats.values())
 
 
 @pytest.mark.parametrize("inference", ["actor", "central", "central --env_splits 2"])

@@ -4,6 +4,7 @@ computed by hand, reward clipping, episode ends, the learning-rate schedule and 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -375,18 +376,26 @@ def test_update_reports_the_scheduled_learning_rate() -> None:
 
 # A skipped update still uses up its place in the schedule, so the scheduler steps without the optimizer.
 @pytest.mark.filterwarnings("error::UserWarning")  # and says nothing about it
+@pytest.mark.parametrize("optimizer_name", ["rmsprop", "adam"])  # adam: skipped on the device, by its fused kernel
 @pytest.mark.parametrize("where", ["reward", "obs"])
-def test_a_non_finite_batch_is_skipped(where: str) -> None:
+def test_a_non_finite_batch_is_skipped(where: str, optimizer_name: str) -> None:
     model = _model()
-    config = _config(batch_size=2, reward_clipping="abs_one")
+    config = _config(batch_size=2, reward_clipping="abs_one", optimizer=optimizer_name, minibatches=2)
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    learner.update(model, optimizer, scheduler, _batch_for_update(model), (), config)  # moments, step counts
     batch = _batch_for_update(model)
     batch[where][1, 0] = math.nan
+    config = dataclasses.replace(config, minibatches=1)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    optimizer, scheduler = learner.make_optimizer(model, config)
+    state_before = copy.deepcopy(optimizer.state_dict()["state"])
     stats = learner.update(model, optimizer, scheduler, batch, (), config)
     assert stats["skipped"] == 1.0
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name]), name
+    state_after = optimizer.state_dict()["state"]
+    for index, values in state_before.items():  # Adam's step count and moments, RMSprop's square average
+        for key, value in values.items():
+            assert torch.equal(state_after[index][key], value), (index, key)
     # A good batch afterwards is applied normally.
     stats = learner.update(model, optimizer, scheduler, _batch_for_update(model), (), config)
     assert stats["skipped"] == 0.0
@@ -574,3 +583,45 @@ def test_adam_is_chosen_with_the_flags_epsilon() -> None:
     optimizer, _ = learner.make_optimizer(_model(), _config(optimizer="adam", epsilon=1e-5, learning_rate=0.003))
     assert isinstance(optimizer, torch.optim.Adam)
     assert optimizer.param_groups[0]["eps"] == 1e-5 and optimizer.param_groups[0]["lr"] == 0.003
+
+
+def test_fused_adam_steps_as_the_reference_adam_does() -> None:
+    """The learner's Adam is fused (one kernel per step, and a skip decided on the device): its steps equal
+    torch's reference single-tensor Adam's on the same batches, to float error."""
+    config = _config(batch_size=4, optimizer="adam", epsilon=1e-5, learning_rate=0.001, minibatches=2, epochs=2)
+    torch.manual_seed(0)
+    fused_model = _model()
+    reference_model = copy.deepcopy(fused_model)
+    fused, fused_schedule = learner.make_optimizer(fused_model, config)
+    assert all(group["fused"] for group in fused.param_groups)
+    reference = torch.optim.Adam(reference_model.parameters(), lr=config.learning_rate, eps=config.epsilon,
+                                 foreach=False)
+    reference_schedule = torch.optim.lr_scheduler.LambdaLR(reference, lambda _: 1.0)
+    for seed in range(3):
+        batch = _batch_for_update(fused_model)
+        torch.manual_seed(seed)  # the same minibatch order for both
+        learner.update(fused_model, fused, fused_schedule, batch, (), config)
+        torch.manual_seed(seed)
+        learner.update(reference_model, reference, reference_schedule, batch, (), config)
+    for (name, a), b in zip(fused_model.named_parameters(), reference_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert any(not torch.equal(a, b) for a, b in zip(fused_model.parameters(), _model().parameters(), strict=True))
+
+
+def test_an_adam_state_saved_before_adam_was_fused_resumes_fused() -> None:
+    """A checkpoint's optimiser state from the unfused Adam (`foreach`, step counts on the CPU) loads, and the
+    resumed optimiser is the fused one again, which skips on the device."""
+    model = _model()
+    config = _config(optimizer="adam", epsilon=1e-5, batch_size=2)
+    old = torch.optim.Adam(model.parameters(), lr=config.learning_rate, eps=config.epsilon, foreach=True)
+    learner.update(model, old, torch.optim.lr_scheduler.LambdaLR(old, lambda _: 1.0), _batch_for_update(model), (),
+                   config)
+    optimizer, _ = learner.make_optimizer(model, config)
+    optimizer.load_state_dict(old.state_dict())
+    scheduler = learner.make_schedule(optimizer, config, start_step=6)
+    assert all(group["fused"] and not group["foreach"] for group in optimizer.param_groups)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = learner.update(model, optimizer, scheduler, _batch_for_update(model), (), config)
+    assert stats["skipped"] == 0.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(float(state["step"]) == 2 for state in optimizer.state.values())
