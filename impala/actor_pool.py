@@ -42,7 +42,7 @@ from impala.buffers import Buffers
 from impala.channels import RecordQueue, SharedFloats, StopFlag
 from impala.config import Config, TrainingError
 from impala.inference import InferenceServer
-from impala.model import Net
+from impala.model import FlatWeights, Net
 from impala.seeding import ActorLives
 from impala.slots import SlotLedger
 from impala.stopping import STOP_SIGNALS, ignore_stop_signals
@@ -139,6 +139,7 @@ class LocalActorPool:
         self.ctx = ctx
         self.buffers = buffers
         self.actor_model = actor_model  # shared CPU copy the actors act with
+        self.actor_weights = FlatWeights(actor_model)  # its parameters, views of one tensor in shared memory
         self.lives = lives  # numbers every actor start and hands it its seeds
         self.inference: InferenceServer | None = None  # --inference central: set before `start`
         # Slot numbers and episodes travel in RecordQueues, which survive an actor killed at any instant.
@@ -197,9 +198,7 @@ class LocalActorPool:
         """Copy the learner's weights into the actors' shared model (central inference acts with the learner's
         own model, so there nothing is copied) and count the new policy version."""
         if self.inference is None:
-            with torch.no_grad():
-                for target, source in zip(self.actor_model.parameters(), model.parameters()):
-                    target.copy_(source, non_blocking=False)
+            self.actor_weights.load(model)
         self.channels.policy_version.value = version
 
     def episodes(self) -> list[tuple[float, int]]:

@@ -195,7 +195,6 @@ def _actor_pool(config: Config, ctx: BaseContext, buffers: Buffers, state: Learn
     """The local actors, acting with `actor_model`, a shared CPU copy of the learner's weights, at its version;
     with --ray, inside a pool that adds the remote actors."""
     actor_model.load_state_dict(state.model.state_dict())
-    actor_model.share_memory()
     actor_model.eval()
     local = LocalActorPool(config, ctx, buffers, actor_model, state.lives, policy_version=state.updates,
                            remote_slots=config.remote_slots)

@@ -19,7 +19,7 @@ from process_helpers import IMPALA_RULE
 from impala import learner
 from impala.buffers import BufferSpec, create_buffers
 from impala.config import Config
-from impala.model import Net, use_amp
+from impala.model import FlatWeights, Net, use_amp
 from impala.plotting import CSV_RETURN_COLUMN
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -79,6 +79,28 @@ def test_a_default_update_waits_for_the_gpu_once_per_batch():
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
     assert len(syncs) == 1, syncs
     assert stats["skipped"] == 0 and all(math.isfinite(v) for v in stats.values())
+
+
+def test_weights_published_from_the_gpu_arrive_in_one_copy():
+    torch.manual_seed(0)
+    actor_model = Net((4, 84, 84), 6)
+    weights = FlatWeights(actor_model)
+    learner_model = Net((4, 84, 84), 6).cuda()  # other weights: the next draws of the generator
+    weights.load(learner_model)  # the first load makes the staging copy on the GPU
+    with torch.no_grad():
+        for param in learner_model.parameters():
+            param.mul_(2)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            weights.load(learner_model)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1
+    for a, b in zip(actor_model.parameters(), learner_model.parameters(), strict=True):
+        assert torch.equal(a, b.cpu())
 
 
 @pytest.mark.parametrize("inference", ["actor", "central", "central --env_splits 2"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from impala.model import Net, sample_actions
+from impala.model import FlatWeights, Net, sample_actions
 
 ATARI_SHAPE = (4, 84, 84)
 NUM_ACTIONS = 6
@@ -160,3 +160,27 @@ def test_sample_actions_follow_the_policy() -> None:
     assert (actions[:, 1] == 0).all()
     assert (actions[:, 0] != 2).all()
     assert 0.85 < (actions[:, 0] == 1).float().mean() < 0.95
+
+
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_flat_shared_weights_act_as_before_and_load_another_model(use_lstm: bool) -> None:
+    torch.manual_seed(0)
+    model = Net((4, 84, 84), 6, use_lstm=use_lstm)
+    source = Net((4, 84, 84), 6, use_lstm=use_lstm)  # other weights: the next draws of the generator
+    obs = torch.randint(0, 255, (3, 2, 4, 84, 84), dtype=torch.uint8)
+    done = torch.zeros(3, 2, dtype=torch.bool)
+    state = model.initial_state(2)
+    before, _ = model(obs, done, state)
+    weights = FlatWeights(model)
+    assert weights.tensor.is_shared()
+    for param in model.parameters():  # views of the one tensor, each on a 64-byte boundary
+        assert param.untyped_storage().data_ptr() == weights.tensor.untyped_storage().data_ptr()
+        assert param.data_ptr() % 64 == 0
+    after, _ = model(obs, done, state)
+    assert torch.equal(before.policy_logits, after.policy_logits) and torch.equal(before.baseline, after.baseline)
+    weights.load(source)
+    for (name, a), b in zip(model.named_parameters(), source.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    ours, _ = model(obs, done, state)
+    theirs, _ = source(obs, done, state)
+    assert torch.equal(ours.policy_logits, theirs.policy_logits) and torch.equal(ours.baseline, theirs.baseline)
