@@ -195,10 +195,12 @@ class LocalActorPool:
     # ------------------------------------------------------------------------------------- learner side
 
     def publish(self, model: Net, version: int) -> None:
-        """Copy the learner's weights into the actors' shared model (central inference acts with the learner's
-        own model, so there nothing is copied) and count the new policy version."""
+        """Copy the learner's weights into the actors' shared model (or into central inference's next snapshot)
+        and count the new policy version."""
         if self.inference is None:
             self.actor_weights.load(model)
+        else:
+            self.inference.load_weights(model)
         self.channels.policy_version.value = version
 
     def episodes(self) -> list[tuple[float, int]]:

@@ -12,6 +12,8 @@ wait trades actor idle time for bigger, cheaper batches. `training.py` runs `ser
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import threading
 import time
 from multiprocessing.connection import Connection, wait
@@ -23,11 +25,21 @@ from impala.model import Net, sample_actions
 
 
 class InferenceServer:
-    """Serves actions to actors; `serve` is the body of the inference thread."""
+    """Serves actions to actors; `serve` is the body of the inference thread.
+
+    It acts with a snapshot of the learner's weights, not with the weights the learner is changing: a forward
+    never mixes two versions. `load_weights` (the learner's publish) fills a second copy, which the server
+    takes at its next batch. On a GPU it runs on a CUDA stream of its own, so its small forwards do not queue
+    behind the learner's kernels.
+    """
 
     def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
                  wait_s: float, seed: int) -> None:
-        self.model = model
+        self.model = copy.deepcopy(model).requires_grad_(False)  # what the forwards use
+        self._next_model = copy.deepcopy(self.model)  # where the next published weights go
+        self._next_ready: torch.cuda.Event | None = None  # recorded after they were copied, on CUDA
+        self._has_next = False
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.buffers = buffers
         self.positions = positions  # [clients, envs per client + 1]: slots..., row
         # client (actor index x env_splits + split) -> the main process's end of its pipe
@@ -62,6 +74,27 @@ class InferenceServer:
             self.connections[client] = connection
             if old is not None:
                 self._replaced.append(old)
+
+    def load_weights(self, model: Net) -> None:
+        """Make `model`'s weights the ones the next batch acts with (a learner thread, after an update)."""
+        with self._lock, torch.no_grad():
+            for target, source in zip(self._next_model.parameters(), model.parameters(), strict=True):
+                target.copy_(source)
+            if self._stream is not None:  # the server's stream waits for these copies before it reads them
+                self._next_ready = torch.cuda.Event()
+                self._next_ready.record()
+            self._has_next = True
+
+    def _take_new_weights(self) -> None:
+        """At the start of a batch: the newest published weights, if any came. The copy being replaced was last
+        read by the previous batch, which has finished (its results were copied to the host)."""
+        with self._lock:
+            if not self._has_next:
+                return
+            self.model, self._next_model = self._next_model, self.model
+            if self._next_ready is not None and self._stream is not None:
+                self._stream.wait_event(self._next_ready)
+            self._has_next = False
 
     def serve(self, stop: threading.Event) -> None:
         """Answer requests until `stop` is set."""
@@ -113,6 +146,11 @@ class InferenceServer:
             pending.append(index_of[id(connection)])
 
     def _act(self, clients: list[int]) -> None:
+        self._take_new_weights()
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            self._act_on(clients)
+
+    def _act_on(self, clients: list[int]) -> None:
         positions = self.positions[clients]  # [M, envs + 1]
         slots = positions[:, :-1].flatten()
         rows = positions[:, -1:].expand(-1, positions.shape[1] - 1).flatten()

@@ -146,3 +146,13 @@ def test_central_inference_on_the_gpu_serves_the_models_outputs_from_pinned_stag
     torch.testing.assert_close(buffers["baseline"][slots, 2], expected.baseline[0].cpu())
     assert ((buffers["action"][slots, 2] >= 0) & (buffers["action"][slots, 2] < 6)).all()
     assert (buffers["action"][[0, 2, 5], 2] == -1).all()  # slots nobody asked about keep their poison
+    with torch.no_grad():  # an update, then its publish: the next batch acts with it, on the server's stream
+        for param in model.parameters():
+            param.mul_(1.5)
+    server.load_weights(model)
+    actor_end.recv_bytes()
+    actor_end.send_bytes(b"a")
+    assert server.serve_once(timeout_s=5.0) == 1 and actor_end.poll(5.0)
+    with torch.no_grad():
+        expected, _ = model(buffers["obs"][slots, 2][None].to(device), buffers["done"][slots, 2][None].to(device))
+    torch.testing.assert_close(buffers["policy_logits"][slots, 2], expected.policy_logits[0].cpu())

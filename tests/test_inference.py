@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -65,6 +66,36 @@ def test_served_outputs_are_the_models_outputs_for_the_observations_in_the_slots
     # Rows nobody asked about keep their poison.
     assert torch.isnan(buffers["policy_logits"][slots_a, 0]).all()
     assert (buffers["action"][slots_a, 3] == -1).all()
+
+
+def test_the_server_acts_with_the_published_weights_not_those_being_changed():
+    """A learner changes its weights in place, step by step; the server acts with the snapshot of the last
+    publish until the next one, so no forward mixes two versions."""
+    server, buffers, positions, model, ends = make_server(num_actors=1, wait_s=0.0)
+    published = copy.deepcopy(model)
+
+    def served_logits(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = request(buffers, positions, 0, ends[0], t=t)
+        while not server.serve_once(timeout_s=1.0):
+            pass
+        assert ends[0].poll(1.0)
+        ends[0].recv_bytes()
+        return buffers["obs"][slots, t][None], buffers["policy_logits"][slots, t]
+
+    with torch.no_grad():
+        for param in model.parameters():  # the learner's update, not yet published
+            param.add_(0.5)
+    obs, logits = served_logits(t=0)
+    with torch.no_grad():
+        expected, _ = published(obs, torch.zeros(1, ENVS, dtype=torch.bool))
+    torch.testing.assert_close(logits, expected.policy_logits[0])
+    server.load_weights(model)  # the publish after that update
+    obs, logits = served_logits(t=1)
+    with torch.no_grad():
+        expected, _ = model(obs, torch.zeros(1, ENVS, dtype=torch.bool))
+        old, _ = published(obs, torch.zeros(1, ENVS, dtype=torch.bool))
+    torch.testing.assert_close(logits, expected.policy_logits[0])
+    assert not torch.allclose(logits, old.policy_logits[0])
 
 
 def test_zero_wait_serves_whoever_is_ready():
