@@ -25,7 +25,12 @@ up on a machine busy with other work far better than rates per wall second.
 
 Ceiling: one agent step costs 1/env + 1/inference + 1/learner CPU-seconds (each per CPU-second), so
 no arrangement of processes on this machine does better than 1 / that per CPU-second, or that times the
-usable cores per second. A GPU learner's cost here is its host CPU only.
+usable cores per second. A GPU learner's cost here is its host CPU only. The env-only ceiling is every
+usable core stepping envs and nothing else, which a trainer whose learner and inference are on a GPU
+approaches: each end-to-end row says what fraction of it the run reached.
+
+On a GPU, the learner component and the end-to-end rows also give the GPU's busy share: the mean of
+nvidia-smi's utilization.gpu (the share of time a kernel ran), sampled every GPU_POLL_MS.
 """
 
 from __future__ import annotations
@@ -39,13 +44,14 @@ import os
 import platform
 import queue
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,6 +77,7 @@ CONFIG_FLAGS = ("env", "model", "num_actors", "envs_per_actor", "env_splits", "u
 # Where the bench's defaults differ from the trainer's: a short run sized for two cores.
 BENCH_DEFAULTS = {"num_actors": 2, "total_steps": 60_000}
 POLL_S = 0.1
+GPU_POLL_MS = 200
 PSS_POLL_S = 2.0  # reading smaps_rollup costs ~6 ms CPU per torch process; the run's memory changes slowly
 PROVISIONAL_LOAD = 1.5  # a 1-minute load average above this at the start makes wall-clock rates unreliable
 MIN_CALLS = 3  # timed calls per component, however slow one call is
@@ -112,6 +119,33 @@ def timed_loop(step: Callable[[], int], seconds: float, lockstep: bool = False) 
     if lockstep:
         dist.all_reduce(cpu_s)
     return Rate(steps, time.perf_counter() - wall_start, float(cpu_s))
+
+
+@contextlib.contextmanager
+def gpu_busy(device_index: int | None) -> Iterator[dict[str, float]]:
+    """Sample GPU `device_index`'s utilisation with nvidia-smi every GPU_POLL_MS while inside: on exit the dict
+    holds `gpu_busy`, the mean share of time in which a kernel ran (0-1; `nvidia-smi dmon`'s "sm" column).
+    Empty without a GPU (None) or without nvidia-smi."""
+    result: dict[str, float] = {}
+    tool = shutil.which("nvidia-smi")
+    if device_index is None or tool is None:
+        yield result
+        return
+    sampler = subprocess.Popen([tool, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                "-i", str(device_index), "-lms", str(GPU_POLL_MS)],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        yield result
+    finally:
+        sampler.terminate()
+        try:
+            output, _ = sampler.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            sampler.kill()
+            output, _ = sampler.communicate()
+        samples = [float(line) for line in output.split() if line.replace(".", "", 1).isdigit()]
+        if samples:
+            result["gpu_busy"] = sum(samples) / len(samples) / 100
 
 
 def _done(done: bool, lockstep: bool) -> bool:
@@ -223,13 +257,18 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
             learner.update(model, optimizer, scheduler, batch, core_state, config, amp, reducer)  # waits for the device
             return config.steps_per_update * world_size
 
-        rate = timed_loop(step, seconds, lockstep=coordinator is not None)
+        with gpu_busy(_cuda_index(device)) as busy:  # the warm-up's 10% included
+            rate = timed_loop(step, seconds, lockstep=coordinator is not None)
         distributed.leave(coordinator)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     ranks = f", {world_size} ranks x B" if world_size > 1 else ""
     return {"what": f"{shape.model} update on [T+1={config.unroll_length + 1}, B={config.batch_size}] ({name}{ranks})",
             "batch": config.batch_size, "ranks": world_size, "device": str(device), "threads": threads, "amp": amp,
-            "cpu_is_host_only": device.type == "cuda", **rate.to_dict()}
+            "cpu_is_host_only": device.type == "cuda", **rate.to_dict(), **busy}
+
+
+def _cuda_index(device: torch.device) -> int | None:
+    return (device.index or 0) if device.type == "cuda" else None
 
 
 class _CountingQueue(queue.Queue):
@@ -437,7 +476,8 @@ def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "
     with tempfile.TemporaryDirectory(prefix="impala-bench-") as savedir:
         argv = run_argv(config, savedir, extra)
         log_path = Path(savedir) / "run-output.log"
-        usage = measure_process_tree(argv, cwd=REPO_ROOT, log_path=log_path)
+        with gpu_busy(_cuda_index(select_device(config))) as busy:
+            usage = measure_process_tree(argv, cwd=REPO_ROOT, log_path=log_path)
         steps = _final_step(Path(savedir) / "bench")
         logged = run_scalars(Path(savedir) / "bench")
         if usage.returncode != 0 or steps is None:
@@ -450,7 +490,7 @@ def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "
             "cpu_s_wait4": usage.cpu_s_wait4, "cpu_s_by_depth": usage.cpu_s_by_depth, "steps_per_s": steps / usage.wall_s,
             "steps_per_cpu_s": steps / usage.cpu_s if usage.cpu_s else 0.0,
             "peak_pss_mib": usage.peak_pss_bytes / 2**20, "processes": usage.processes,
-            "monitor_cpu_s": usage.monitor_cpu_s, **logged}
+            "monitor_cpu_s": usage.monitor_cpu_s, **logged, **busy}
 
 
 # What the run itself logged, shown under its row: (CSV column, key in the row, how the rows combine, label,
@@ -499,10 +539,19 @@ def ceiling(components: dict[str, dict[str, Any]], cores: int) -> dict[str, Any]
     return result
 
 
-def add_fractions(row: dict[str, Any], limit: dict[str, Any] | None) -> dict[str, Any]:
+def env_ceiling(components: dict[str, dict[str, Any]], cores: int) -> float | None:
+    """Agent steps/s of every usable core stepping envs and nothing else: what no trainer on this machine
+    passes, and what one with its learner and inference on a GPU approaches."""
+    return components["env"]["steps_per_cpu_s"] * cores if "env" in components else None
+
+
+def add_fractions(row: dict[str, Any], limit: dict[str, Any] | None, env_limit: float | None = None
+                  ) -> dict[str, Any]:
     if limit is not None:
         row["fraction_of_ceiling_cpu"] = row["steps_per_cpu_s"] / limit["steps_per_cpu_s"]
         row["fraction_of_ceiling_wall"] = row["steps_per_s"] / limit["steps_per_s"]
+    if env_limit:
+        row["fraction_of_env_ceiling"] = row["steps_per_s"] / env_limit
     return row
 
 
@@ -544,6 +593,7 @@ def format_table(results: dict[str, Any]) -> str:
             detail = c["what"] + (f", {c['threads']} thread(s)" if "threads" in c else "")
             detail += (", bf16 autocast" if c.get("amp") else "") + (", host CPU only" if c.get("cpu_is_host_only")
                                                                      else "")
+            detail += f", GPU busy {c['gpu_busy']:.0%}" if "gpu_busy" in c else ""
             lines.append(f"{name:<10} {c['steps_per_s']:>10.0f} {c['steps_per_cpu_s']:>12.0f} "
                          f"{c['cpu_ms_per_step']:>12.3f}  {detail}")
     if (limit := results["ceiling"]) is not None:
@@ -569,6 +619,12 @@ def format_table(results: dict[str, Any]) -> str:
             lines.append(f"{r['variant'] or '(base flags)'}: CPU s by depth in the tree [{by_depth}] (run.py, its "
                          f"children, grandchildren = actors), the bench's polling {r['monitor_cpu_s']:.1f}")
             logged = [f"{label} {r[key]:{spec}}" for _, key, _, label, spec in LOGGED if key in r]
+            shares = [f"GPU busy {r['gpu_busy']:.0%}"] if "gpu_busy" in r else []
+            if "fraction_of_env_ceiling" in r:
+                shares.append(f"{r['fraction_of_env_ceiling']:.0%} of the env-only ceiling "
+                              f"({results['env_ceiling_steps_per_s']:.0f} steps/s)")
+            if shares:
+                lines.append(f"  {', '.join(shares)}")
             if logged:
                 lines.append(f"  logged by the run: {', '.join(logged)}")
             lines.append(f"  command: (cd {r['cwd']} && {r['command']})")
@@ -639,13 +695,14 @@ def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> 
     has_all = all(name in components for name in ("env", "inference", "learner"))
     limit = ceiling(components, results["machine"]["cores_usable"]) if has_all else None
     results["ceiling"] = limit
+    results["env_ceiling_steps_per_s"] = env_limit = env_ceiling(components, results["machine"]["cores_usable"])
     rows = []
     if "e2e" in only:
         extra = shlex.split(args.extra)
         for variant in args.variants or [""]:  # one row per variant: the loop a sweep builds on
             print(f"bench: end to end {variant.strip() or '(base flags)'}: {config.total_steps} steps ...", file=sys.stderr)
             rows.append(add_fractions(bench_end_to_end(config, extra + shlex.split(variant), variant.strip()),
-                                      limit))
+                                      limit, env_limit))
     results["end_to_end"] = rows
     results["load_average_end"] = load_average()
     return results

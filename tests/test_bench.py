@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,36 @@ def test_fractions_of_the_ceiling_worked_by_hand() -> None:
     assert row["fraction_of_ceiling_cpu"] == pytest.approx(0.8)  # 100 / 125
     assert row["fraction_of_ceiling_wall"] == pytest.approx(0.4)  # 150 / 375
     assert bench.add_fractions({"steps_per_s": 1.0}, None) == {"steps_per_s": 1.0}  # no ceiling measured
+
+
+def test_the_env_only_ceiling_and_a_rows_share_of_it_worked_by_hand() -> None:
+    # 1,000 env steps per CPU-second on 16 cores: 16,000 steps/s; a run at 12,000 steps/s reaches 75% of it.
+    assert bench.env_ceiling({"env": {"steps_per_cpu_s": 1000.0}}, 16) == pytest.approx(16_000.0)
+    assert bench.env_ceiling({}, 16) is None  # no env component measured
+    row = bench.add_fractions({"steps_per_cpu_s": 100.0, "steps_per_s": 12_000.0}, None, 16_000.0)
+    assert row["fraction_of_env_ceiling"] == pytest.approx(0.75)
+
+
+def test_gpu_busy_is_the_mean_of_nvidia_smis_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = tmp_path / "nvidia-smi"  # prints three samples, then waits to be stopped as the real one does
+    fake.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\necho 10\necho 20\necho 45\nexec sleep 60\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with bench.gpu_busy(1) as busy:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "args").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+    assert busy == {"gpu_busy": pytest.approx(0.25)}  # (10 + 20 + 45) / 3 percent
+    assert (tmp_path / "args").read_text().split() == ["--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                                        "-i", "1", "-lms", str(bench.GPU_POLL_MS)]
+    with bench.gpu_busy(None) as busy:  # no GPU: nothing sampled
+        pass
+    assert busy == {}
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with bench.gpu_busy(0) as busy:  # no nvidia-smi
+        pass
+    assert busy == {}
 
 
 def test_end_to_end_command_passes_the_config_then_extra_flags() -> None:
