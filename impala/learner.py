@@ -51,18 +51,27 @@ class BatchStaging:
                            for k in sorted(buffers) if k.startswith("core_state_")]
         if pin:
             self.core_state = [s.pin_memory() for s in self.core_state]
+        self._copied: torch.cuda.Event | None = None  # the last copy to a GPU, which reads these tensors
 
     def fill(self, buffers: Buffers, slots: Sequence[int]) -> None:
-        """Copy `slots` out of shared memory; the slots may be reused as soon as this returns."""
+        """Copy `slots` out of shared memory; the slots may be reused as soon as this returns. Waits first for
+        the previous asynchronous copy to a GPU to have read these tensors, if it has not yet."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
         for key, out in self.tensors.items():
             torch.stack([buffers[key][i] for i in slots], dim=1, out=out)
         for i, out in enumerate(self.core_state):
             torch.stack([buffers[f"core_state_{i}"][s] for s in slots], dim=1, out=out)
 
     def to(self, device: torch.device) -> tuple[dict[str, torch.Tensor], CoreState]:
+        """The batch on `device`; to a GPU asynchronously (from pinned memory), so the host goes on at once."""
         non_blocking = device.type == "cuda"
         batch = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}
         core_state = tuple(s.to(device, non_blocking=non_blocking) for s in self.core_state)
+        if non_blocking:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return batch, core_state
 
 

@@ -53,6 +53,21 @@ def test_a_gpu_update_from_pinned_staging_moves_the_weights_and_reports_finite_s
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
 
 
+def test_staging_is_refilled_only_after_the_gpu_has_read_it():
+    """An asynchronous copy from pinned staging is still reading it when `to` returns; the next `fill` must wait
+    for it, or the batch on the GPU would get rows of the next one."""
+    config = Config(unroll_length=20, batch_size=4)
+    buffers = create_buffers(BufferSpec(8, config.unroll_length, (4, 84, 84), torch.uint8, 6))
+    for slot in range(8):
+        buffers["obs"][slot] = slot
+    staging = learner.BatchStaging(buffers, config.batch_size, pin=True)
+    staging.fill(buffers, [0, 1, 2, 3])
+    torch.cuda._sleep(200_000_000)  # keep the stream busy, so the copy below is still queued when `to` returns
+    batch, _ = staging.to(torch.device("cuda"))
+    staging.fill(buffers, [4, 5, 6, 7])
+    assert batch["obs"][:, :, 0, 0, 0].cpu().amax(0).tolist() == [0, 1, 2, 3]
+
+
 def test_a_default_update_waits_for_the_gpu_once_per_batch():
     """The default rule (PPO, fused Adam, 2 passes x 8 minibatches): 16 gradient steps, one wait for the GPU,
     for the stats at the end. Non-finite steps are skipped on the device."""
