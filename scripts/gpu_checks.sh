@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of BENCHMARKS.md ("To re-measure"), one after the other, each output kept in $OUT
 # (default ./gpu-out): the gpu-marked tests, the deep ResNet learner row, the shallow net's
-# components, and one end-to-end row per inference mode.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all] [TOTAL_STEPS]
+# components, and one end-to-end row per inference mode. `defaults` measures the default settings as a
+# user meets them: the learner alone (GPU busy share, host CPU per step), the components and the trainer
+# with all cores (`--num_actors auto`, actor and central inference), and Pong's time to a mean of 18.
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|defaults] [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
 what=${1:-all}
@@ -10,6 +12,17 @@ steps=${2:-1000000}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$out/machine.txt" 2>&1
+if [ "$what" = defaults ]; then
+  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider > "$out/pytest_gpu.txt" 2>&1; echo "pytest rc $?" >> "$out/pytest_gpu.txt"
+  timeout 60 python3 -m impala.bench --only learner --seconds 10 --json "$out/learner.json" > "$out/learner.txt" 2>&1
+  timeout 200 python3 -m impala.bench --num_actors auto --total_steps "$steps" --seconds 5 \
+    --only env,inference,learner,actor,e2e --variants "" "--inference central" \
+    --json "$out/defaults.json" > "$out/defaults.txt" 2>&1
+  timeout 300 python3 run.py --env PongNoFrameskip-v4 --savedir "$out/runs" --xpid pong > "$out/pong.txt" 2>&1
+  timeout 300 python3 scripts/results.py pong --plot-only --savedir "$out/runs" --xpid pong >> "$out/pong.txt" 2>&1
+  tail -n 8 "$out"/*.txt
+  exit 0
+fi
 if [ "$what" != e2e ]; then
 timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider > "$out/pytest_gpu.txt" 2>&1; echo "pytest rc $?" >> "$out/pytest_gpu.txt"
 timeout 75 python3 -m impala.bench --only learner --model resnet --batch_size 32 --seconds 20 \
