@@ -52,7 +52,8 @@ def test_a_non_finite_update_is_skipped_and_leaves_the_weights_alone() -> None:
     stats = learner.update(model, optimizer, scheduler, _batch(float("nan")), (), config)
     assert stats["skipped"] == 1
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert optimizer.state == {} or all(not s for s in optimizer.state.values())  # RMSprop saw nothing
+    for state in optimizer.state.values():  # fused Adam makes its state, then skips: nothing counted or accumulated
+        assert float(state["step"]) == 0 and all(not v.any() for k, v in state.items() if k != "step"), state
     stats = learner.update(model, optimizer, scheduler, _batch(1.0), (), config)
     assert stats["skipped"] == 0
     assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
