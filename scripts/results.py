@@ -7,6 +7,7 @@
     python scripts/results.py pong --compare DIR1 DIR2 --labels A B --out cmp.png   # existing runs side by side
     python scripts/results.py spaceinvaders --xpid si-linear --total_steps 1500000 --lr_schedule linear
     python scripts/results.py atari5                     # the five Atari-5 games, 10M steps each; rerun to resume
+    python scripts/results.py atari5 --games Qbert --minutes 60   # one game for an hour (machines, sessions)
     python scripts/results.py atari5 --plot-only         # the Atari-5 table from the runs that exist, no training
 
 Flags this script does not know are passed on to `run.py` after the experiment's own (the last one wins).
@@ -331,7 +332,8 @@ def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
             for g in atari5.GAMES for seed in range(args.seeds)]
     if not args.plot_only:
         for env_id, seed, xpid in runs:
-            run_atari5_game(args, run_flags, env_id, seed, xpid)
+            if not args.games or env_id in args.games:
+                run_atari5_game(args, run_flags, env_id, seed, xpid)
     rows = [atari5_row(args.savedir / xpid, env_id, seed) for env_id, seed, xpid in runs]
     flags = next((_read_json(args.savedir / xpid / "flags.json") for _, _, xpid in runs
                   if (args.savedir / xpid / "flags.json").is_file()), {})
@@ -360,7 +362,16 @@ def main() -> int:
     parser.add_argument("--compare", type=Path, nargs="+", default=None, metavar="RUN_DIR",
                         help="do not train or test: summarise these run directories and plot them together")
     parser.add_argument("--labels", nargs="+", default=None, help="--compare: a legend label per run directory")
+    parser.add_argument("--games", nargs="+", default=None, metavar="GAME",
+                        help="atari5: train only these games (e.g. Qbert or QbertNoFrameskip-v4); the table has all five")
     args, run_flags = parser.parse_known_args()
+    if args.games:
+        by_name = {g.env_id.removesuffix("NoFrameskip-v4").lower(): g.env_id for g in atari5.GAMES}
+        unknown = [g for g in args.games if g.removesuffix("NoFrameskip-v4").lower() not in by_name]
+        if args.experiment != "atari5" or unknown:
+            parser.error(f"--games takes Atari-5 games ({', '.join(by_name.values())}) with atari5 only; "
+                         f"got {' '.join(unknown or args.games)}")
+        args.games = {by_name[g.removesuffix("NoFrameskip-v4").lower()] for g in args.games}
     if run_flags and (args.compare or args.plot_only):
         parser.error(f"unknown flags {' '.join(run_flags)}: run.py's flags are for training runs only")
     if args.experiment == "atari5":

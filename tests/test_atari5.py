@@ -185,3 +185,20 @@ def test_plot_only_prints_and_writes_the_table_for_the_games_that_exist(tmp_path
     written = json.loads((tmp_path / "atari5.json").read_text())
     assert [r["state"] for r in written["rows"]] == ["new", "new", "new", "finished", "new"]
     assert (tmp_path / "atari5.md").read_text() in out
+
+
+def test_games_picks_which_games_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    trained = []
+    monkeypatch.setattr(results, "run_atari5_game", lambda args, flags, env_id, seed, xpid: trained.append(xpid))
+    argv = sys.argv
+    try:
+        sys.argv = ["results.py", "atari5", "--games", "qbert", "PhoenixNoFrameskip-v4", "--savedir", str(tmp_path)]
+        assert results.main() == 0
+        assert trained == ["atari5-Phoenix", "atari5-Qbert"]  # in the table's order
+        assert "| Battle Zone | - |" in capsys.readouterr().out  # the table still has all five
+        sys.argv = ["results.py", "atari5", "--games", "Pong", "--savedir", str(tmp_path)]
+        with pytest.raises(SystemExit) as exit_info:
+            results.main()
+        assert exit_info.value.code == 2 and "got Pong" in capsys.readouterr().err
+    finally:
+        sys.argv = argv
