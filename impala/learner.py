@@ -184,7 +184,8 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
     totals: dict[str, torch.Tensor] = {}
     device = batch["obs"].device
     for _ in range(config.epochs):
-        order = torch.randperm(batch_size, device=device)  # drawn where it is used: no copy, no wait
+        # Drawn where it is used (no copy, no wait); one part needs no order.
+        order = torch.randperm(batch_size, device=device) if parts > 1 else torch.arange(batch_size, device=device)
         for columns in torch.tensor_split(order, parts):  # near-equal parts, sizes differing by at most one
             if parts == 1:
                 part, part_state = batch, core_state

@@ -10,6 +10,7 @@ import math
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,19 @@ from impala.plotting import CSV_RETURN_COLUMN
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RUN_STEPS = 100_000  # CartPole with small unrolls is past a mean return of 150 by then
+
+
+def _waits_for_the_gpu(work: Callable[[], object]) -> list[str]:
+    """What `work` did that made the host wait for the GPU (torch.cuda.set_sync_debug_mode's warnings)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            work()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
 
 
 def test_a_gpu_update_from_pinned_staging_moves_the_weights_and_reports_finite_stats():
@@ -83,15 +97,9 @@ def test_a_default_update_waits_for_the_gpu_once_per_batch():
              "action": torch.randint(0, 6, (T, B), device=device), "policy_logits": torch.randn(T, B, 6, device=device)}
     amp = use_amp(None, device, "shallow")
     learner.update(model, optimizer, scheduler, batch, (), config, amp=amp)  # the optimizer's state is made here
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            stats = learner.update(model, optimizer, scheduler, batch, (), config, amp=amp)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    stats: dict[str, float] = {}
+    syncs = _waits_for_the_gpu(lambda: stats.update(learner.update(model, optimizer, scheduler, batch, (), config,
+                                                                   amp=amp)))
     assert len(syncs) == 1, syncs
     assert stats["skipped"] == 0 and all(math.isfinite(v) for v in stats.values())
 
@@ -105,15 +113,7 @@ def test_weights_published_from_the_gpu_arrive_in_one_copy():
     with torch.no_grad():
         for param in learner_model.parameters():
             param.mul_(2)
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            weights.load(learner_model)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1
+    assert len(_waits_for_the_gpu(lambda: weights.load(learner_model))) == 1
     for a, b in zip(actor_model.parameters(), learner_model.parameters(), strict=True):
         assert torch.equal(a, b.cpu())
 
