@@ -64,7 +64,7 @@ from impala import distributed, learner
 from impala.actor import ActorChannels, run_actor
 from impala.buffers import BufferSpec
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from impala.config import Config, UserError, to_flags
+from impala.config import Config, UserError, add_flags, to_flags
 from impala.environment import EnvBatch
 from impala.model import Net, sample_actions, use_amp
 from impala.training import learner_threads, probe_env, select_device
@@ -72,8 +72,9 @@ from impala.training import learner_threads, probe_env, select_device
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPONENTS = ("env", "inference", "learner", "actor", "e2e")
 # Config fields the bench takes as flags; every other field keeps its Config default.
-CONFIG_FLAGS = ("env", "model", "num_actors", "envs_per_actor", "env_splits", "unroll_length", "batch_size",
-                "total_steps", "disable_cuda", "amp", "inference", "inference_wait_ms")
+CONFIG_FLAGS = ("env", "model", "use_lstm", "num_actors", "envs_per_actor", "env_splits", "unroll_length",
+                "batch_size", "total_steps", "disable_cuda", "amp", "inference", "inference_wait_ms", "policy_loss",
+                "optimizer", "epochs", "minibatches", "compile")
 # Where the bench's defaults differ from the trainer's: a short run sized for two cores.
 BENCH_DEFAULTS = {"num_actors": 2, "total_steps": 60_000}
 POLL_S = 0.1
@@ -107,7 +108,8 @@ def timed_loop(step: Callable[[], int], seconds: float, lockstep: bool = False) 
     rank calls `step` as often as the others, each stopping when the first wants to; the CPU seconds are
     those of all ranks."""
     warmup_end = time.perf_counter() + 0.1 * seconds
-    step()  # at least once: lazy initialisation, allocator, cuDNN autotuning
+    for _ in range(3):  # whatever the time: lazy initialisation, allocator, cuDNN autotuning, --compile's
+        step()          # compilation and its CUDA-graph recording (the third call)
     while not _done(time.perf_counter() >= warmup_end, lockstep):
         step()
     steps, calls = 0, 0
@@ -250,11 +252,12 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
         buffers = _synthetic_slots(config, shape, model)
         staging = learner.BatchStaging(buffers, config.batch_size, pin=device.type == "cuda")
         slots = list(range(config.batch_size))
+        loss_fn = learner.loss_function(config, device)  # compiled with --compile, in the warm-up
 
         def step() -> int:
             staging.fill(buffers, slots)
             batch, core_state = staging.to(device)
-            learner.update(model, optimizer, scheduler, batch, core_state, config, amp, reducer)  # waits for the device
+            learner.update(model, optimizer, scheduler, batch, core_state, config, amp, reducer, loss_fn)  # waits
             return config.steps_per_update * world_size
 
         with gpu_busy(_cuda_index(device)) as busy:  # the warm-up's 10% included
@@ -639,17 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m impala.bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Measure env, inference and learner throughput alone, the trainer end to end, and the "
                     "ceiling the parts imply, per wall second and per CPU-second.")
-    fields = {f.name: f for f in dataclasses.fields(Config)}
-    for name in CONFIG_FLAGS:  # the trainer's flags, help and choices; defaults from Config (or BENCH_DEFAULTS)
-        meta = dict(fields[name].metadata)
-        help_text, negatable = meta.pop("help"), meta.pop("negatable", False)
-        default = BENCH_DEFAULTS.get(name, meta.pop("argparse_default", fields[name].default))
-        if fields[name].type in ("bool", "bool | None"):
-            action = argparse.BooleanOptionalAction if negatable else "store_true"
-            parser.add_argument(f"--{name}", action=action, default=default, help=help_text)
-        else:
-            kind = meta.pop("type", None) or {"int": int, "float": float, "str": str}[fields[name].type.replace(" | None", "")]
-            parser.add_argument(f"--{name}", type=kind, default=default, help=help_text, **meta)
+    add_flags(parser, CONFIG_FLAGS, BENCH_DEFAULTS)  # the trainer's flags that the bench passes on
     parser.add_argument("--only", default=",".join(COMPONENTS),
                         help=f"comma-separated subset of {','.join(COMPONENTS)}")
     parser.add_argument("--seconds", type=float, default=5.0, help="timed seconds per micro-benchmark")

@@ -150,7 +150,8 @@ class Config:
     amp: bool | None = _flag(None, "bfloat16 autocast for the learner and actor inference (weights stay float32); "
                              "default: on where the device computes bfloat16 natively (recent GPUs, CPUs with "
                              "AVX512-BF16 or AMX), --no-amp to turn it off", negatable=True)
-    compile: bool = _flag(False, "torch.compile the learner's model")
+    compile: bool = _flag(False, "torch.compile the learner's loss and its backward as one region "
+                                 "(replayed as CUDA graphs on a GPU)")
 
     # Outputs.
     log_interval_s: float = _flag(5.0, "seconds between console lines and TensorBoard scalars")
@@ -293,19 +294,29 @@ def build_parser() -> argparse.ArgumentParser:
         description="IMPALA: actor processes fill shared rollout buffers, learner threads apply V-trace.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    for f in dataclasses.fields(Config):
+    add_flags(parser)
+    return parser
+
+
+def add_flags(parser: argparse.ArgumentParser, names: Sequence[str] | None = None,
+              defaults: dict[str, Any] | None = None) -> None:
+    """Add the flags of Config's fields `names` (all by default) to `parser`, with their help, types and
+    choices; `defaults` replaces the defaults of some (`impala.bench`'s short runs)."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    for name in names if names is not None else fields:
+        f = fields[name]
         meta = dict(f.metadata)
         help_text = meta.pop("help")
         negatable = meta.pop("negatable", False)
         default = meta.pop("argparse_default", f.default)  # what --help shows, converted by the flag's type
+        default = (defaults or {}).get(name, default)
         if f.type in ("bool", "bool | None"):
             action = argparse.BooleanOptionalAction if negatable else "store_true"
-            parser.add_argument(f"--{f.name}", action=action, default=default, help=help_text)
+            parser.add_argument(f"--{name}", action=action, default=default, help=help_text)
             continue
         if "nargs" not in meta and "type" not in meta:
             meta["type"] = _arg_type(str(f.type))
-        parser.add_argument(f"--{f.name}", default=default, help=help_text, **meta)
-    return parser
+        parser.add_argument(f"--{name}", default=default, help=help_text, **meta)
 
 
 def to_flags(config: Config, names: Sequence[str]) -> list[str]:

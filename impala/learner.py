@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -129,6 +129,29 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
     return total_loss, stats
 
 
+LossFunction = Callable[[Net, dict[str, torch.Tensor], CoreState, Config, "GradientReducer | None"],
+                        tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def loss_function(config: Config, device: torch.device) -> LossFunction:
+    """`compute_loss`, or with `--compile` the same code compiled as one region: the model's forward, V-trace
+    and the losses, and with them their backward, each a few fused kernels instead of hundreds of small ones.
+    On a GPU the region is also captured as CUDA graphs (mode "reduce-overhead"), so a gradient step replays
+    a graph forward and one backward. Shapes are fixed ([T + 1, minibatch]): a batch split into parts of two
+    sizes compiles twice. tests/test_learner.py holds the compiled step equal to the eager one."""
+    if not config.compile:
+        return compute_loss
+    compiled = torch.compile(compute_loss, mode="reduce-overhead" if device.type == "cuda" else None, dynamic=False)
+
+    def compiled_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config,
+                      reducer: GradientReducer | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # A new gradient step: the previous step's graph outputs (loss, stats) have been used, their memory is free.
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(model, batch, core_state, config, reducer)
+
+    return compiled_loss
+
+
 def make_optimizer(model: Net, config: Config, world_size: int = 1
                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """RMSprop or Adam and the `--lr_schedule` (`world_size` learner processes each add `steps_per_update`
@@ -171,9 +194,10 @@ def make_schedule(optimizer: torch.optim.Optimizer, config: Config, start_step: 
 
 def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
            batch: dict[str, torch.Tensor], core_state: CoreState, config: Config, amp: bool = False,
-           reducer: GradientReducer | None = None) -> dict[str, float]:
+           reducer: GradientReducer | None = None, loss_fn: LossFunction = compute_loss) -> dict[str, float]:
     """`--epochs` passes over the batch, each `--minibatches` gradient steps on a share of its unrolls.
-    With several learner processes, `reducer` makes each step's gradient that of all their batches.
+    With several learner processes, `reducer` makes each step's gradient that of all their batches. `loss_fn` is
+    `compute_loss` or its compiled form (`loss_function`).
 
     A step whose loss or gradient is not finite is not applied, and `stats["skipped"]` is then 1. The schedule
     steps once per batch. Returns the stats averaged over the steps, as Python floats: the one wait for the
@@ -192,8 +216,9 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
             else:
                 part = {k: v.index_select(1, columns) for k, v in batch.items()}
                 part_state = tuple(s.index_select(1, columns) for s in core_state)
-            for key, value in _step(model, optimizer, part, part_state, config, amp, reducer).items():
-                totals[key] = totals[key] + value if key in totals else value
+            for key, value in _step(model, optimizer, part, part_state, config, amp, reducer, loss_fn).items():
+                # A copy to start with: a CUDA-graphed loss writes its outputs over at the next step.
+                totals[key] = totals[key] + value if key in totals else value.clone()
     steps = config.epochs * parts
     values = {k: v / steps for k, v in zip(totals, torch.stack(list(totals.values())).tolist(), strict=True)}
     values["skipped"] = 1.0 if values["skipped"] else 0.0  # a batch with a non-finite step counts as skipped
@@ -205,7 +230,8 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
 
 
 def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], core_state: CoreState,
-          config: Config, amp: bool, reducer: GradientReducer | None = None) -> dict[str, torch.Tensor]:
+          config: Config, amp: bool, reducer: GradientReducer | None = None,
+          loss_fn: LossFunction = compute_loss) -> dict[str, torch.Tensor]:
     """One gradient step on `batch`, skipped if its loss or gradient is not finite. Returns its stats as float32
     scalars on the device, `skipped` among them (1 when skipped).
 
@@ -215,7 +241,7 @@ def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.T
     device_type = batch["obs"].device.type
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
     with autocast:
-        loss, stats = compute_loss(model, batch, core_state, config, reducer)
+        loss, stats = loss_fn(model, batch, core_state, config, reducer)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if reducer is not None:  # before clipping: every rank clips and steps with the same gradient

@@ -18,7 +18,6 @@ from impala.buffers import Buffers
 from impala.config import Config, TrainingError
 from impala.learner import LearnerState
 from impala.metrics import IntervalStats
-from impala.model import Net
 
 if TYPE_CHECKING:
     from impala.distributed import Coordinator
@@ -38,14 +37,14 @@ class Learners:
     """
 
     def __init__(self, config: Config, state: LearnerState, buffers: Buffers, pool: ActorPool, device: torch.device,
-                 model: Net, amp: bool, stats: IntervalStats, update_lock: threading.Lock,
+                 amp: bool, stats: IntervalStats, update_lock: threading.Lock,
                  coordinator: Coordinator | None = None) -> None:
         self.config = config
         self.state = state
         self.buffers = buffers
         self.pool = pool
         self.device = device
-        self.model = model  # `state.model`, or its torch.compile'd wrapper (same parameters)
+        self.loss_fn = learner.loss_function(config, device)  # compiled with --compile
         self.amp = amp  # bfloat16 autocast
         self.stats = stats
         self.update_lock = update_lock
@@ -113,8 +112,8 @@ class Learners:
                 if not steps:
                     return
                 update_start = time.perf_counter()
-                stats = learner.update(self.model, state.optimizer, state.scheduler, batch, core_state, config,
-                                       self.amp, reducer)
+                stats = learner.update(state.model, state.optimizer, state.scheduler, batch, core_state, config,
+                                       self.amp, reducer, self.loss_fn)
                 # update() ends by reading its stats as floats, which waits for the device: on CUDA this phase
                 # also holds the tail of the non-blocking host-to-device copy.
                 publish_start = time.perf_counter()

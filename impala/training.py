@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import cast
 
 import torch
 
@@ -174,9 +173,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     pool_name = run_dir.name if coordinator is None else f"{run_dir.name}.rank-{coordinator.rank}"
     pool = _actor_pool(config, ctx, buffers, state, actor_model, pool_name)
     amp, stats, update_lock = use_amp(config.amp, device, model.model), IntervalStats(), threading.Lock()
-    # Compiled for the learner's fixed [T + 1, B] shape only; actors and central inference use the eager model.
-    learner_model = cast(Net, torch.compile(model)) if config.compile else model  # the wrapper acts as a Net
-    learners = Learners(config, state, buffers, pool, device, learner_model, amp, stats, update_lock, coordinator)
+    learners = Learners(config, state, buffers, pool, device, amp, stats, update_lock, coordinator)
     run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
               resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None, stats=stats,
               update_lock=update_lock, coordinator=coordinator, stop=stop)

@@ -625,3 +625,33 @@ def test_an_adam_state_saved_before_adam_was_fused_resumes_fused() -> None:
     assert stats["skipped"] == 0.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(float(state["step"]) == 2 for state in optimizer.state.values())
+
+
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_the_compiled_step_equals_the_eager_step(use_lstm: bool) -> None:
+    """`--compile`: the loss (forward, V-trace, PPO) and its backward compiled as one region. Two batches of
+    2 passes x 2 minibatches with Adam leave the weights and stats the eager step leaves, to float error
+    (the compiler fuses, so it rounds differently)."""
+    config = _config(batch_size=4, policy_loss="ppo", optimizer="adam", epsilon=1e-5, learning_rate=0.01,
+                     minibatches=2, epochs=2, use_lstm=use_lstm, compile=True)
+    eager_model = _model(use_lstm)
+    compiled_model = copy.deepcopy(eager_model)
+    loss_fn = learner.loss_function(config, torch.device("cpu"))
+    assert loss_fn is not learner.compute_loss
+    assert learner.loss_function(dataclasses.replace(config, compile=False), torch.device("cpu")) is learner.compute_loss
+    eager, eager_schedule = learner.make_optimizer(eager_model, config)
+    compiled, compiled_schedule = learner.make_optimizer(compiled_model, config)
+    core_state = eager_model.initial_state(4)
+    for seed in range(2):
+        batch = _batch(eager_model, rewards=[[1.0, 0.0, 0.5, -1.0], [0.0, 1.0, 0.0, 0.0], [1.0, 1.0, 0.0, 2.0]],
+                       dones=[[False, False, True, False], [True, False, False, False], [False, False, False, True]],
+                       actions=[[0, 1, 2, 0], [1, 2, 0, 1], [2, 0, 1, 1]], off_policy=True)
+        torch.manual_seed(seed)  # the same minibatch order for both
+        eager_stats = learner.update(eager_model, eager, eager_schedule, batch, core_state, config)
+        torch.manual_seed(seed)
+        compiled_stats = learner.update(compiled_model, compiled, compiled_schedule, batch, core_state, config,
+                                        loss_fn=loss_fn)
+        assert compiled_stats == pytest.approx(eager_stats, rel=1e-4, abs=1e-6)
+    for (name, a), b in zip(eager_model.named_parameters(), compiled_model.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    assert any(not torch.equal(a, b) for a, b in zip(eager_model.parameters(), _model(use_lstm).parameters()))

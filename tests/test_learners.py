@@ -66,7 +66,7 @@ def test_policy_lag_counts_the_updates_between_acting_and_learning() -> None:
     state = LearnerState(model, optimizer, scheduler, ActorLives(0, 0))
     stop = threading.Event()
     pool = _Pool(_Slots([0, 1, 2, 3, 4, 5], stop))
-    learners = _RecordingLearners(config, state, buffers, pool, torch.device("cpu"), model, False, None,
+    learners = _RecordingLearners(config, state, buffers, pool, torch.device("cpu"), False, None,
                                   threading.Lock())
     learners.stop_event, learners.lags = stop, []
     learners._learn()
