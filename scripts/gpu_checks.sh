@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks of BENCHMARKS.md ("To re-measure"), one after the other, each output kept in $OUT
 # (default ./gpu-out): the gpu-marked tests, the deep ResNet learner row, the shallow net's
-# components, and one end-to-end row per inference mode. `defaults` measures the default settings as a
-# user meets them: the learner alone (GPU busy share, host CPU per step), the components and the trainer
-# with all cores (`--num_actors auto`, actor and central inference), and Pong's time to a mean of 18.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|defaults] [TOTAL_STEPS]
+# components, and one end-to-end row per inference mode. The default settings as a user meets them, in
+# three parts: `learner` (the gpu-marked tests, the learner alone eager and with --compile: GPU busy
+# share, host CPU per step), `defaults` (the components and the trainer with all cores, `--num_actors
+# auto`: inference in the actors, central, and --compile) and `pong` (the README's Pong command, its time
+# to a mean of 18).
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|learner|defaults|pong] [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
 what=${1:-all}
@@ -12,14 +14,25 @@ steps=${2:-1000000}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$out/machine.txt" 2>&1
-if [ "$what" = defaults ]; then
-  timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider > "$out/pytest_gpu.txt" 2>&1; echo "pytest rc $?" >> "$out/pytest_gpu.txt"
+# Three parts of the default settings, each within one 10-minute device call.
+if [ "$what" = learner ]; then
+  timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider > "$out/pytest_gpu.txt" 2>&1; echo "pytest rc $?" >> "$out/pytest_gpu.txt"
   timeout 60 python3 -m impala.bench --only learner --seconds 10 --json "$out/learner.json" > "$out/learner.txt" 2>&1
-  timeout 200 python3 -m impala.bench --num_actors auto --total_steps "$steps" --seconds 5 \
-    --only env,inference,learner,actor,e2e --variants "" "--inference central" \
+  timeout 180 python3 -m impala.bench --only learner --seconds 10 --compile \
+    --json "$out/learner_compile.json" > "$out/learner_compile.txt" 2>&1
+  tail -n 8 "$out"/*.txt
+  exit 0
+fi
+if [ "$what" = defaults ]; then
+  timeout 500 python3 -m impala.bench --num_actors auto --total_steps "$steps" --seconds 5 \
+    --only env,inference,learner,actor,e2e --variants "" "--inference central" "--compile" \
     --json "$out/defaults.json" > "$out/defaults.txt" 2>&1
-  timeout 300 python3 run.py --env PongNoFrameskip-v4 --savedir "$out/runs" --xpid pong > "$out/pong.txt" 2>&1
-  timeout 300 python3 scripts/results.py pong --plot-only --savedir "$out/runs" --xpid pong >> "$out/pong.txt" 2>&1
+  tail -n 20 "$out"/*.txt
+  exit 0
+fi
+if [ "$what" = pong ]; then
+  timeout 420 python3 run.py --env PongNoFrameskip-v4 --savedir "$out/runs" --xpid pong > "$out/pong.txt" 2>&1
+  timeout 120 python3 scripts/results.py pong --plot-only --savedir "$out/runs" --xpid pong >> "$out/pong.txt" 2>&1
   tail -n 8 "$out"/*.txt
   exit 0
 fi
