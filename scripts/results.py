@@ -22,7 +22,8 @@ one game after the other. Rerunning it skips the games that finished (and were t
 with a checkpoint and starts the rest. Each run's atari5.json records every session's wall time and
 machine; the table (training and greedy returns, human-normalised scores, Atari-5's predicted Atari-57
 median, CleanRL's published PPO beside ours, settings and sources) is printed and written to
-SAVEDIR/atari5.md and SAVEDIR/atari5.json. docs/atari5.md explains every number.
+SAVEDIR/atari5.md and SAVEDIR/atari5.json, and the five curves to SAVEDIR/atari5.png (or --out).
+docs/atari5.md explains every number.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ EXPERIMENTS = {
                  "--grad_norm_clipping", "40", "--epochs", "1", "--minibatches", "1", "--vtrace_lambda", "1", "--lr_schedule", "linear"],
 }
 # Atari-5: the README's default command (`python run.py --env GAME`) for 10M agent steps (40M frames).
-ATARI5_FLAGS = ["--total_steps", "10000000"]
+ATARI5_STEPS = 10_000_000
+ATARI5_FLAGS = ["--total_steps", str(ATARI5_STEPS)]
 ATARI5_RECORD = "atari5.json"  # in each run directory: its sessions (wall time, machine) and greedy test
 RETURN_TAG = "charts/episodic_return"
 LAST_GAMES = 100
@@ -325,6 +327,31 @@ def format_atari5(rows: list[dict], flags: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def atari5_figure(runs: list[tuple[str, Path]]) -> Figure:
+    """One panel per game, from `runs` (env id, run directory): every training game's return faint and the
+    mean of the last 100 bold, against agent steps, one colour per seed, with CleanRL's PPO at 10M steps
+    (dashed) and random play (dotted). A game not run yet has an empty panel."""
+    fig = Figure(figsize=(4 * len(atari5.GAMES), 3.8), layout="constrained")
+    for axes, game in zip(fig.subplots(1, len(atari5.GAMES)), atari5.GAMES, strict=True):
+        run_dirs = [run_dir for env_id, run_dir in runs if env_id == game.env_id and run_dir.is_dir()]
+        for seed, run_dir in enumerate(run_dirs):
+            steps, returns, _ = episodes(run_dir)
+            axes.plot(steps, returns, color=f"C{seed}", alpha=0.15, linewidth=0.6)
+            axes.plot(steps, smooth(returns, LAST_GAMES), color=f"C{seed}", linewidth=2, label=run_dir.name)
+        axes.axhline(game.cleanrl_ppo, color="black", linestyle="--", label="CleanRL PPO at 10M")
+        axes.axhline(game.random, color="gray", linestyle=":", label="random")
+        axes.set_title(game.name)
+        axes.set_xlim(0, ATARI5_STEPS)
+        axes.set_xlabel("agent steps")
+        axes.xaxis.set_major_formatter(EngFormatter())
+        axes.grid(alpha=0.3)
+    fig.axes[0].set_ylabel(f"return per game (bold: mean of the last {LAST_GAMES})")
+    for axes in fig.axes:
+        axes.legend(loc="best", fontsize="small")
+    fig.suptitle("Atari-5 with the default command")
+    return fig
+
+
 def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
     """Train (unless --plot-only) and test each game in turn, then print and write the table."""
     prefix = args.xpid or "atari5"
@@ -345,7 +372,10 @@ def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
         {"rows": rows, "predicted_median": atari5_medians(rows), "flags": flags,
          "sources": {"paper": atari5.PAPER, "reference_scores": atari5.REFERENCE_SCORES_SOURCE,
                      "weights": atari5.WEIGHTS_SOURCE, "cleanrl": atari5.CLEANRL_SOURCE}}, indent=2) + "\n")
-    print(f"Wrote {args.savedir / f'{prefix}.md'} and {args.savedir / f'{prefix}.json'}")
+    out = args.out or args.savedir / f"{prefix}.png"  # beside the table
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atari5_figure([(env_id, args.savedir / xpid) for env_id, _, xpid in runs]).savefig(out, dpi=100)
+    print(f"Wrote {args.savedir / f'{prefix}.md'}, {args.savedir / f'{prefix}.json'} and {out}")
     return 0
 
 
@@ -358,7 +388,7 @@ def main() -> int:
     parser.add_argument("--xpid", default=None, help="run name (default: EXPERIMENT, or EXPERIMENT-sN per seed)")
     parser.add_argument("--test_episodes", type=int, default=10)
     parser.add_argument("--plot-only", action="store_true", help="do not train: summarise and plot existing runs")
-    parser.add_argument("--out", type=Path, default=None, help="PNG path (default docs/results/EXPERIMENT.png)")
+    parser.add_argument("--out", type=Path, default=None, help="PNG path (default docs/results/EXPERIMENT.png; atari5: SAVEDIR/atari5.png)")
     parser.add_argument("--compare", type=Path, nargs="+", default=None, metavar="RUN_DIR",
                         help="do not train or test: summarise these run directories and plot them together")
     parser.add_argument("--labels", nargs="+", default=None, help="--compare: a legend label per run directory")

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from torch.utils.tensorboard import SummaryWriter
 
 from impala import atari5
 
@@ -185,6 +186,22 @@ def test_plot_only_prints_and_writes_the_table_for_the_games_that_exist(tmp_path
     written = json.loads((tmp_path / "atari5.json").read_text())
     assert [r["state"] for r in written["rows"]] == ["new", "new", "new", "finished", "new"]
     assert (tmp_path / "atari5.md").read_text() in out
+    assert (tmp_path / "atari5.png").read_bytes().startswith(b"\x89PNG")  # the five panels, beside the table
+
+
+def test_the_figure_has_a_panel_per_game_with_cleanrls_score(tmp_path: Path) -> None:
+    run_dir = tmp_path / "atari5-Qbert"
+    run_dir.mkdir()
+    with SummaryWriter(str(run_dir)) as writer:  # three games, as run.py logs them
+        for step, value in ((1000, 100.0), (2000, 300.0), (3000, 500.0)):
+            writer.add_scalar(results.RETURN_TAG, value, step)
+    fig = results.atari5_figure([(QB, run_dir), (BZ, tmp_path / "atari5-BattleZone")])  # Battle Zone: not run yet
+    assert [axes.get_title() for axes in fig.axes] == [g.name for g in atari5.GAMES]
+    qbert, battle_zone = fig.axes[4], fig.axes[0]
+    faint, mean = qbert.lines[0], qbert.lines[1]
+    assert list(faint.get_xdata()) == [1000, 2000, 3000] and list(mean.get_ydata()) == [100.0, 200.0, 300.0]
+    assert [line.get_ydata()[0] for line in qbert.lines[2:]] == [17246.27, 163.88]  # CleanRL's, random
+    assert [line.get_ydata()[0] for line in battle_zone.lines] == [24283.75, 2360.0]  # no curve of ours
 
 
 def test_games_picks_which_games_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
