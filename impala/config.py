@@ -125,7 +125,7 @@ class Config:
 
     policy_loss: str = _flag("ppo", "policy loss: impala (V-trace policy gradient, losses summed over time "
                              "and batch as in the paper) or ppo (PPO's clipped surrogate on V-trace advantages "
-                             "normalised per minibatch, losses averaged; Sample Factory's APPO)",
+                             "normalised (--advantage_norm), losses averaged; Sample Factory's APPO)",
                              choices=("impala", "ppo"))
     ppo_clip: float = _flag(0.1, "ppo: clip range of the probability ratio pi/mu")
     ppo_dual_clip: float = _flag(3.0, "ppo: bound the loss of a negative advantage at this multiple of it "
@@ -133,6 +133,9 @@ class Config:
     epochs: int = _flag(2, "passes over each batch of unrolls")
     minibatches: int = _flag(8, "gradient steps per pass: the batch split along its unrolls into this many "
                              "near-equal parts (one unroll each where B is smaller)")
+    advantage_norm: str = _flag("minibatch", "ppo: normalise the advantages over each minibatch, or over the whole "
+                                "batch (its mean and deviation from one extra forward pass without gradient per batch, "
+                                "with the weights the update starts from)", choices=("minibatch", "batch"))
     vtrace_lambda: float = _flag(0.95, "lambda of the V-trace targets (1: the paper's; lower trades variance for bias)")
 
     # Optimiser (PyTorch's RMSprop adds epsilon outside the square root).

@@ -33,6 +33,8 @@ class GradientReducer(Protocol):
         """Mean and standard deviation of `values` over the batches of all ranks."""
         ...
 
+Moments = tuple[torch.Tensor, torch.Tensor]  # a mean and a standard deviation
+
 # The fields the learner reads, time-major in a batch: [T + 1, B, ...].
 BATCH_KEYS = ("obs", "done", "reward", "truncated", "truncation_value", "action", "policy_logits")
 
@@ -76,38 +78,21 @@ class BatchStaging:
 
 
 def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config,
-                 reducer: GradientReducer | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The IMPALA loss of one batch ([T + 1, B, ...], see `buffers.py` for the row alignment). With several
-    learner processes, `reducer` gives PPO the advantages' moments over the batches of all of them."""
+                 reducer: GradientReducer | None = None, advantage_moments: Moments | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The IMPALA loss of one batch ([T + 1, B, ...], see `buffers.py` for the row alignment). PPO normalises its
+    advantages with `advantage_moments` (mean, deviation) where given (`--advantage_norm batch`), else with their
+    own, over the batches of all learner processes with `reducer`."""
     output, _ = model(batch["obs"], batch["done"], core_state)
     logits = output.policy_logits.float()
     values = output.baseline.float()
-    bootstrap_value = values[-1]  # the value of obs T, after the last action
-
-    # Action t was chosen at obs t and produced reward t + 1 and done t + 1.
-    rewards = batch["reward"][1:]
-    if config.reward_clipping == "abs_one":
-        rewards = rewards.clamp(-1, 1)
-    # A time limit cut the episode: the trace stops there (done), but the state it stopped in still had a
-    # value, which the actor computed; added unclipped, it is the bootstrap of that episode.
-    rewards = torch.where(batch["truncated"][1:], rewards + config.discounting * batch["truncation_value"][1:], rewards)
-    discounts = (~batch["done"][1:]).float() * config.discounting
-    returns = vtrace.from_logits(
-        behaviour_policy_logits=batch["policy_logits"][:-1],
-        target_policy_logits=logits[:-1],
-        actions=batch["action"][:-1],
-        discounts=discounts,
-        rewards=rewards,
-        values=values[:-1],
-        bootstrap_value=bootstrap_value,
-        lambda_=config.vtrace_lambda,
-    )
+    rewards, discounts, returns = _vtrace(logits, values, batch, config)
     if config.policy_loss == "ppo":
-        # Advantages without V-trace's rho weight (the clipped ratio below does the importance weighting).
-        next_vs = torch.cat([returns.vs[1:], bootstrap_value.detach()[None]])
-        advantages = rewards + discounts * next_vs - values[:-1].detach()
+        advantages = _ppo_advantages(values, rewards, discounts, returns)
+        if advantage_moments is None and reducer is not None:
+            advantage_moments = reducer.moments(advantages)
         pg_loss, clip_fraction = losses.ppo_loss(returns.log_rhos, advantages, config.ppo_clip, config.ppo_dual_clip,
-                                                 moments=reducer.moments if reducer is not None else None)
+                                                 moments=advantage_moments)
         baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1]) / returns.vs.numel()
         entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1]) / returns.vs.numel()
     else:
@@ -129,7 +114,52 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
     return total_loss, stats
 
 
-LossFunction = Callable[[Net, dict[str, torch.Tensor], CoreState, Config, "GradientReducer | None"],
+def _vtrace(logits: torch.Tensor, values: torch.Tensor, batch: dict[str, torch.Tensor], config: Config
+            ) -> tuple[torch.Tensor, torch.Tensor, vtrace.VTraceFromLogitsReturns]:
+    """The rewards and discounts of the batch's T steps (rows 1..T) and its V-trace returns."""
+    # Action t was chosen at obs t and produced reward t + 1 and done t + 1.
+    rewards = batch["reward"][1:]
+    if config.reward_clipping == "abs_one":
+        rewards = rewards.clamp(-1, 1)
+    # A time limit cut the episode: the trace stops there (done), but the state it stopped in still had a
+    # value, which the actor computed; added unclipped, it is the bootstrap of that episode.
+    rewards = torch.where(batch["truncated"][1:], rewards + config.discounting * batch["truncation_value"][1:], rewards)
+    discounts = (~batch["done"][1:]).float() * config.discounting
+    returns = vtrace.from_logits(
+        behaviour_policy_logits=batch["policy_logits"][:-1],
+        target_policy_logits=logits[:-1],
+        actions=batch["action"][:-1],
+        discounts=discounts,
+        rewards=rewards,
+        values=values[:-1],
+        bootstrap_value=values[-1],  # the value of obs T, after the last action
+        lambda_=config.vtrace_lambda,
+    )
+    return rewards, discounts, returns
+
+
+def _ppo_advantages(values: torch.Tensor, rewards: torch.Tensor, discounts: torch.Tensor,
+                    returns: vtrace.VTraceFromLogitsReturns) -> torch.Tensor:
+    """PPO's advantages: V-trace's without its rho weight (PPO's clipped ratio does the importance weighting)."""
+    next_vs = torch.cat([returns.vs[1:], values[-1:].detach()])
+    return rewards + discounts * next_vs - values[:-1].detach()
+
+
+@torch.no_grad()
+def batch_advantage_moments(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config,
+                            reducer: GradientReducer | None = None) -> Moments:
+    """The mean and standard deviation of PPO's advantages over a whole batch (over the batches of all learner
+    processes with `reducer`), with the model as it is: `--advantage_norm batch` normalises every minibatch's
+    advantages with them. In a game whose rewards are rare, most minibatches of a few unrolls hold none, and
+    normalised on their own their advantages would be value noise scaled up to the size of a real signal."""
+    output, _ = model(batch["obs"], batch["done"], core_state)
+    values = output.baseline.float()
+    rewards, discounts, returns = _vtrace(output.policy_logits.float(), values, batch, config)
+    advantages = _ppo_advantages(values, rewards, discounts, returns)
+    return reducer.moments(advantages) if reducer is not None else (advantages.mean(), advantages.std())
+
+
+LossFunction = Callable[[Net, dict[str, torch.Tensor], CoreState, Config, "GradientReducer | None", "Moments | None"],
                         tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
@@ -144,10 +174,11 @@ def loss_function(config: Config, device: torch.device) -> LossFunction:
     compiled = torch.compile(compute_loss, mode="reduce-overhead" if device.type == "cuda" else None, dynamic=False)
 
     def compiled_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config,
-                      reducer: GradientReducer | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      reducer: GradientReducer | None = None, advantage_moments: Moments | None = None
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # A new gradient step: the previous step's graph outputs (loss, stats) have been used, their memory is free.
         torch.compiler.cudagraph_mark_step_begin()
-        return compiled(model, batch, core_state, config, reducer)
+        return compiled(model, batch, core_state, config, reducer, advantage_moments)
 
     return compiled_loss
 
@@ -207,6 +238,10 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
     parts = min(config.minibatches, batch_size)
     totals: dict[str, torch.Tensor] = {}
     device = batch["obs"].device
+    moments = None  # one part is the whole batch: its own moments are the batch's
+    if config.policy_loss == "ppo" and config.advantage_norm == "batch" and parts > 1:
+        with _autocast(device.type, amp):
+            moments = batch_advantage_moments(model, batch, core_state, config, reducer)
     for _ in range(config.epochs):
         # Drawn where it is used (no copy, no wait); one part needs no order.
         order = torch.randperm(batch_size, device=device) if parts > 1 else torch.arange(batch_size, device=device)
@@ -216,7 +251,8 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
             else:
                 part = {k: v.index_select(1, columns) for k, v in batch.items()}
                 part_state = tuple(s.index_select(1, columns) for s in core_state)
-            for key, value in _step(model, optimizer, part, part_state, config, amp, reducer, loss_fn).items():
+            for key, value in _step(model, optimizer, part, part_state, config, amp, reducer, loss_fn,
+                                    moments).items():
                 # A copy to start with: a CUDA-graphed loss writes its outputs over at the next step.
                 totals[key] = totals[key] + value if key in totals else value.clone()
     steps = config.epochs * parts
@@ -231,17 +267,16 @@ def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.
 
 def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor], core_state: CoreState,
           config: Config, amp: bool, reducer: GradientReducer | None = None,
-          loss_fn: LossFunction = compute_loss) -> dict[str, torch.Tensor]:
+          loss_fn: LossFunction = compute_loss, advantage_moments: Moments | None = None
+          ) -> dict[str, torch.Tensor]:
     """One gradient step on `batch`, skipped if its loss or gradient is not finite. Returns its stats as float32
     scalars on the device, `skipped` among them (1 when skipped).
 
     Fused Adam takes the decision on the device (`found_inf`, as for a gradient scaler: the kernel then leaves
     weights, moments and step count as they were), so the host never waits here; other optimisers wait for
     the device once, to decide."""
-    device_type = batch["obs"].device.type
-    autocast = torch.autocast(device_type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
-    with autocast:
-        loss, stats = loss_fn(model, batch, core_state, config, reducer)
+    with _autocast(batch["obs"].device.type, amp):
+        loss, stats = loss_fn(model, batch, core_state, config, reducer, advantage_moments)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if reducer is not None:  # before clipping: every rank clips and steps with the same gradient
@@ -260,6 +295,10 @@ def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.T
     elif not not_finite.item():
         optimizer.step()
     return stats
+
+
+def _autocast(device_type: str, amp: bool) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast(device_type, dtype=torch.bfloat16) if amp else contextlib.nullcontext()
 
 
 def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch.nn import functional as F
 
@@ -27,19 +25,18 @@ def entropy_loss(logits: torch.Tensor) -> torch.Tensor:
 
 
 def ppo_loss(log_rhos: torch.Tensor, advantages: torch.Tensor, clip: float, dual_clip: float = 0.0,
-             moments: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             moments: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate, averaged: -mean min(r A, clip(r, 1 - c, 1 + c) A), r = pi/mu = exp(log_rhos),
     with the advantages normalised to mean 0 and standard deviation 1 over the batch and held constant.
 
     `dual_clip` > 1 also bounds the loss of a negative advantage by dual_clip * A (dual-clip PPO, Ye et al.
     2020): an action the behaviour policy rarely took, now likely, gets a bounded push instead of r A with
-    r in the hundreds. `moments`, when given, returns the mean and standard deviation to normalise with
-    (those of several learner processes' advantages together). Returns the loss and the fraction of ratios
+    r in the hundreds. `moments`, when given, is the mean and standard deviation to normalise with (those of
+    a whole batch, or of several learner processes' advantages together). Returns the loss and the fraction of ratios
     outside [1 - c, 1 + c].
     """
     advantages = advantages.detach()
-    mean, std = moments(advantages) if moments is not None else (advantages.mean(), advantages.std())
+    mean, std = moments if moments is not None else (advantages.mean(), advantages.std())
     advantages = (advantages - mean) / (std + 1e-8)
     ratio = log_rhos.exp()
     surrogate = torch.minimum(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)

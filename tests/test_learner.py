@@ -489,19 +489,17 @@ def test_dual_clip_bounds_the_loss_of_a_negative_advantage() -> None:
     assert float(dual) == pytest.approx(-(3 * -a + 1.2 * a) / 2, rel=1e-5)
 
 
-def test_ppo_loss_matches_a_hand_computation() -> None:
-    """Clipped surrogate on normalised advantages, averaged; value and entropy terms averaged too."""
-    model = _model()
-    config = _config(batch_size=2, policy_loss="ppo", ppo_clip=0.2, vtrace_lambda=0.5)
-    batch = _batch_for_update(model)
-    loss, stats = learner.compute_loss(model, batch, (), config)
+def _hand_ppo_terms(model: Net, batch: dict[str, torch.Tensor], config: Config
+                    ) -> tuple[list[float], list[float], list[tuple[float, float]], torch.Tensor]:
+    """PPO's advantages, ratios pi/mu and (V-trace target, value) pairs, column after column, and the logits
+    [T + 1, B, A]: V-trace with lambda written out one step at a time."""
     with torch.no_grad():
         output, _ = model(batch["obs"], batch["done"], ())
     logits, values = output.policy_logits, output.baseline
     T = config.unroll_length
     rewards, done, actions = batch["reward"][1:], batch["done"][1:], batch["action"][:-1]
     advantages, ratios, targets = [], [], []
-    for b in range(2):
+    for b in range(batch["obs"].shape[1]):
         log_pi = F.log_softmax(logits[:-1, b], -1).gather(1, actions[:, b:b + 1]).squeeze(1)
         log_mu = F.log_softmax(batch["policy_logits"][:-1, b], -1).gather(1, actions[:, b:b + 1]).squeeze(1)
         rho = (log_pi - log_mu).exp()
@@ -520,12 +518,29 @@ def test_ppo_loss_matches_a_hand_computation() -> None:
             advantages.append(float(rewards[t, b]) + discounts[t] * after - float(values[t, b]))
             ratios.append(float(rho[t]))
             targets.append((v[t], float(values[t, b])))
-    adv = torch.tensor(advantages, dtype=torch.float64)
-    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+    return advantages, ratios, targets, logits
+
+
+def _hand_surrogate(advantages: list[float], ratios: list[float], config: Config, mean: float, std: float
+                    ) -> torch.Tensor:
+    """PPO's dual-clipped surrogate per sample, the advantages normalised with `mean` and `std`."""
+    adv = (torch.tensor(advantages, dtype=torch.float64) - mean) / (std + 1e-8)
     ratio = torch.tensor(ratios, dtype=torch.float64)
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
-    surrogate = torch.where(adv < 0, torch.maximum(surrogate, config.ppo_dual_clip * adv), surrogate)
-    expected_pg = -float(surrogate.mean())
+    low, high = 1 - config.ppo_clip, 1 + config.ppo_clip
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+    return torch.where(adv < 0, torch.maximum(surrogate, config.ppo_dual_clip * adv), surrogate)
+
+
+def test_ppo_loss_matches_a_hand_computation() -> None:
+    """Clipped surrogate on normalised advantages, averaged; value and entropy terms averaged too."""
+    model = _model()
+    config = _config(batch_size=2, policy_loss="ppo", ppo_clip=0.2, vtrace_lambda=0.5)
+    batch = _batch_for_update(model)
+    loss, stats = learner.compute_loss(model, batch, (), config)
+    advantages, ratios, targets, logits = _hand_ppo_terms(model, batch, config)
+    adv = torch.tensor(advantages, dtype=torch.float64)
+    expected_pg = -float(_hand_surrogate(advantages, ratios, config, float(adv.mean()), float(adv.std())).mean())
+    ratio = torch.tensor(ratios, dtype=torch.float64)
     assert float(stats["ppo_clip_fraction"]) == pytest.approx(float(((ratio - 1).abs() > 0.2).double().mean()))
     expected_baseline = config.baseline_cost * 0.5 * sum((a - b) ** 2 for a, b in targets) / len(targets)
     probs = F.softmax(logits[:-1], -1)
@@ -534,6 +549,59 @@ def test_ppo_loss_matches_a_hand_computation() -> None:
     assert float(stats["baseline_loss"]) == pytest.approx(expected_baseline, rel=1e-5)
     assert float(stats["entropy_loss"]) == pytest.approx(expected_entropy, rel=1e-5)
     assert float(loss.detach()) == pytest.approx(expected_pg + expected_baseline + expected_entropy, rel=1e-5, abs=1e-6)
+
+
+def test_batch_advantage_moments_are_those_of_the_whole_batch_and_normalise_a_minibatch() -> None:
+    """`--advantage_norm batch`: the moments are the mean and deviation of the advantages of both columns, and
+    a one-column minibatch's surrogate normalises its advantages with them instead of its own."""
+    model = _model()
+    config = _config(batch_size=2, policy_loss="ppo", ppo_clip=0.2, vtrace_lambda=0.5, advantage_norm="batch")
+    batch = _batch_for_update(model)
+    advantages, ratios, _, _ = _hand_ppo_terms(model, batch, config)
+    adv = torch.tensor(advantages, dtype=torch.float64)
+    mean, std = learner.batch_advantage_moments(model, batch, (), config)
+    assert (float(mean), float(std)) == pytest.approx((float(adv.mean()), float(adv.std())), rel=1e-5)
+    T = config.unroll_length
+    column = {k: v[:, 1:2] for k, v in batch.items()}  # the second column's samples are T..2T-1 above
+    _, stats = learner.compute_loss(model, column, (), config, advantage_moments=(mean, std))
+    expected = -float(_hand_surrogate(advantages[T:], ratios[T:], config, float(adv.mean()), float(adv.std())).mean())
+    assert float(stats["pg_loss"]) == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    own = adv[T:]
+    _, unnormalised = learner.compute_loss(model, column, (), config)  # its own moments: another loss
+    own_loss = -float(_hand_surrogate(advantages[T:], ratios[T:], config, float(own.mean()), float(own.std())).mean())
+    assert float(unnormalised["pg_loss"]) == pytest.approx(own_loss, rel=1e-5, abs=1e-6)
+    assert own_loss != pytest.approx(expected, rel=1e-3)
+
+
+def test_batch_advantage_norm_keeps_the_moments_of_the_update_start_for_every_step() -> None:
+    """Two passes over two one-column minibatches: four SGD steps, each normalising with the moments the
+    whole batch had before the first (not recomputed as the weights move)."""
+    config = _config(batch_size=2, minibatches=2, epochs=2, policy_loss="ppo", advantage_norm="batch")
+    model = _model()
+    batch = _batch_for_update(model)
+    advantages, _, _, _ = _hand_ppo_terms(model, batch, config)
+    adv = torch.tensor(advantages)
+    moments = (adv.mean(), adv.std())
+    torch.manual_seed(5)
+    orders = [torch.randperm(2).tolist() for _ in range(config.epochs)]  # what update() draws with this seed
+    reference = copy.deepcopy(model)
+    optimizer, scheduler = _sgd(model, config.learning_rate)
+    torch.manual_seed(5)
+    learner.update(model, optimizer, scheduler, batch, (), config)
+    reference_optimizer, _ = _sgd(reference, config.learning_rate)
+    for c in [c for order in orders for c in order]:
+        reference_optimizer.zero_grad()
+        loss, _ = learner.compute_loss(reference, {k: v[:, c:c + 1] for k, v in batch.items()}, (), config,
+                                       advantage_moments=moments)
+        loss.backward()
+        reference_optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+    per_minibatch = _model()  # and the default, each minibatch's own moments, moves the weights elsewhere
+    optimizer, scheduler = _sgd(per_minibatch, config.learning_rate)
+    torch.manual_seed(5)
+    learner.update(per_minibatch, optimizer, scheduler, batch, (), dataclasses.replace(config, advantage_norm="minibatch"))
+    assert not all(torch.allclose(p, q) for p, q in zip(model.parameters(), per_minibatch.parameters(), strict=True))
 
 
 def _plain_steps(model: Net, batches: list[dict[str, torch.Tensor]], config: Config) -> None:
