@@ -695,13 +695,13 @@ def test_an_adam_state_saved_before_adam_was_fused_resumes_fused() -> None:
     assert all(float(state["step"]) == 2 for state in optimizer.state.values())
 
 
-@pytest.mark.parametrize("use_lstm", [False, True])
-def test_the_compiled_step_equals_the_eager_step(use_lstm: bool) -> None:
+@pytest.mark.parametrize(("use_lstm", "advantage_norm"), [(False, "minibatch"), (True, "batch")])
+def test_the_compiled_step_equals_the_eager_step(use_lstm: bool, advantage_norm: str) -> None:
     """`--compile`: the loss (forward, V-trace, PPO) and its backward compiled as one region. Two batches of
     2 passes x 2 minibatches with Adam leave the weights and stats the eager step leaves, to float error
-    (the compiler fuses, so it rounds differently)."""
+    (the compiler fuses, so it rounds differently); also with the whole batch's advantage moments handed in."""
     config = _config(batch_size=4, policy_loss="ppo", optimizer="adam", epsilon=1e-5, learning_rate=0.01,
-                     minibatches=2, epochs=2, use_lstm=use_lstm, compile=True)
+                     minibatches=2, epochs=2, use_lstm=use_lstm, compile=True, advantage_norm=advantage_norm)
     eager_model = _model(use_lstm)
     compiled_model = copy.deepcopy(eager_model)
     loss_fn = learner.loss_function(config, torch.device("cpu"))
