@@ -74,7 +74,7 @@ COMPONENTS = ("env", "inference", "learner", "actor", "e2e")
 # Config fields the bench takes as flags; every other field keeps its Config default.
 CONFIG_FLAGS = ("env", "model", "use_lstm", "num_actors", "envs_per_actor", "env_splits", "unroll_length",
                 "batch_size", "total_steps", "disable_cuda", "amp", "inference", "inference_wait_ms", "policy_loss",
-                "optimizer", "epochs", "minibatches", "advantage_norm", "compile")
+                "optimizer", "epochs", "minibatches", "advantage_norm", "compile", "cuda_graph")
 # Where the bench's defaults differ from the trainer's: a short run sized for two cores.
 BENCH_DEFAULTS = {"num_actors": 2, "total_steps": 60_000}
 POLL_S = 0.1
@@ -253,11 +253,12 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
         staging = learner.BatchStaging(buffers, config.batch_size, pin=device.type == "cuda")
         slots = list(range(config.batch_size))
         loss_fn = learner.loss_function(config, device)  # compiled with --compile, in the warm-up
+        update = learner.update_function(config, device)  # a CUDA graph on a GPU, captured in the warm-up
 
         def step() -> int:
             staging.fill(buffers, slots)
             batch, core_state = staging.to(device)
-            learner.update(model, optimizer, scheduler, batch, core_state, config, amp, reducer, loss_fn)  # waits
+            update(model, optimizer, scheduler, batch, core_state, config, amp, reducer, loss_fn)  # waits
             return config.steps_per_update * world_size
 
         with gpu_busy(_cuda_index(device)) as busy:  # the warm-up's 10% included
@@ -265,7 +266,9 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
         distributed.leave(coordinator)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     ranks = f", {world_size} ranks x B" if world_size > 1 else ""
-    return {"what": f"{shape.model} update on [T+1={config.unroll_length + 1}, B={config.batch_size}] ({name}{ranks})",
+    graph = ", one CUDA graph per update" if isinstance(update, learner.GraphedUpdate) else ""
+    return {"what": f"{shape.model} update on [T+1={config.unroll_length + 1}, B={config.batch_size}] "
+                    f"({name}{ranks}{graph})",
             "batch": config.batch_size, "ranks": world_size, "device": str(device), "threads": threads, "amp": amp,
             "cpu_is_host_only": device.type == "cuda", **rate.to_dict(), **busy}
 

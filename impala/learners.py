@@ -45,6 +45,7 @@ class Learners:
         self.pool = pool
         self.device = device
         self.loss_fn = learner.loss_function(config, device)  # compiled with --compile
+        self.update = learner.update_function(config, device)  # one CUDA graph per batch on a GPU
         self.amp = amp  # bfloat16 autocast
         self.stats = stats
         self.update_lock = update_lock
@@ -112,8 +113,8 @@ class Learners:
                 if not steps:
                     return
                 update_start = time.perf_counter()
-                stats = learner.update(state.model, state.optimizer, state.scheduler, batch, core_state, config,
-                                       self.amp, reducer, self.loss_fn)
+                stats = self.update(state.model, state.optimizer, state.scheduler, batch, core_state, config,
+                                    self.amp, reducer, self.loss_fn)
                 # update() ends by reading its stats as floats, which waits for the device: on CUDA this phase
                 # also holds the tail of the non-blocking host-to-device copy.
                 publish_start = time.perf_counter()

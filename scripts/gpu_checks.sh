@@ -2,11 +2,13 @@
 # The GPU checks of BENCHMARKS.md ("To re-measure"), one after the other, each output kept in $OUT
 # (default ./gpu-out): the gpu-marked tests, the deep ResNet learner row, the shallow net's
 # components, and one end-to-end row per inference mode. The default settings as a user meets them, in
-# three parts: `learner` (the gpu-marked tests, the learner alone eager and with --compile: GPU busy
-# share, host CPU per step), `defaults` (the components and the trainer with all cores, `--num_actors
-# auto`: inference in the actors, central, and --compile) and `pong` (the README's Pong command, its time
-# to a mean of 18).
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|learner|defaults|pong] [TOTAL_STEPS]
+# four parts: `tests` (the gpu-marked tests), `learner` (the learner alone eager, with --compile, with --cuda_graph
+# and with both: GPU busy share, host CPU per step), `defaults` (the components and the trainer with all
+# cores, `--num_actors auto`: inference in the actors, and with --cuda_graph in the actors and central) and
+# `pong` (the README's Pong command, its time to a mean of 18; $EXTRA adds flags, e.g. EXTRA=--cuda_graph).
+# A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
+# for the bench's own flag.
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|tests|learner|defaults|pong] [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
 what=${1:-all}
@@ -14,24 +16,33 @@ steps=${2:-1000000}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$out/machine.txt" 2>&1
-# Three parts of the default settings, each within one 10-minute device call.
+# The default settings in four parts, each within one 10-minute device call.
+if [ "$what" = tests ]; then
+  timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider > "$out/pytest_gpu.txt" 2>&1; echo "pytest rc $?" >> "$out/pytest_gpu.txt"
+  tail -n 8 "$out/pytest_gpu.txt"
+  exit 0
+fi
 if [ "$what" = learner ]; then
-  timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider > "$out/pytest_gpu.txt" 2>&1; echo "pytest rc $?" >> "$out/pytest_gpu.txt"
   timeout 60 python3 -m impala.bench --only learner --seconds 10 --json "$out/learner.json" > "$out/learner.txt" 2>&1
   timeout 180 python3 -m impala.bench --only learner --seconds 10 --compile \
     --json "$out/learner_compile.json" > "$out/learner_compile.txt" 2>&1
+  timeout 60 python3 -m impala.bench --only learner --seconds 10 --cuda_graph \
+    --json "$out/learner_graph.json" > "$out/learner_graph.txt" 2>&1
+  timeout 180 python3 -m impala.bench --only learner --seconds 10 --cuda_graph --compile \
+    --json "$out/learner_graph_compile.json" > "$out/learner_graph_compile.txt" 2>&1
   tail -n 8 "$out"/*.txt
   exit 0
 fi
 if [ "$what" = defaults ]; then
   timeout 500 python3 -m impala.bench --num_actors auto --total_steps "$steps" --seconds 5 \
-    --only env,inference,learner,actor,e2e --variants "" "--inference central" "--compile" \
+    --only env,inference,learner,actor,e2e --variants "--inference actor" "--cuda_graph --inference actor" \
+    "--cuda_graph --inference central" \
     --json "$out/defaults.json" > "$out/defaults.txt" 2>&1
   tail -n 20 "$out"/*.txt
   exit 0
 fi
 if [ "$what" = pong ]; then
-  timeout 420 python3 run.py --env PongNoFrameskip-v4 --savedir "$out/runs" --xpid pong > "$out/pong.txt" 2>&1
+  timeout 420 python3 run.py --env PongNoFrameskip-v4 --savedir "$out/runs" --xpid pong ${EXTRA:-} > "$out/pong.txt" 2>&1
   timeout 120 python3 scripts/results.py pong --plot-only --savedir "$out/runs" --xpid pong >> "$out/pong.txt" 2>&1
   tail -n 8 "$out"/*.txt
   exit 0

@@ -38,7 +38,7 @@ def _waits_for_the_gpu(work: Callable[[], object]) -> list[str]:
             work()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    return [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
 
 
 def test_a_gpu_update_from_pinned_staging_moves_the_weights_and_reports_finite_stats():
@@ -143,6 +143,81 @@ def test_the_compiled_step_on_the_gpu_replays_cuda_graphs_and_equals_the_eager_s
                                                                    (), config, amp=amp, loss_fn=loss_fn)))
     assert len(syncs) == 1, syncs
     assert stats["skipped"] == 0 and all(math.isfinite(v) for v in stats.values())
+
+
+def _same_start(config: Config, device: torch.device) -> tuple[Net, Net]:
+    torch.manual_seed(0)
+    first = Net((4, 84, 84), 6, use_lstm=config.use_lstm).to(device)
+    second = Net((4, 84, 84), 6, use_lstm=config.use_lstm).to(device)
+    second.load_state_dict(first.state_dict())
+    return first, second
+
+
+def _core_state(model: Net, config: Config, device: torch.device) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(s.shape, device=device) for s in model.initial_state(config.batch_size))
+
+
+@pytest.mark.parametrize("use_lstm", [False, True])
+def test_a_graphed_update_computes_what_the_eager_update_does(use_lstm: bool, monkeypatch: pytest.MonkeyPatch):
+    """`--cuda_graph` (`GraphedUpdate`): three batches of 2 passes x 8 minibatches, captured once and
+    replayed, with the linear schedule, float32: the same stats, weights and Adam state as `update` from the
+    same random stream, to float error (cuDNN's backward may sum in another order)."""
+    config = Config(unroll_length=20, batch_size=16, use_lstm=use_lstm, lr_schedule="linear",
+                    total_steps=20 * 16 * 4, cuda_graph=True)
+    device = torch.device("cuda")
+    eager_model, graphed_model = _same_start(config, device)
+    start = torch.nn.utils.parameters_to_vector(eager_model.parameters()).detach().clone()
+    eager, eager_schedule = learner.make_optimizer(eager_model, config)
+    graphed, graphed_schedule = learner.make_optimizer(graphed_model, config)
+    graphed_update = learner.update_function(config, device)
+    assert isinstance(graphed_update, learner.GraphedUpdate)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)  # the same sums in both
+    for seed in range(3):
+        batch = _random_gpu_batch(config, device)
+        core_state = _core_state(eager_model, config, device)
+        torch.manual_seed(seed)
+        eager_stats = learner.update(eager_model, eager, eager_schedule, batch, core_state, config)
+        torch.manual_seed(seed)
+        graphed_stats = graphed_update(graphed_model, graphed, graphed_schedule, batch, core_state, config)
+        assert graphed_stats == pytest.approx(eager_stats, rel=1e-3, abs=1e-5), seed
+        assert graphed_stats["learning_rate"] == eager_stats["learning_rate"] == pytest.approx(2.5e-4 * (1 - seed / 4))
+    assert graphed_update._graph is not None and float(graphed.param_groups[0]["lr"]) == pytest.approx(2.5e-4 / 4)
+    moved_eager = torch.nn.utils.parameters_to_vector(eager_model.parameters()) - start
+    moved_graphed = torch.nn.utils.parameters_to_vector(graphed_model.parameters()) - start
+    assert moved_eager.abs().max() > 1e-3  # 48 Adam steps of about the learning rate
+    torch.testing.assert_close(moved_graphed, moved_eager, rtol=0, atol=2e-5)
+    for param in graphed_model.parameters():
+        assert int(graphed.state[param]["step"]) == int(eager.state[next(iter(eager.state))]["step"]) == 48
+
+
+def test_a_graphed_update_waits_once_skips_a_non_finite_batch_and_recaptures_for_a_new_shape():
+    """One wait for the GPU per batch, for the stats; a batch with a NaN changes nothing, on the device; a batch
+    of another size is captured anew and learns; `--compile`'s kernels run inside the graph."""
+    config = Config(unroll_length=20, batch_size=16, compile=True, cuda_graph=True)
+    device = torch.device("cuda")
+    model = Net((4, 84, 84), 6).to(device)
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    update = learner.update_function(config, device)
+    loss_fn = learner.loss_function(config, device)
+    amp = use_amp(None, device, "shallow")
+    batch = _random_gpu_batch(config, device)
+    update(model, optimizer, scheduler, batch, (), config, amp, None, loss_fn)  # captures
+    stats: dict[str, float] = {}
+    syncs = _waits_for_the_gpu(lambda: stats.update(update(model, optimizer, scheduler, batch, (), config, amp,
+                                                           None, loss_fn)))
+    assert len(syncs) == 1, syncs
+    assert stats["skipped"] == 0 and all(math.isfinite(v) for v in stats.values())
+    before = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    steps_before = [optimizer.state[p]["step"].clone() for p in model.parameters()]
+    bad = dict(batch, reward=batch["reward"].clone())
+    bad["reward"][3, 2] = math.nan
+    assert update(model, optimizer, scheduler, bad, (), config, amp, None, loss_fn)["skipped"] == 1
+    assert torch.equal(torch.nn.utils.parameters_to_vector(model.parameters()), before)
+    assert all(torch.equal(optimizer.state[p]["step"], s) for p, s in zip(model.parameters(), steps_before))
+    half = {k: v[:, :8].contiguous() for k, v in batch.items()}
+    stats = update(model, optimizer, scheduler, half, (), config, amp, None, loss_fn)
+    assert stats["skipped"] == 0 and all(math.isfinite(v) for v in stats.values())
+    assert not torch.equal(torch.nn.utils.parameters_to_vector(model.parameters()), before)
 
 
 def test_weights_published_from_the_gpu_arrive_in_one_copy():

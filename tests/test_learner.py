@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from impala import learner, losses, vtrace
 from impala.buffers import BufferSpec, create_buffers
-from impala.config import Config
+from impala.config import Config, parse_config
 from impala.model import Net
 
 OBS_SHAPE = (4,)
@@ -723,3 +723,65 @@ def test_the_compiled_step_equals_the_eager_step(use_lstm: bool, advantage_norm:
     for (name, a), b in zip(eager_model.named_parameters(), compiled_model.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
     assert any(not torch.equal(a, b) for a, b in zip(eager_model.parameters(), _model(use_lstm).parameters()))
+
+
+@pytest.mark.parametrize("first", [True, False])  # the optimiser's state made by the pass itself, or already there
+def test_an_update_with_every_step_skipped_changes_nothing(first: bool) -> None:
+    """`GraphedUpdate`'s warm-up runs the whole update with `skip_all` set before capturing it: every step is
+    computed and fused Adam applies none, so weights, moments and step counts stay bit for bit."""
+    config = _config(batch_size=2, optimizer="adam", learning_rate=0.01, minibatches=2, epochs=2,
+                     policy_loss="ppo", lr_schedule="constant")
+    model = _model()
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    if not first:
+        learner.update(model, optimizer, scheduler, _batch_for_update(model), (), config)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state_before = copy.deepcopy(optimizer.state_dict()["state"])
+    orders = learner.draw_orders(2, config, torch.device("cpu"))
+    names, sums = learner._update_steps(model, optimizer, _batch_for_update(model), (), orders, config, False, None,
+                                        learner.compute_loss, skip_all=torch.ones(()))
+    stats = dict(zip(names, sums.tolist(), strict=True))
+    assert stats["skipped"] == 0.0 and stats["grad_norm"] > 0  # finite steps, computed, each one not applied
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+    state_after = optimizer.state_dict()["state"]
+    assert len(state_after) == len(before)
+    for index, values in state_after.items():
+        for key, value in values.items():
+            expected = state_before[index][key] if not first else torch.zeros_like(value)
+            assert torch.equal(value, expected), (index, key)
+    # With skip_all at 0 the same pass applies its steps, as `update` does from the same orders.
+    reference = copy.deepcopy(model)
+    reference_optimizer, reference_scheduler = learner.make_optimizer(reference, config)
+    reference_optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # else they share moments
+    torch.manual_seed(3)
+    learner.update(reference, reference_optimizer, reference_scheduler, _batch_for_update(model), (), config)
+    torch.manual_seed(3)
+    orders = learner.draw_orders(2, config, torch.device("cpu"))
+    learner._update_steps(model, optimizer, _batch_for_update(model), (), orders, config, False, None,
+                          learner.compute_loss, skip_all=torch.zeros(()))
+    for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b), name
+        assert not torch.equal(a, before[name]), name
+
+
+def test_the_learner_graphs_its_updates_on_a_gpu_with_adam_when_asked() -> None:
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    graphed = parse_config(["--cuda_graph"])
+    assert learner.uses_cuda_graph(graphed, cuda)
+    assert isinstance(learner.update_function(graphed, cuda), learner.GraphedUpdate)
+    assert not learner.uses_cuda_graph(Config(), cuda)
+    assert not learner.uses_cuda_graph(dataclasses.replace(graphed, optimizer="rmsprop"), cuda)  # skips on the host
+    assert not learner.uses_cuda_graph(graphed, cpu)
+    assert learner.update_function(graphed, cpu) is learner.update
+
+
+def test_the_reported_learning_rate_is_the_schedules_without_reading_the_optimiser() -> None:
+    config = _config(learning_rate=0.01, total_steps=24, batch_size=2)
+    optimizer, scheduler = learner.make_optimizer(_model(), config)
+    for group in optimizer.param_groups:  # as GraphedUpdate leaves it: a tensor the schedule fills
+        group["lr"] = torch.tensor(group["lr"])
+    for expected in (0.01, 0.0075, 0.005):
+        assert learner.scheduled_lr(scheduler) == pytest.approx(expected)
+        assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(expected)
+        scheduler.step()

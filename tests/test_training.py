@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
@@ -12,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from process_helpers import IMPALA_RULE
+
+from impala.config import Config
+from impala.training import learner_threads
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,3 +111,11 @@ def test_any_seed_below_2_31_trains(tmp_path: Path, env: str, seed: int) -> None
     state = torch.load(tmp_path / "seeded" / "model.tar", map_location="cpu", weights_only=True)
     assert state["step"] == 100
     assert state["actor_lives"] == 2 and state["env_seeds_used"] == 4  # one life per actor: none died
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_learner_takes_the_threads_the_actors_leave_on_any_device(device: str) -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert learner_threads(Config(num_actors=1), torch.device(device)) == max(1, cores - 1)
+    assert learner_threads(Config(num_actors=cores + 4), torch.device(device)) == 1
+    assert learner_threads(Config(num_actors=0), torch.device(device), local_ranks=2) == max(1, cores // 2)
