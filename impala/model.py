@@ -153,7 +153,7 @@ class Net(nn.Module):
                 ) -> tuple[AgentOutput, CoreState]:
         T, B = obs.shape[:2]
         x = obs.flatten(0, 1)
-        x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+        x = self._scale_frames(x) if x.dtype == torch.uint8 else x.float()
         features = self.torso(x)
         if self.core is not None:
             features, core_state = self._unroll_core(features.view(T, B, -1), done, core_state)
@@ -165,6 +165,15 @@ class Net(nn.Module):
             logits = self.policy(features).view(T, B, self.num_actions)
             baseline = self.baseline(features).view(T, B)
         return AgentOutput(logits, baseline), core_state
+
+    @staticmethod
+    def _scale_frames(x: torch.Tensor) -> torch.Tensor:
+        """uint8 frames to [0, 1], straight in the dtype the torso computes in. Under autocast that is
+        bfloat16 (or float16), which holds 0..255 exactly and rounds the division as the float32 division
+        and autocast's cast after it did, bit for bit, with a quarter of the memory traffic."""
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+        return x.to(dtype).div_(255.0)
 
     def _unroll_core(self, features: torch.Tensor, done: torch.Tensor, core_state: CoreState
                      ) -> tuple[torch.Tensor, CoreState]:

@@ -60,6 +60,28 @@ def test_uint8_observations_are_scaled_to_unit_range() -> None:
     torch.testing.assert_close(from_bytes.baseline, from_floats.baseline)
 
 
+@pytest.mark.parametrize("model", ["shallow", "resnet"])
+def test_uint8_frames_under_bfloat16_autocast_give_bit_for_bit_what_float_frames_do(model: str) -> None:
+    """Under autocast the frames are scaled straight in bfloat16, skipping the float32 copy: every one of
+    the 256 byte values, and so the whole forward and backward, must come out exactly as before."""
+    torch.manual_seed(0)
+    net = Net(ATARI_SHAPE, NUM_ACTIONS, model=model)
+    obs = _obs(ATARI_SHAPE, 2, 2)
+    obs[0, 0, 0, :4, :64] = torch.arange(256, dtype=torch.uint8).view(4, 64)  # every value at least once
+    done = torch.zeros(2, 2, dtype=torch.bool)
+    results = []
+    for frames in (obs, obs.float() / 255.0):  # the second is how frames were scaled before
+        net.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            output, _ = net(frames, done)
+        (output.policy_logits.sum() + output.baseline.sum()).backward()
+        results.append([output.policy_logits, output.baseline, *(p.grad.clone() for p in net.parameters())])
+    for from_bytes, from_floats in zip(*results, strict=True):
+        assert torch.equal(from_bytes, from_floats)
+    scaled = Net._scale_frames(torch.arange(256, dtype=torch.uint8))
+    assert scaled.dtype == torch.float32 and torch.equal(scaled, torch.arange(256.0) / 255.0)
+
+
 def test_initial_state() -> None:
     net = Net((4,), 2, use_lstm=True, hidden_size=16)
     h, c = net.initial_state(5)
