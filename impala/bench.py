@@ -62,6 +62,7 @@ import torch.distributed as dist
 
 from impala import distributed, learner
 from impala.actor import ActorChannels, run_actor
+from impala.actor_pool import keep_freed_memory
 from impala.buffers import BufferSpec
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import Config, UserError, add_flags, to_flags
@@ -671,6 +672,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
 
 
 def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> dict[str, Any]:
+    keep_freed_memory()  # as the trainer and its actors do, so that the components allocate as they would there
     results: dict[str, Any] = {"machine": machine(), "load_average_start": load_average()}
     results["wall_provisional"] = results["load_average_start"][0] > PROVISIONAL_LOAD
     results["config"] = {name: getattr(config, name) for name in CONFIG_FLAGS}
