@@ -20,7 +20,7 @@ from impala.buffers import Buffers
 from impala.channels import ErrorQueue, SharedFloats, SharedInt, SlotQueue, StopSignal
 from impala.config import Config
 from impala.environment import EnvBatch, Step
-from impala.model import Net, sample_actions, use_amp
+from impala.model import CastTorso, Net, sample_actions, use_amp
 from impala.seeding import LifeSeeds, first_life
 
 
@@ -76,16 +76,24 @@ class StopActing(Exception):
 class LocalPolicy:
     """Actions from the actor's own copy of the shared model: one batched forward for all its envs."""
 
-    def __init__(self, model: Net, num_envs: int, amp: bool, generator: torch.Generator) -> None:
+    def __init__(self, model: Net, num_envs: int, amp: bool, generator: torch.Generator,
+                 policy_version: SharedInt) -> None:
         self.model = model
         self.core_state = model.initial_state(num_envs)
         self.autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp)
         self.generator = generator
+        # Under autocast, the torso's weights cast to bfloat16 once per policy version, not at every step.
+        self.cast = CastTorso(model, torch.bfloat16) if amp else None
+        self.policy_version = policy_version
+
+    def net(self) -> Net:
+        """The net to act with: the shared model, or its torso cast at the current policy version."""
+        return self.cast.refresh(self.policy_version.value) if self.cast is not None else self.model
 
     def __call__(self, buffers: Buffers, index: torch.Tensor, t: int, row: dict[str, torch.Tensor]) -> torch.Tensor:
         """Choose actions at obs t of the slots `index`, write action/logits/baseline to row t, return actions."""
         with torch.no_grad(), self.autocast:
-            output, self.core_state = self.model(row["obs"][None], row["done"][None], self.core_state)
+            output, self.core_state = self.net()(row["obs"][None], row["done"][None], self.core_state)
         logits = output.policy_logits[0]
         action = sample_actions(logits, self.generator)
         buffers["action"][index, t] = action
@@ -99,7 +107,7 @@ class LocalPolicy:
         state = tuple(s[:, envs] for s in self.core_state)  # [layers, N, H] -> [layers, K, H]
         not_a_start = torch.zeros(1, len(envs), dtype=torch.bool)
         with torch.no_grad(), self.autocast:
-            output, _ = self.model(final_obs[envs][None], not_a_start, state)
+            output, _ = self.net()(final_obs[envs][None], not_a_start, state)
         return output.baseline[0].float()
 
 
@@ -197,7 +205,7 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
                 policy = RemotePolicy(inference_connections[split], positions, channels.stop_event, heartbeat)
             else:
                 policy = LocalPolicy(model, per_split, use_amp(config.amp, torch.device("cpu"), model.model),
-                                     generator)
+                                     generator, channels.policy_version)
             loops.append(_split_loop(actor_index, config.unroll_length, buffers, channels, env, policy, max_unrolls,
                                      heartbeat))
         while loops:

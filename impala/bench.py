@@ -67,7 +67,7 @@ from impala.buffers import BufferSpec
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import Config, UserError, add_flags, to_flags
 from impala.environment import EnvBatch
-from impala.model import Net, sample_actions, use_amp
+from impala.model import CastTorso, Net, sample_actions, use_amp
 from impala.training import learner_threads, probe_env, select_device
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -222,10 +222,11 @@ def bench_inference(config: Config, shape: EnvShape, seconds: float) -> dict[str
     core_state = tuple(s.to(device) for s in model.initial_state(batch))
     generator = torch.Generator(device=device).manual_seed(config.seed)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
+    net = CastTorso(model, torch.bfloat16).refresh(0) if amp else model  # the torso's weights cast once, as both do
 
     def step() -> int:
         with torch.no_grad(), autocast:
-            output, _ = model(obs.to(device), done.to(device), core_state)
+            output, _ = net(obs.to(device), done.to(device), core_state)
         sample_actions(output.policy_logits[0], generator).cpu()
         return batch
 

@@ -37,6 +37,10 @@ class InferenceServer:
                  wait_s: float, seed: int) -> None:
         self.model = copy.deepcopy(model).requires_grad_(False)  # what the forwards use
         self._next_model = copy.deepcopy(self.model)  # where the next published weights go
+        if amp:  # the torsos' weights held in bfloat16: cast once as they are published (`load_weights` copies
+            # into them), not by autocast at every forward, to the same bits (model.CastTorso does this for actors)
+            for snapshot in (self.model, self._next_model):
+                snapshot.torso.to(torch.bfloat16)
         self._next_ready: torch.cuda.Event | None = None  # recorded after they were copied, on CUDA
         self._has_next = False
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None

@@ -7,6 +7,7 @@ the actors (T = 1) share one forward.
 
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import torch
@@ -234,6 +235,32 @@ class FlatWeights:
                 offset = target.storage_offset()
                 self._on_device[offset : offset + target.numel()].view_as(target).copy_(value)
             self.tensor.copy_(self._on_device)
+
+
+class CastTorso:
+    """For acting under autocast: a net that shares `model`'s heads and LSTM (float32) and holds its own copy
+    of the torso's weights in `dtype`, recast by `refresh(version)` only when the policy version changes.
+
+    Autocast casts every float32 weight to `dtype` at every forward (for the shallow net's 512-unit layer,
+    6.4 MB read per forward of a few envs); these are cast once per version, to the same bits, so the
+    forward's results are the same. Whoever changes `model`'s weights must then change the version.
+    """
+
+    def __init__(self, model: Net, dtype: torch.dtype) -> None:
+        self.model = model
+        self.net = copy.deepcopy(model)
+        self.net.policy, self.net.baseline, self.net.core = model.policy, model.baseline, model.core
+        self.net.torso.to(dtype)
+        self.version: int | None = None
+
+    def refresh(self, version: int) -> Net:
+        """The net, its torso's weights recast first if `version` is not the one they were cast at."""
+        if version != self.version:
+            with torch.no_grad():
+                for target, source in zip(self.net.torso.parameters(), self.model.torso.parameters(), strict=True):
+                    target.copy_(source)
+            self.version = version
+        return self.net
 
 
 def bf16_is_fast(device: torch.device) -> bool:

@@ -50,10 +50,10 @@ class Rollout:
 
     def __init__(self, env: str = "CartPole-v1", envs_per_actor: int = 2, unroll_length: int = 20,
                  use_lstm: bool = False, model: str = "auto", max_unrolls: int = 2, extra_buffers: int = 1,
-                 env_splits: int = 1, central: bool = False) -> None:
+                 env_splits: int = 1, central: bool = False, amp: bool | None = None) -> None:
         """`central`: act through an inference server (--inference central) serving `model` in a thread."""
         self.config = Config(env=env, num_actors=1, envs_per_actor=envs_per_actor, unroll_length=unroll_length,
-                             use_lstm=use_lstm, hidden_size=16, model=model, seed=3, env_splits=env_splits)
+                             use_lstm=use_lstm, hidden_size=16, model=model, seed=3, env_splits=env_splits, amp=amp)
         probe = EnvBatch(env, 1, 0)
         torch.manual_seed(0)
         self.model = Net(probe.observation_shape, probe.num_actions, model, use_lstm, 16)
@@ -85,7 +85,7 @@ class Rollout:
     def _run_served(self, max_unrolls: int) -> None:
         splits = self.config.env_splits
         positions = torch.full((splits, self.config.envs_per_actor // splits + 1), -1, dtype=torch.int64)
-        self.server = InferenceServer(self.model, self.buffers, positions, torch.device("cpu"), amp=False,
+        self.server = InferenceServer(self.model, self.buffers, positions, torch.device("cpu"), amp=bool(self.config.amp),
                                       wait_s=0.0, seed=SERVER_SEED)
         actor_ends = []
         for client in range(splits):
@@ -246,6 +246,24 @@ def test_atari_actor_writes_uint8_frames() -> None:
     assert obs.max() > 0 and obs.max() < 255  # real frames, not the poison value
     action = rollout.buffers["action"][0]
     assert ((action[:3] >= 0) & (action[:3] < 6)).all() and action[3] == -1
+
+
+@pytest.mark.parametrize("amp", [False, True])
+@pytest.mark.parametrize("acting", ["actor", "central"])
+def test_atari_actor_writes_the_logits_of_the_shared_model_under_its_autocast_setting(acting: str, amp: bool) -> None:
+    """With bfloat16 autocast the actor acts with its torso cast once per policy version (model.CastTorso), the
+    inference server with its snapshots' torsos in bfloat16: the logits and values written are those of the
+    shared model's forward under autocast, bit for bit."""
+    rollout = Rollout(env="PongNoFrameskip-v4", envs_per_actor=2, unroll_length=4, max_unrolls=2, extra_buffers=0,
+                      amp=amp, central=acting == "central")
+    assert rollout.errors == []
+    for slots in rollout.slots:
+        for t in range(4):  # the actor's forward: one row of both envs
+            obs, done = rollout.buffers["obs"][slots, t], rollout.buffers["done"][slots, t]
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                output, _ = rollout.model(obs[None], done[None])
+            assert torch.equal(output.policy_logits[0], rollout.buffers["policy_logits"][slots, t])
+            assert torch.equal(output.baseline[0], rollout.buffers["baseline"][slots, t])
 
 
 @pytest.mark.parametrize("env_splits", [1, 2])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from impala.model import FlatWeights, Net, sample_actions
+from impala.model import CastTorso, FlatWeights, Net, sample_actions
 
 ATARI_SHAPE = (4, 84, 84)
 NUM_ACTIONS = 6
@@ -80,6 +80,35 @@ def test_uint8_frames_under_bfloat16_autocast_give_bit_for_bit_what_float_frames
         assert torch.equal(from_bytes, from_floats)
     scaled = Net._scale_frames(torch.arange(256, dtype=torch.uint8))
     assert scaled.dtype == torch.float32 and torch.equal(scaled, torch.arange(256.0) / 255.0)
+
+
+@pytest.mark.parametrize("model", ["shallow", "resnet"])
+def test_a_torso_cast_once_per_version_acts_as_autocast_does_and_follows_new_versions_only(model: str) -> None:
+    torch.manual_seed(0)
+    net = Net(ATARI_SHAPE, NUM_ACTIONS, model=model, use_lstm=True, hidden_size=16)
+    cast = CastTorso(net, torch.bfloat16)
+    obs, done = _obs(ATARI_SHAPE, 2, 3), torch.zeros(2, 3, dtype=torch.bool)
+    state = tuple(torch.randn(s.shape) for s in net.initial_state(3))
+
+    def outputs(module: Net) -> list[torch.Tensor]:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            output, core_state = module(obs, done, state)
+        return [output.policy_logits, output.baseline, *core_state]
+
+    def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    before = outputs(net)
+    assert same(outputs(cast.refresh(0)), before)  # bit for bit
+    assert all(p.dtype == torch.bfloat16 for p in cast.net.torso.parameters())
+    assert cast.net.policy is net.policy and cast.net.core is net.core  # the heads and LSTM are the model's own
+    with torch.no_grad():
+        for param in net.torso.parameters():
+            param.add_(0.01)
+    after = outputs(net)
+    assert not same(after, before)
+    assert same(outputs(cast.refresh(0)), before)  # the same version: the weights cast at it
+    assert same(outputs(cast.refresh(1)), after)
 
 
 def test_initial_state() -> None:
