@@ -350,6 +350,7 @@ class GraphedUpdate:
         self._orders = torch.empty(0)
         self._names: list[str] = []
         self._sums = torch.empty(0)
+        self._skip_all = torch.empty(0)  # read by the graph at every replay: it must live as long as the graph
 
     def __call__(self, model: Net, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, batch: dict[str, torch.Tensor],
@@ -391,7 +392,7 @@ class GraphedUpdate:
         for group in optimizer.param_groups:
             if not isinstance(group["lr"], torch.Tensor):  # a float would be baked into the graph
                 group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)
-        skip_all = torch.ones((), device=device)
+        skip_all = self._skip_all = torch.ones((), device=device)
 
         def steps() -> tuple[list[str], torch.Tensor]:
             return _update_steps(model, optimizer, self._batch, self._core_state, self._orders, config, amp,
