@@ -155,8 +155,9 @@ class Config:
                              "AVX512-BF16 or AMX), --no-amp to turn it off", negatable=True)
     compile: bool = _flag(False, "torch.compile the learner's loss and its backward as one region "
                                  "(replayed as CUDA graphs on a GPU)")
-    cuda_graph: bool = _flag(False, "a GPU learner with --optimizer adam replays each update (every gradient step "
-                             "of a batch) as one CUDA graph instead of launching every kernel from Python")
+    cuda_graph: bool = _flag(True, "a GPU learner with --optimizer adam replays each update (every gradient step "
+                             "of a batch) as one CUDA graph instead of launching every kernel from Python; "
+                             "--no-cuda_graph to launch them one by one", negatable=True)
 
     # Outputs.
     log_interval_s: float = _flag(5.0, "seconds between console lines and TensorBoard scalars")

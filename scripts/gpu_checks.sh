@@ -2,10 +2,11 @@
 # The GPU checks of BENCHMARKS.md ("To re-measure"), one after the other, each output kept in $OUT
 # (default ./gpu-out): the gpu-marked tests, the deep ResNet learner row, the shallow net's
 # components, and one end-to-end row per inference mode. The default settings as a user meets them, in
-# four parts: `tests` (the gpu-marked tests), `learner` (the learner alone eager, with --compile, with --cuda_graph
-# and with both: GPU busy share, host CPU per step), `defaults` (the components and the trainer with all
-# cores, `--num_actors auto`: inference in the actors, and with --cuda_graph in the actors and central) and
-# `pong` (the README's Pong command, its time to a mean of 18; $EXTRA adds flags, e.g. EXTRA=--cuda_graph).
+# four parts: `tests` (the gpu-marked tests), `learner` (the learner alone: eager with --no-cuda_graph, with
+# --compile, as the default's one CUDA graph per update, and graphed with --compile: GPU busy share, host CPU
+# per step), `defaults` (the components and the trainer with all cores, `--num_actors auto`: inference in the
+# actors, central, and the eager learner) and `pong` (the README's Pong command, its time to a mean of 18;
+# $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
 # Usage: bash scripts/gpu_checks.sh [parts|e2e|all|tests|learner|defaults|pong] [TOTAL_STEPS]
@@ -23,20 +24,21 @@ if [ "$what" = tests ]; then
   exit 0
 fi
 if [ "$what" = learner ]; then
-  timeout 60 python3 -m impala.bench --only learner --seconds 10 --json "$out/learner.json" > "$out/learner.txt" 2>&1
-  timeout 180 python3 -m impala.bench --only learner --seconds 10 --compile \
+  timeout 60 python3 -m impala.bench --only learner --seconds 10 --no-cuda_graph \
+    --json "$out/learner.json" > "$out/learner.txt" 2>&1
+  timeout 180 python3 -m impala.bench --only learner --seconds 10 --no-cuda_graph --compile \
     --json "$out/learner_compile.json" > "$out/learner_compile.txt" 2>&1
-  timeout 60 python3 -m impala.bench --only learner --seconds 10 --cuda_graph \
+  timeout 60 python3 -m impala.bench --only learner --seconds 10 \
     --json "$out/learner_graph.json" > "$out/learner_graph.txt" 2>&1
-  timeout 180 python3 -m impala.bench --only learner --seconds 10 --cuda_graph --compile \
+  timeout 180 python3 -m impala.bench --only learner --seconds 10 --compile \
     --json "$out/learner_graph_compile.json" > "$out/learner_graph_compile.txt" 2>&1
   tail -n 8 "$out"/*.txt
   exit 0
 fi
 if [ "$what" = defaults ]; then
   timeout 500 python3 -m impala.bench --num_actors auto --total_steps "$steps" --seconds 5 \
-    --only env,inference,learner,actor,e2e --variants "--inference actor" "--cuda_graph --inference actor" \
-    "--cuda_graph --inference central" \
+    --only env,inference,learner,actor,e2e --variants "--inference actor" "--inference central" \
+    "--no-cuda_graph --inference actor" \
     --json "$out/defaults.json" > "$out/defaults.txt" 2>&1
   tail -n 20 "$out"/*.txt
   exit 0

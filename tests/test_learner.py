@@ -765,12 +765,12 @@ def test_an_update_with_every_step_skipped_changes_nothing(first: bool) -> None:
         assert not torch.equal(a, before[name]), name
 
 
-def test_the_learner_graphs_its_updates_on_a_gpu_with_adam_when_asked() -> None:
+def test_the_learner_graphs_its_updates_on_a_gpu_with_adam_unless_told_not_to() -> None:
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    graphed = parse_config(["--cuda_graph"])
+    graphed = parse_config([])
     assert learner.uses_cuda_graph(graphed, cuda)
     assert isinstance(learner.update_function(graphed, cuda), learner.GraphedUpdate)
-    assert not learner.uses_cuda_graph(Config(), cuda)
+    assert not learner.uses_cuda_graph(parse_config(["--no-cuda_graph"]), cuda)
     assert not learner.uses_cuda_graph(dataclasses.replace(graphed, optimizer="rmsprop"), cuda)  # skips on the host
     assert not learner.uses_cuda_graph(graphed, cpu)
     assert learner.update_function(graphed, cpu) is learner.update
