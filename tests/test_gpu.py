@@ -82,9 +82,10 @@ def test_staging_is_refilled_only_after_the_gpu_has_read_it():
     assert batch["obs"][:, :, 0, 0, 0].cpu().amax(0).tolist() == [0, 1, 2, 3]
 
 
-def test_a_default_update_waits_for_the_gpu_once_per_batch():
-    """The default rule (PPO, fused Adam, 2 passes x 8 minibatches): 16 gradient steps, one wait for the GPU,
-    for the stats at the end. Non-finite steps are skipped on the device."""
+def test_an_eager_update_waits_for_the_gpu_once_per_batch():
+    """The default rule (PPO, fused Adam, 2 passes x 8 minibatches) launched step by step (--no-cuda_graph):
+    16 gradient steps, one wait for the GPU, for the stats at the end. Non-finite steps are skipped on the
+    device."""
     config = Config(unroll_length=20, batch_size=16)
     device = torch.device("cuda")
     model = Net((4, 84, 84), 6).to(device)
