@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ from torch.nn import functional as F
 from impala import learner, losses, vtrace
 from impala.buffers import BufferSpec, create_buffers
 from impala.config import Config, parse_config
+from impala.learner import LearnerState
 from impala.model import Net
+from impala.seeding import ActorLives
 
 OBS_SHAPE = (4,)
 NUM_ACTIONS = 3
@@ -693,6 +697,35 @@ def test_an_adam_state_saved_before_adam_was_fused_resumes_fused() -> None:
     assert stats["skipped"] == 0.0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(float(state["step"]) == 2 for state in optimizer.state.values())
+
+
+def test_a_checkpoint_of_a_graphed_gpu_run_resumes_with_a_float_learning_rate_and_steps_as_before() -> None:
+    """A GPU's default update (`GraphedUpdate`) leaves the optimiser's learning rate a tensor and its groups
+    `capturable`; its checkpoint, read on the CPU, resumes as the plain fused Adam at the schedule's rate and
+    steps exactly as the optimiser it was saved from would have."""
+    config = _config(optimizer="adam", epsilon=1e-5, batch_size=2, policy_loss="ppo", lr_schedule="constant")
+    model = _model()
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    learner.update(model, optimizer, scheduler, _batch_for_update(model), (), config)
+    state = LearnerState(model, optimizer, scheduler, ActorLives(0, 0), step=6, updates=1)
+    saved = state.state_dict()
+    for group in saved["optimizer_state_dict"]["param_groups"]:  # what a graphed run's optimiser holds
+        group["lr"], group["capturable"] = torch.tensor(config.learning_rate), True
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    buffer.seek(0)
+    resumed_model = _model()
+    resumed_optimizer, resumed_scheduler = learner.make_optimizer(resumed_model, config)
+    resumed = LearnerState(resumed_model, resumed_optimizer, resumed_scheduler, ActorLives(0, 1))
+    resumed.load_state_dict(torch.load(buffer, weights_only=True), config, Path("model.tar"))
+    for group in resumed.optimizer.param_groups:
+        assert group["capturable"] is False and group["lr"] == config.learning_rate and isinstance(group["lr"], float)
+    learner.update(model, optimizer, scheduler, _batch_for_update(model), (), config)
+    resumed_stats = learner.update(resumed.model, resumed.optimizer, resumed.scheduler,
+                                   _batch_for_update(resumed.model), (), config)
+    assert resumed_stats["skipped"] == 0.0 and resumed_stats["learning_rate"] == config.learning_rate
+    for a, b in zip(model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize(("use_lstm", "advantage_norm"), [(False, "minibatch"), (True, "batch")])
