@@ -37,6 +37,38 @@ class ActorChannels(NamedTuple):
     inference_positions: torch.Tensor | None = None
     # [num_actors] float64: each actor's last sign of progress (time.monotonic, one clock for all processes)
     heartbeats: SharedFloats | None = None
+    # [num_actors x len(ACTOR_PHASES)] float64: the seconds each actor spent in each phase (`PhaseClock`)
+    phase_seconds: SharedFloats | None = None
+
+
+# Where an actor's time goes, in the order of `ActorChannels.phase_seconds`: waiting for free slots, choosing
+# actions (its own forward, or the round trip to central inference), its envs stepping, and writing rows and
+# handing over slots.
+ACTOR_PHASES = ("slot_wait", "policy", "env", "write")
+SLOT_WAIT, POLICY, ENV, WRITE = range(len(ACTOR_PHASES))
+
+
+class PhaseClock:
+    """Adds actor `actor_index`'s time to its row of `ActorChannels.phase_seconds`: each `lap(phase)` gives
+    `phase` the time since the previous lap, by any of the actor's env splits, so that the phases add up to
+    the whole of the actor's time since the clock started. Nothing is kept without a `phase_seconds`."""
+
+    def __init__(self, channels: ActorChannels, actor_index: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self._seconds = channels.phase_seconds
+        self._base = actor_index * len(ACTOR_PHASES)
+        self._clock = clock
+        self._last = clock()
+
+    def start(self) -> None:
+        """Count from now on."""
+        self._last = self._clock()
+
+    def lap(self, phase: int) -> None:
+        if self._seconds is not None:
+            now = self._clock()
+            self._seconds[self._base + phase] += now - self._last
+            self._last = now
 
 
 class Heartbeat:
@@ -191,6 +223,7 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
     splits = config.env_splits
     per_split = config.envs_per_actor // splits
     envs = []
+    clock = PhaseClock(channels, actor_index)
     try:
         loops = []
         for split in range(splits):
@@ -207,7 +240,8 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
                 policy = LocalPolicy(model, per_split, use_amp(config.amp, torch.device("cpu"), model.model),
                                      generator, channels.policy_version)
             loops.append(_split_loop(actor_index, config.unroll_length, buffers, channels, env, policy, max_unrolls,
-                                     heartbeat))
+                                     heartbeat, clock))
+        clock.start()  # from the first reset on: making the envs is start-up, not a phase
         while loops:
             for loop in list(loops):
                 if next(loop, StopIteration) is StopIteration:
@@ -218,8 +252,9 @@ def _act(actor_index: int, config: Config, buffers: Buffers, model: Net, channel
 
 
 def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChannels, env: EnvBatch, policy: Policy,
-                max_unrolls: int | None, heartbeat: Heartbeat) -> Iterator[None]:
-    """One env split's acting, as a generator that yields while its envs step; ends when stopped."""
+                max_unrolls: int | None, heartbeat: Heartbeat, clock: PhaseClock) -> Iterator[None]:
+    """One env split's acting, as a generator that yields while its envs step; ends when stopped. Its time goes
+    to `clock`'s phases (the time another split spends while this one yields is that split's)."""
     n = env.num_envs
     # The current row of every env; it becomes row 0 of the next unroll.
     row = {
@@ -232,10 +267,12 @@ def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChann
         "episode_step": torch.zeros(n, dtype=torch.int64),
         "game_over": torch.zeros(n, dtype=torch.bool),
     }
+    clock.lap(ENV)
     unrolls = 0
     while not channels.stop_event.is_set() and (max_unrolls is None or unrolls < max_unrolls):
         assert channels.free_queue is not None, "each actor is given its own free pipe"
         slots = _take_slots(channels.free_queue, n, channels.stop_event, heartbeat)
+        clock.lap(SLOT_WAIT)
         if slots is None:
             return
         index = torch.tensor(slots)
@@ -247,21 +284,27 @@ def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChann
                 buffers[key][index, t] = value
             if t == T:
                 break
+            clock.lap(WRITE)
             action = policy(buffers, index, t, row)
+            clock.lap(POLICY)
             env.send(action.numpy())
             yield  # the other splits act while these envs step
             step = env.recv()
+            clock.lap(ENV)
             heartbeat()
             row = _row_from_step(step)
             if step.truncated.any():
                 envs = torch.from_numpy(np.flatnonzero(step.truncated))
+                clock.lap(WRITE)
                 row["truncation_value"][envs] = policy.final_values(buffers, index, t,
                                                                     torch.from_numpy(step.final_obs), envs)
+                clock.lap(POLICY)
             for game in np.flatnonzero(step.game_over):
                 channels.episode_queue.put((actor_index, float(step.episode_return[game]),
                                             int(step.episode_step[game])))
         for slot in slots:  # the main process marks them as the learners' when it takes them (slots.py)
             channels.full_queue.put(slot)
+        clock.lap(WRITE)
         unrolls += 1
 
 

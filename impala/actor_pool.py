@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 import torch.multiprocessing as mp
 
-from impala.actor import ActorChannels, run_actor
+from impala.actor import ACTOR_PHASES, ActorChannels, run_actor
 from impala.buffers import Buffers
 from impala.channels import RecordQueue, SharedFloats, StopFlag
 from impala.config import Config, TrainingError
@@ -151,6 +151,9 @@ class LocalActorPool:
         self._episodes = RecordQueue(ctx, "qdq", capacity=4096)  # (actor index, return, length)
         self._errors: multiprocessing.queues.Queue[tuple[int, str]] = ctx.Queue()  # (actor index, traceback text)
         self.heartbeats: SharedFloats = ctx.Array("d", config.num_actors, lock=False)  # each actor's last sign of progress
+        # Each actor's seconds in each of ACTOR_PHASES, and their sums over the actors at the last `scalars`.
+        self.phase_seconds: SharedFloats = ctx.Array("d", config.num_actors * len(ACTOR_PHASES), lock=False)
+        self._phase_totals = [0.0] * len(ACTOR_PHASES)
         if config.inference == "central":
             positions = torch.full((config.num_actors * config.env_splits,
                                     config.envs_per_actor // config.env_splits + 1), -1).share_memory_()
@@ -159,7 +162,7 @@ class LocalActorPool:
             full_queue=full_queue,
             episode_queue=self._episodes, error_queue=self._errors,
             stop_event=StopFlag(ctx), policy_version=ctx.Value("q", policy_version, lock=False),
-            heartbeats=self.heartbeats,
+            heartbeats=self.heartbeats, phase_seconds=self.phase_seconds,
             inference_positions=positions,
         )
         self.processes: list[Any] = []  # multiprocessing.Process of each actor's current life
@@ -213,7 +216,16 @@ class LocalActorPool:
             finished.append((episode_return, episode_length))
 
     def scalars(self) -> dict[str, float]:
-        return {}
+        """Where the actors' time went since the last call: each phase's share of it (`actor.ACTOR_PHASES`),
+        over all actors; nothing when none acted."""
+        phases = len(ACTOR_PHASES)
+        totals = [sum(self.phase_seconds[a * phases + p] for a in range(self.config.num_actors))
+                  for p in range(phases)]
+        spent = [now - before for now, before in zip(totals, self._phase_totals, strict=True)]
+        self._phase_totals = totals
+        if sum(spent) <= 0:
+            return {}
+        return {f"actors/{name}_share": seconds / sum(spent) for name, seconds in zip(ACTOR_PHASES, spent, strict=True)}
 
     # ------------------------------------------------------------------------------------- watch
 

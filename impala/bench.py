@@ -504,13 +504,21 @@ def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "
 # What the run itself logged, shown under its row: (CSV column, key in the row, how the rows combine, label,
 # format). A running total is the last row's; a per-interval figure is averaged over the run.
 LOGGED = (("stats/policy_lag", "mean_policy_lag", "mean", "mean policy lag", ".2f"),
+          ("timing/wait_batch_ms", "wait_batch_ms", "mean", "learner ms per batch waiting for it", ".1f"),
+          ("timing/host_to_device_ms", "host_to_device_ms", "mean", "learner ms per batch stacking and copying it", ".1f"),
+          ("timing/forward_backward_ms", "forward_backward_ms", "mean", "learner ms per batch updating", ".1f"),
+          ("actors/slot_wait_share", "actor_slot_wait_share", "mean", "actors' time waiting for slots", ".0%"),
+          ("actors/policy_share", "actor_policy_share", "mean", "actors' time choosing actions", ".0%"),
+          ("actors/env_share", "actor_env_share", "mean", "actors' time stepping envs", ".0%"),
+          ("actors/write_share", "actor_write_share", "mean", "actors' time writing slots", ".0%"),
           ("ray/bytes_per_step", "ray_bytes_per_step", "last", "Ray bytes per agent step", ",.0f"),
           ("ray/receive_ms_per_unroll", "ray_receive_ms_per_unroll", "last", "receiver ms per unroll", ".3f"))
 
 
 def run_scalars(run_dir: Path) -> dict[str, float]:
-    """The mean policy lag of a run, and with --ray the bytes per agent step and the receiver's ms per unroll
-    (running totals: the last row's), from its logs.csv; what is missing is left out."""
+    """What a run logged in its logs.csv (`LOGGED`): the means over its intervals of the policy lag, the
+    learner's time per update and the actors' shares of time, and with --ray the bytes per agent step and the
+    receiver's ms per unroll (running totals: the last row's); what is missing is left out."""
     try:
         with open(run_dir / "logs.csv", newline="") as f:
             rows = list(csv.DictReader(f))

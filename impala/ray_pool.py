@@ -290,9 +290,10 @@ class RayActorPool:
 
     def scalars(self) -> dict[str, float]:
         stats = self.stats
-        scalars: dict[str, float] = {"ray/unrolls": stats.unrolls, "ray/dropped_unrolls": stats.dropped,
-                   "ray/restarts": stats.restarts,
-                   "ray/actors_acting": sum(r.last_result is not None and not r.dead for r in self.remotes)}
+        scalars: dict[str, float] = {  # the local actors' own, then the remote ones'
+            **self.local.scalars(), "ray/unrolls": stats.unrolls, "ray/dropped_unrolls": stats.dropped,
+            "ray/restarts": stats.restarts,
+            "ray/actors_acting": sum(r.last_result is not None and not r.dead for r in self.remotes)}
         if stats.steps:
             scalars["ray/bytes_per_step"] = stats.bytes / stats.steps
             scalars["ray/receive_ms_per_unroll"] = 1000 * stats.receive_s / max(1, stats.unrolls + stats.dropped)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import types
 from multiprocessing import Pipe
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from impala.actor import ActorChannels, run_actor
+from impala.actor import ACTOR_PHASES, ENV, POLICY, ActorChannels, PhaseClock, run_actor
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.config import Config
 from impala.environment import EnvBatch
@@ -35,7 +36,8 @@ def _channels(num_buffers: int) -> ActorChannels:
         free_queue.put(slot)
     return ActorChannels(free_queue=free_queue, full_queue=queue.Queue(), episode_queue=queue.Queue(),
                          error_queue=queue.Queue(), stop_event=threading.Event(),
-                         policy_version=types.SimpleNamespace(value=POLICY_VERSION))
+                         policy_version=types.SimpleNamespace(value=POLICY_VERSION),
+                         phase_seconds=[0.0] * len(ACTOR_PHASES))
 
 
 def _drain(q: queue.Queue) -> list:
@@ -67,10 +69,12 @@ class Rollout:
                           core_shapes)
         self.buffers: Buffers = create_buffers(spec)
         self.channels = _channels(num_buffers)
+        start = time.perf_counter()
         if central:
             self._run_served(max_unrolls)
         else:
             run_actor(0, self.config, self.buffers, self.model, self.channels, max_unrolls=max_unrolls)
+        self.wall_s = time.perf_counter() - start
         self.full = _drain(self.channels.full_queue)
         self.episodes = _drain(self.channels.episode_queue)
         self.errors = _drain(self.channels.error_queue)
@@ -205,6 +209,25 @@ def test_episode_stats_count_up_and_end_at_done_rows(rollout: Rollout) -> None:
                 ended.append((0, float(returns[t]), int(steps[t])))
     assert len(ended) >= 2  # random CartPole episodes last about 22 steps: 80 steps see several end
     assert sorted(rollout.episodes) == sorted(ended)
+
+
+def test_the_actors_time_is_split_between_its_phases(rollout: Rollout) -> None:
+    """Every phase of an inline actor's acting got some of its time, and together no more than it took."""
+    seconds = dict(zip(ACTOR_PHASES, rollout.channels.phase_seconds, strict=True))
+    assert all(seconds[phase] > 0 for phase in ("slot_wait", "policy", "env", "write")), seconds
+    assert sum(seconds.values()) <= rollout.wall_s
+
+
+def test_a_phase_clock_gives_each_phase_the_time_since_the_previous_lap() -> None:
+    times = iter([10.0, 10.5, 11.0, 13.0, 13.25])
+    seconds = [0.0] * (2 * len(ACTOR_PHASES))
+    clock = PhaseClock(_channels(1)._replace(phase_seconds=seconds), 1, clock=lambda: next(times))
+    clock.start()  # 10.5: the time before is no phase's
+    clock.lap(ENV)
+    clock.lap(POLICY)
+    clock.lap(ENV)
+    assert seconds == [0.0] * len(ACTOR_PHASES) + [0.0, 2.0, 0.75, 0.0]  # actor 1's row: policy, env
+    PhaseClock(_channels(1)._replace(phase_seconds=None), 0).lap(ENV)  # without a place to keep them: nothing
 
 
 def test_a_set_stop_event_stops_before_writing() -> None:

@@ -173,15 +173,17 @@ def test_variants_give_one_end_to_end_row_each(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_a_row_carries_what_the_run_logged(tmp_path: Path) -> None:
-    """The mean policy lag over the run's rows; Ray's running totals from the last row that has them."""
+    """The means over the run's rows of the policy lag, the learner's times and the actors' shares; Ray's
+    running totals from the last row that has them."""
     (tmp_path / "logs.csv").write_text(textwrap.dedent("""\
-        step,stats/policy_lag,ray/bytes_per_step,ray/receive_ms_per_unroll
-        100,1.0,29000.5,0.25
-        200,3.0,29100.0,
-        300,,,
+        step,stats/policy_lag,ray/bytes_per_step,ray/receive_ms_per_unroll,timing/forward_backward_ms,actors/env_share
+        100,1.0,29000.5,0.25,10.0,0.5
+        200,3.0,29100.0,,20.0,0.25
+        300,,,,,
     """))
     assert bench.run_scalars(tmp_path) == {"mean_policy_lag": 2.0, "ray_bytes_per_step": 29100.0,
-                                           "ray_receive_ms_per_unroll": 0.25}
+                                           "ray_receive_ms_per_unroll": 0.25, "forward_backward_ms": 15.0,
+                                           "actor_env_share": 0.375}
     assert bench.run_scalars(tmp_path / "missing") == {}
     row = {"variant": "--ray local", "returncode": 0, "steps": 300, "wall_s": 1.0, "steps_per_s": 300.0,
            "cpu_s": 2.0, "steps_per_cpu_s": 150.0, "peak_pss_mib": 10.0, "cpu_s_by_depth": [1.0],
@@ -189,5 +191,5 @@ def test_a_row_carries_what_the_run_logged(tmp_path: Path) -> None:
     text = bench.format_table({"machine": {"cpu": "x", "cores_usable": 2, "torch": "t", "device": "cpu"},
                                "load_average_start": [0.0, 0.0, 0.0], "wall_provisional": False,
                                "components": {}, "ceiling": None, "end_to_end": [row]})
-    assert ("  logged by the run: mean policy lag 2.00, Ray bytes per agent step 29,100, receiver ms per unroll "
-            "0.250") in text.splitlines()
+    assert ("  logged by the run: mean policy lag 2.00, learner ms per batch updating 15.0, actors' time stepping "
+            "envs 38%, Ray bytes per agent step 29,100, receiver ms per unroll 0.250") in text.splitlines()

@@ -39,6 +39,7 @@ EXPECTED_TAGS = {
     "losses": ["total_loss", "pg_loss", "baseline_loss", "entropy_loss"],
     "stats": ["grad_norm", "policy_lag", "rho_mean", "rho_clipped_fraction", "full_queue_size", "free_queue_size"],
     "timing": ["wait_batch_ms", "host_to_device_ms", "forward_backward_ms", "publish_ms"],
+    "actors": ["slot_wait_share", "policy_share", "env_share", "write_share"],
 }
 ALL_TAGS = [f"{group}/{name}" for group, names in EXPECTED_TAGS.items() for name in names]
 
@@ -88,6 +89,10 @@ def test_scalar_values_mean_what_their_names_say(trained: TrainedRun) -> None:
     assert all(v > 0 for v in values("stats/rho_mean"))
     assert all(v >= 0 for v in values("stats/policy_lag"))
     assert all(v >= 0 for tag in ALL_TAGS if tag.startswith("timing/") for v in values(tag))
+    shares = [values(f"actors/{name}") for name in EXPECTED_TAGS["actors"]]
+    for interval in zip(*shares, strict=True):  # the actors' whole time, split between the phases
+        assert all(0 <= share <= 1 for share in interval) and sum(interval) == pytest.approx(1)
+    assert sum(values("actors/env_share")) > 0 and sum(values("actors/policy_share")) > 0
     slots = 2 * 2 * 4 + 2 * 8  # the default --num_buffers for these flags
     for tag in ("stats/full_queue_size", "stats/free_queue_size"):
         assert all(0 <= v <= slots and v == int(v) for v in values(tag)), tag
