@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from impala import distributed, learner
-from impala.actor import ActorChannels, run_actor
+from impala.actor import ACTOR_PHASES, ActorChannels, run_actor
 from impala.actor_pool import keep_freed_memory
 from impala.buffers import BufferSpec
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
@@ -304,9 +304,10 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
     for slot in range(spec.num_buffers):
         recycled.put(slot)
     errors: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
+    phase_seconds = [0.0] * len(ACTOR_PHASES)
     channels = ActorChannels(free_queue=recycled, full_queue=recycled, episode_queue=queue.SimpleQueue(),
                              error_queue=errors, stop_event=threading.Event(),
-                             policy_version=types.SimpleNamespace(value=0))
+                             policy_version=types.SimpleNamespace(value=0), phase_seconds=phase_seconds)
     actor = threading.Thread(target=run_actor, args=(0, dataclasses.replace(config, inference="actor"), buffers,
                                                      model, channels), daemon=True)
 
@@ -323,16 +324,20 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
         actor.start()
         try:
             slots_start, wall_start, cpu_start = handed_over(spec.num_buffers)
+            phases_start = list(phase_seconds)
             time.sleep(seconds)
             slots_end, wall_end, cpu_end = handed_over(recycled.puts)
+            spent = [end - start for end, start in zip(phase_seconds, phases_start, strict=True)]
         finally:
             channels.stop_event.set()
             actor.join()
     steps = (slots_end - slots_start) * config.unroll_length
     rate = Rate(steps, wall_end - wall_start, cpu_end - cpu_start)
+    shares = {phase: seconds / sum(spent) for phase, seconds in zip(ACTOR_PHASES, spent, strict=True)}
     return {"what": f"one actor, {config.envs_per_actor} envs in {config.env_splits} split(s), {shape.model} "
-                    "policy, no learner", "batch": config.envs_per_actor // config.env_splits, "device": "cpu",
-            "threads": 1, "splits": config.env_splits, **rate.to_dict()}
+                    f"policy, no learner; its time {shares['policy']:.0%} choosing actions, {shares['env']:.0%} "
+                    f"its envs stepping", "batch": config.envs_per_actor // config.env_splits, "device": "cpu",
+            "threads": 1, "splits": config.env_splits, "phase_shares": shares, **rate.to_dict()}
 
 
 def _synthetic_slots(config: Config, shape: EnvShape, model: Net) -> dict[str, torch.Tensor]:

@@ -39,6 +39,9 @@ def test_micro_benchmarks_report_every_component_with_consistent_rates(micro_res
     assert components["env"]["steps"] % 4 == 0  # whole steps of one split: 8 envs in 2 splits
     assert components["inference"]["batch"] == 4 and components["inference"]["threads"] == 1
     assert components["actor"]["steps"] % 5 == 0 and components["actor"]["splits"] == 2  # T per slot
+    shares = components["actor"]["phase_shares"]  # of the timed window: its own, without start-up
+    assert set(shares) == {"slot_wait", "policy", "env", "write"} and sum(shares.values()) == pytest.approx(1)
+    assert shares["policy"] > 0 and shares["env"] > 0
     assert components["learner"]["steps"] % (5 * 8) == 0  # T * B per update
     assert micro_results["end_to_end"] == []
     assert micro_results["config"]["env"] == "CartPole-v1" and micro_results["config"]["num_actors"] == 2
