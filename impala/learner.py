@@ -166,7 +166,7 @@ LossFunction = Callable[[Net, dict[str, torch.Tensor], CoreState, Config, "Gradi
                         tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
-def loss_function(config: Config, device: torch.device) -> LossFunction:
+def loss_function(config: Config, device: torch.device, world_size: int = 1) -> LossFunction:
     """`compute_loss`, or with `--compile` the same code compiled as one region: the model's forward, V-trace
     and the losses, and with them their backward, each a few fused kernels instead of hundreds of small ones.
     On a GPU whose update is not already one CUDA graph (`--cuda_graph`) the region is itself
@@ -175,7 +175,7 @@ def loss_function(config: Config, device: torch.device) -> LossFunction:
     tests/test_learner.py holds the compiled step equal to the eager one."""
     if not config.compile:
         return compute_loss
-    graphs = device.type == "cuda" and not uses_cuda_graph(config, device)
+    graphs = device.type == "cuda" and not uses_cuda_graph(config, device, world_size)
     compiled = torch.compile(compute_loss, mode="reduce-overhead" if graphs else None, dynamic=False)
     if not graphs:
         return compiled
@@ -314,15 +314,16 @@ def scheduled_lr(scheduler: torch.optim.lr_scheduler.LRScheduler) -> float:
 UpdateFunction = Callable[..., dict[str, float]]  # `update`'s signature
 
 
-def uses_cuda_graph(config: Config, device: torch.device) -> bool:
+def uses_cuda_graph(config: Config, device: torch.device, world_size: int = 1) -> bool:
     """Whether the learner's updates are CUDA graphs (`GraphedUpdate`): `--cuda_graph` on a GPU with Adam, which
-    is fused and skips a non-finite step on the device (RMSprop decides on the host)."""
-    return config.cuda_graph and device.type == "cuda" and config.optimizer == "adam"
+    is fused and skips a non-finite step on the device (RMSprop decides on the host), in a run of one learner
+    process (`world_size`: under torchrun every gradient step exchanges gradients with the other ranks)."""
+    return config.cuda_graph and device.type == "cuda" and config.optimizer == "adam" and world_size == 1
 
 
-def update_function(config: Config, device: torch.device) -> UpdateFunction:
+def update_function(config: Config, device: torch.device, world_size: int = 1) -> UpdateFunction:
     """`update`, or a `GraphedUpdate` that replays it as one CUDA graph per batch (`uses_cuda_graph`)."""
-    return GraphedUpdate() if uses_cuda_graph(config, device) else update
+    return GraphedUpdate() if uses_cuda_graph(config, device, world_size) else update
 
 
 class GraphedUpdate:

@@ -44,8 +44,8 @@ class Learners:
         self.buffers = buffers
         self.pool = pool
         self.device = device
-        self.loss_fn = learner.loss_function(config, device)  # compiled with --compile
-        self.update = learner.update_function(config, device)  # one CUDA graph per batch on a GPU
+        self.loss_fn = learner.loss_function(config, device, state.world_size)  # compiled with --compile
+        self.update = learner.update_function(config, device, state.world_size)  # one CUDA graph per batch on a GPU
         self.amp = amp  # bfloat16 autocast
         self.stats = stats
         self.update_lock = update_lock

@@ -807,6 +807,7 @@ def test_the_learner_graphs_its_updates_on_a_gpu_with_adam_unless_told_not_to() 
     assert not learner.uses_cuda_graph(dataclasses.replace(graphed, optimizer="rmsprop"), cuda)  # skips on the host
     assert not learner.uses_cuda_graph(graphed, cpu)
     assert learner.update_function(graphed, cpu) is learner.update
+    assert learner.update_function(graphed, cuda, world_size=2) is learner.update  # torchrun: every step all-reduces
 
 
 def test_the_reported_learning_rate_is_the_schedules_without_reading_the_optimiser() -> None:
