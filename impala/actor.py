@@ -9,7 +9,7 @@ from __future__ import annotations
 import queue
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
 from typing import NamedTuple, Protocol
 
@@ -46,6 +46,12 @@ class ActorChannels(NamedTuple):
 # handing over slots.
 ACTOR_PHASES = ("slot_wait", "policy", "env", "write")
 SLOT_WAIT, POLICY, ENV, WRITE = range(len(ACTOR_PHASES))
+
+
+def phase_shares(seconds: Sequence[float]) -> dict[str, float]:
+    """Each phase's share of `seconds` (one figure per phase of ACTOR_PHASES); empty when no time was spent."""
+    total = sum(seconds)
+    return {name: spent / total for name, spent in zip(ACTOR_PHASES, seconds, strict=True)} if total > 0 else {}
 
 
 class PhaseClock:

@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import torch
 import torch.multiprocessing as mp
 
-from impala.actor import ACTOR_PHASES, ActorChannels, run_actor
+from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.buffers import Buffers
 from impala.channels import RecordQueue, SharedFloats, StopFlag
 from impala.config import Config, TrainingError
@@ -223,9 +223,7 @@ class LocalActorPool:
                   for p in range(phases)]
         spent = [now - before for now, before in zip(totals, self._phase_totals, strict=True)]
         self._phase_totals = totals
-        if sum(spent) <= 0:
-            return {}
-        return {f"actors/{name}_share": seconds / sum(spent) for name, seconds in zip(ACTOR_PHASES, spent, strict=True)}
+        return {f"actors/{name}_share": share for name, share in phase_shares(spent).items()}
 
     # ------------------------------------------------------------------------------------- watch
 

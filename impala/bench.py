@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from impala import distributed, learner
-from impala.actor import ACTOR_PHASES, ActorChannels, run_actor
+from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.actor_pool import keep_freed_memory
 from impala.buffers import BufferSpec
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
@@ -333,7 +333,7 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
             actor.join()
     steps = (slots_end - slots_start) * config.unroll_length
     rate = Rate(steps, wall_end - wall_start, cpu_end - cpu_start)
-    shares = {phase: seconds / sum(spent) for phase, seconds in zip(ACTOR_PHASES, spent, strict=True)}
+    shares = phase_shares(spent)
     return {"what": f"one actor, {config.envs_per_actor} envs in {config.env_splits} split(s), {shape.model} "
                     f"policy, no learner; its time {shares['policy']:.0%} choosing actions, {shares['env']:.0%} "
                     f"its envs stepping", "batch": config.envs_per_actor // config.env_splits, "device": "cpu",
