@@ -15,6 +15,9 @@ Components, each timed for `--seconds` after a warm-up, in this process:
                rank 0 reports the steps of all ranks
     actor      one actor as its process runs it (actor.run_actor: env splits, policy, slot writes) with its
                slots recycled at once: what one actor does with no learner to wait for (not in the ceiling)
+    actors     --num_actors such actors at once, each in its own process, timed over one window: what the
+               trainer's actors step together on this machine's cores with no learner to wait for; each
+               end-to-end row gives its share of it
 
 End to end: `python run.py ...` as a subprocess; its whole process tree (main process, fork server,
 actors) is sampled from /proc every POLL_S for CPU time and every PSS_POLL_S for proportional memory (PSS).
@@ -40,6 +43,7 @@ import contextlib
 import csv
 import dataclasses
 import json
+import multiprocessing
 import os
 import platform
 import queue
@@ -50,6 +54,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -68,10 +73,11 @@ from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import Config, UserError, add_flags, to_flags
 from impala.environment import EnvBatch
 from impala.model import CastTorso, Net, sample_actions, use_amp
+from impala.seeding import first_life
 from impala.training import learner_threads, probe_env, select_device
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-COMPONENTS = ("env", "inference", "learner", "actor", "e2e")
+COMPONENTS = ("env", "inference", "learner", "actor", "actors", "e2e")
 # Config fields the bench takes as flags; every other field keeps its Config default.
 CONFIG_FLAGS = ("env", "model", "use_lstm", "num_actors", "envs_per_actor", "env_splits", "unroll_length",
                 "batch_size", "total_steps", "disable_cuda", "amp", "inference", "inference_wait_ms", "policy_loss",
@@ -83,6 +89,7 @@ GPU_POLL_MS = 200
 PSS_POLL_S = 2.0  # reading smaps_rollup costs ~6 ms CPU per torch process; the run's memory changes slowly
 PROVISIONAL_LOAD = 1.5  # a 1-minute load average above this at the start makes wall-clock rates unreliable
 MIN_CALLS = 3  # timed calls per component, however slow one call is
+ACTORS_START_TIMEOUT_S = 300.0  # for --num_actors processes to import torch and make their envs
 CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -289,11 +296,14 @@ class _CountingQueue(queue.Queue):
         self.puts += 1
 
 
-def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
+def bench_actor(config: Config, shape: EnvShape, seconds: float, index: int = 0,
+                start: Any = None) -> dict[str, Any]:
     """One actor, run as its process runs it, in a thread of this process: its slots go straight back to it.
 
     Timed from the first handed-over unroll on (env creation and reset excluded) for `seconds`, then to
-    the next unroll boundary. Always actor-side inference.
+    the next unroll boundary. Always actor-side inference. `index`: the actor whose first life's seeds it
+    plays. `start`: a barrier (`bench_actors`) that every actor reaches after its warm-up; then timed from
+    the next unroll boundary on.
     """
     model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm, config.hidden_size).eval()
     core_shapes = model.core_state_shapes()
@@ -308,8 +318,9 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
     channels = ActorChannels(free_queue=recycled, full_queue=recycled, episode_queue=queue.SimpleQueue(),
                              error_queue=errors, stop_event=threading.Event(),
                              policy_version=types.SimpleNamespace(value=0), phase_seconds=phase_seconds)
+    seeds = first_life(config.seed, index, config.envs_per_actor)
     actor = threading.Thread(target=run_actor, args=(0, dataclasses.replace(config, inference="actor"), buffers,
-                                                     model, channels), daemon=True)
+                                                     model, channels, seeds), daemon=True)
 
     def handed_over(after: int) -> tuple[int, float, float]:
         """Wait until more than `after` slots were handed over; (slots, wall, CPU) at that moment."""
@@ -324,6 +335,9 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
         actor.start()
         try:
             slots_start, wall_start, cpu_start = handed_over(spec.num_buffers)
+            if start is not None:
+                start.wait(ACTORS_START_TIMEOUT_S)
+                slots_start, wall_start, cpu_start = handed_over(recycled.puts)
             phases_start = list(phase_seconds)
             time.sleep(seconds)
             slots_end, wall_end, cpu_end = handed_over(recycled.puts)
@@ -338,6 +352,57 @@ def bench_actor(config: Config, shape: EnvShape, seconds: float) -> dict[str, An
                     f"policy, no learner; its time {shares['policy']:.0%} choosing actions, {shares['env']:.0%} "
                     f"its envs stepping", "batch": config.envs_per_actor // config.env_splits, "device": "cpu",
             "threads": 1, "splits": config.env_splits, "phase_shares": shares, **rate.to_dict()}
+
+
+def bench_actors(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
+    """`config.num_actors` actors at once, each `bench_actor` in a process of its own (spawned, one torch thread,
+    the trainer's malloc settings), timed over the same window: each warms up, waits for the others, then runs
+    `seconds`. The steps and CPU are their sums; the rate is the sum of their rates. Where the actors share
+    cores, memory bandwidth or a core's hyperthreads, this is below `num_actors` times one actor alone."""
+    ctx = multiprocessing.get_context("spawn")  # this process has torch's threads: no fork
+    start = ctx.Barrier(config.num_actors)
+    results = ctx.Queue()
+    processes = [ctx.Process(target=_actor_process, args=(config, shape, seconds, index, start, results),
+                             daemon=True) for index in range(config.num_actors)]
+    for process in processes:
+        process.start()
+    rows: list[dict[str, Any]] = []
+    try:
+        while len(rows) < len(processes):
+            try:
+                rows.append(results.get(timeout=1.0))
+            except queue.Empty:
+                if dead := [p.exitcode for p in processes if p.exitcode not in (None, 0)]:  # killed, no row
+                    start.abort()  # the others stop waiting for it
+                    raise RuntimeError(f"an actor process of the actors component exited with {dead[0]}") from None
+    finally:
+        for process in processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
+    failures = [row for row in rows if "error" in row]
+    if failures:
+        raise RuntimeError(f"an actor of the actors component failed:\n{failures[0]['error']}")
+    steps = sum(row["steps"] for row in rows)
+    rate = sum(row["steps_per_s"] for row in rows)
+    shares = {name: sum(row["phase_shares"][name] for row in rows) / len(rows) for name in rows[0]["phase_shares"]}
+    total = Rate(steps, steps / rate, sum(row["cpu_s"] for row in rows))
+    return {"what": f"{config.num_actors} actors at once, one process each, {config.envs_per_actor} envs in "
+                    f"{config.env_splits} split(s), no learner; their time {shares['policy']:.0%} choosing actions, "
+                    f"{shares['env']:.0%} their envs stepping", "actors": config.num_actors,
+            "batch": config.envs_per_actor // config.env_splits, "device": "cpu", "threads": 1,
+            "phase_shares": shares, "per_actor_steps_per_s": [row["steps_per_s"] for row in rows],
+            **total.to_dict()}
+
+
+def _actor_process(config: Config, shape: EnvShape, seconds: float, index: int, start: Any, results: Any) -> None:
+    """One actor of `bench_actors`: its row, or {"error": traceback} (then the others are let go)."""
+    keep_freed_memory()  # as an actor process of the trainer
+    try:
+        results.put(bench_actor(config, shape, seconds, index, start))
+    except Exception:  # noqa: BLE001 - reported by the parent, with its traceback
+        start.abort()  # the others stop waiting
+        results.put({"error": traceback.format_exc()})
 
 
 def _synthetic_slots(config: Config, shape: EnvShape, model: Net) -> dict[str, torch.Tensor]:
@@ -566,13 +631,17 @@ def env_ceiling(components: dict[str, dict[str, Any]], cores: int) -> float | No
     return components["env"]["steps_per_cpu_s"] * cores if "env" in components else None
 
 
-def add_fractions(row: dict[str, Any], limit: dict[str, Any] | None, env_limit: float | None = None
-                  ) -> dict[str, Any]:
+def add_fractions(row: dict[str, Any], limit: dict[str, Any] | None, env_limit: float | None = None,
+                  actors_alone: float | None = None) -> dict[str, Any]:
+    """A row's shares of the ceiling, of the env-only ceiling, and of what its actors step alone together
+    (`actors_alone`, the actors component's steps/s)."""
     if limit is not None:
         row["fraction_of_ceiling_cpu"] = row["steps_per_cpu_s"] / limit["steps_per_cpu_s"]
         row["fraction_of_ceiling_wall"] = row["steps_per_s"] / limit["steps_per_s"]
     if env_limit:
         row["fraction_of_env_ceiling"] = row["steps_per_s"] / env_limit
+    if actors_alone:
+        row["fraction_of_actors_alone"] = row["steps_per_s"] / actors_alone
     return row
 
 
@@ -587,11 +656,26 @@ def machine() -> dict[str, Any]:
                 model_name = line.split(":", 1)[1].strip()
                 break
     cuda = torch.cuda.is_available()
-    return {"cpu": model_name, "cores_usable": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count(),
+    usable = os.sched_getaffinity(0)
+    return {"cpu": model_name, "cores_usable": len(usable), "physical_cores_usable": physical_cores(usable),
+            "cpu_count": os.cpu_count(),
             "torch": torch.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA device)",
             "cpu_bf16_native": bool(use_amp(None, torch.device("cpu"), "shallow")),
             "hostname": platform.node()}
+
+
+def physical_cores(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    """How many physical cores the logical CPUs `cpus` are (hyperthreads of one core count once), from the
+    kernel's topology; None where it is not readable."""
+    cores = set()
+    try:
+        for cpu in cpus:
+            topology = sysfs / f"cpu{cpu}" / "topology"
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+    except OSError:
+        return None
+    return len(cores)
 
 
 def load_average() -> list[float]:
@@ -603,7 +687,9 @@ def load_average() -> list[float]:
 
 def format_table(results: dict[str, Any]) -> str:
     m, lines = results["machine"], []
-    lines.append(f"machine: {m['cpu']}, {m['cores_usable']} usable cores, torch {m['torch']}, {m['device']}")
+    physical = m.get("physical_cores_usable")
+    threads = f" ({physical} physical)" if physical and physical != m["cores_usable"] else ""
+    lines.append(f"machine: {m['cpu']}, {m['cores_usable']} usable cores{threads}, torch {m['torch']}, {m['device']}")
     load = results["load_average_start"]
     lines.append(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
                  + ("  (busy machine: wall-clock rates are provisional)" if results["wall_provisional"] else ""))
@@ -644,6 +730,10 @@ def format_table(results: dict[str, Any]) -> str:
             if "fraction_of_env_ceiling" in r:
                 shares.append(f"{r['fraction_of_env_ceiling']:.0%} of the env-only ceiling "
                               f"({results['env_ceiling_steps_per_s']:.0f} steps/s)")
+            if "fraction_of_actors_alone" in r:
+                actors = results["components"]["actors"]
+                shares.append(f"{r['fraction_of_actors_alone']:.0%} of what {actors['actors']} actors step alone "
+                              f"together ({actors['steps_per_s']:.0f} steps/s)")
             if shares:
                 lines.append(f"  {', '.join(shares)}")
             if logged:
@@ -692,13 +782,14 @@ def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> 
     results["config"] = {name: getattr(config, name) for name in CONFIG_FLAGS}
     results["seconds"] = args.seconds
     components: dict[str, dict[str, Any]] = {}
-    if {"env", "inference", "learner", "actor"} & set(only):
+    if {"env", "inference", "learner", "actor", "actors"} & set(only):
         shape = env_shape(config)
         results["config"]["model_resolved"] = shape.model
         for name, bench in (("env", lambda: bench_env(config, args.seconds)),
                             ("inference", lambda: bench_inference(config, shape, args.seconds)),
                             ("learner", lambda: bench_learner(config, shape, args.seconds)),
-                            ("actor", lambda: bench_actor(config, shape, args.seconds))):
+                            ("actor", lambda: bench_actor(config, shape, args.seconds)),
+                            ("actors", lambda: bench_actors(config, shape, args.seconds))):
             if name in only:
                 components[name] = bench()
                 print(f"bench: {name}: {components[name]['steps_per_s']:.0f} steps/s, "
@@ -714,7 +805,7 @@ def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> 
         for variant in args.variants or [""]:  # one row per variant: the loop a sweep builds on
             print(f"bench: end to end {variant.strip() or '(base flags)'}: {config.total_steps} steps ...", file=sys.stderr)
             rows.append(add_fractions(bench_end_to_end(config, extra + shlex.split(variant), variant.strip()),
-                                      limit, env_limit))
+                                      limit, env_limit, components.get("actors", {}).get("steps_per_s")))
     results["end_to_end"] = rows
     results["load_average_end"] = load_average()
     return results

@@ -4,7 +4,7 @@
 # components, and one end-to-end row per inference mode. The default settings as a user meets them, in
 # four parts: `tests` (the gpu-marked tests), `learner` (the learner alone: eager with --no-cuda_graph, with
 # --compile, as the default's one CUDA graph per update, and graphed with --compile: GPU busy share, host CPU
-# per step), `defaults` (the components and the trainer with all cores, `--num_actors auto`: inference in the
+# per step), `defaults` (the components, the actors stepping together alone, and the trainer with all cores, `--num_actors auto`: inference in the
 # actors, central, and the eager learner) and `pong` (the README's Pong command, its time to a mean of 18;
 # $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
@@ -16,7 +16,7 @@ what=${1:-all}
 steps=${2:-1000000}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$out/machine.txt" 2>&1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; lscpu; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$out/machine.txt" 2>&1
 # The default settings in four parts, each within one 10-minute device call.
 if [ "$what" = tests ]; then
   timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider > "$out/pytest_gpu.txt" 2>&1; echo "pytest rc $?" >> "$out/pytest_gpu.txt"
@@ -37,7 +37,7 @@ if [ "$what" = learner ]; then
 fi
 if [ "$what" = defaults ]; then
   timeout 500 python3 -m impala.bench --num_actors auto --total_steps "$steps" --seconds 5 \
-    --only env,inference,learner,actor,e2e --variants "--inference actor" "--inference central" \
+    --only env,inference,learner,actor,actors,e2e --variants "--inference actor" "--inference central" \
     "--no-cuda_graph --inference actor" \
     --json "$out/defaults.json" > "$out/defaults.txt" 2>&1
   tail -n 20 "$out"/*.txt

@@ -22,14 +22,14 @@ def micro_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     path = tmp_path_factory.mktemp("bench") / "results.json"
     threads = torch.get_num_threads()
     code = bench.main(["--env", "CartPole-v1", "--unroll_length", "5", "--seconds", "0.3", "--env_splits", "2",
-                       "--only", "env,inference,learner,actor", "--json", str(path)])
+                       "--only", "env,inference,learner,actor,actors", "--json", str(path)])
     assert code == 0
     assert torch.get_num_threads() == threads  # the bench restores the thread count it changes
     return json.loads(path.read_text())
 
 
 def test_micro_benchmarks_report_every_component_with_consistent_rates(micro_results: dict) -> None:
-    assert set(micro_results["components"]) == {"env", "inference", "learner", "actor"}
+    assert set(micro_results["components"]) == {"env", "inference", "learner", "actor", "actors"}
     for name, component in micro_results["components"].items():
         assert RATE_KEYS <= set(component), name
         assert component["steps"] > 0 and component["wall_s"] > 0 and component["cpu_s"] > 0, name
@@ -43,6 +43,11 @@ def test_micro_benchmarks_report_every_component_with_consistent_rates(micro_res
     assert set(shares) == {"slot_wait", "policy", "env", "write"} and sum(shares.values()) == pytest.approx(1)
     assert shares["policy"] > 0 and shares["env"] > 0
     assert components["learner"]["steps"] % (5 * 8) == 0  # T * B per update
+    actors = components["actors"]  # --num_actors 2 at once, each its own process; the sums of theirs
+    assert actors["actors"] == 2 and len(actors["per_actor_steps_per_s"]) == 2
+    assert actors["steps_per_s"] == pytest.approx(sum(actors["per_actor_steps_per_s"]))
+    assert all(rate > 0 for rate in actors["per_actor_steps_per_s"])
+    assert actors["steps"] % 5 == 0 and sum(actors["phase_shares"].values()) == pytest.approx(1)
     assert micro_results["end_to_end"] == []
     assert micro_results["config"]["env"] == "CartPole-v1" and micro_results["config"]["num_actors"] == 2
     machine = micro_results["machine"]
@@ -82,6 +87,41 @@ def test_the_env_only_ceiling_and_a_rows_share_of_it_worked_by_hand() -> None:
     assert bench.env_ceiling({}, 16) is None  # no env component measured
     row = bench.add_fractions({"steps_per_cpu_s": 100.0, "steps_per_s": 12_000.0}, None, 16_000.0)
     assert row["fraction_of_env_ceiling"] == pytest.approx(0.75)
+
+
+def test_a_rows_share_of_what_its_actors_step_alone_worked_by_hand() -> None:
+    # 14 actors stepping 15,000 steps/s together with no learner; the trainer at 12,000 steps/s reaches 80%.
+    row = bench.add_fractions({"steps_per_cpu_s": 100.0, "steps_per_s": 12_000.0}, None, None, 15_000.0)
+    assert row == {"steps_per_cpu_s": 100.0, "steps_per_s": 12_000.0, "fraction_of_actors_alone": pytest.approx(0.8)}
+    row.update({"variant": "", "returncode": 0, "steps": 300, "wall_s": 1.0, "cpu_s": 2.0, "peak_pss_mib": 10.0,
+                "cpu_s_by_depth": [1.0], "monitor_cpu_s": 0.1, "cwd": ".", "command": "run.py"})
+    text = bench.format_table({"machine": {"cpu": "x", "cores_usable": 16, "torch": "t", "device": "cpu"},
+                               "load_average_start": [0.0, 0.0, 0.0], "wall_provisional": False,
+                               "components": {"actors": {"actors": 14, "steps_per_s": 15_000.0, "steps_per_cpu_s": 1.0,
+                                                         "cpu_ms_per_step": 1.0, "what": "14 actors"}},
+                               "ceiling": None, "end_to_end": [row]})
+    assert "  80% of what 14 actors step alone together (15000 steps/s)" in text.splitlines()
+
+
+def test_an_actor_that_fails_in_the_actors_component_fails_it_with_its_traceback() -> None:
+    # Observations of 3 numbers for CartPole's 4: each actor's first forward fails; the others are let go.
+    config = bench.Config(env="CartPole-v1", num_actors=2, unroll_length=5)
+    shape = bench.EnvShape((3,), torch.float32, 2, "mlp")
+    with pytest.raises(RuntimeError, match="an actor of the actors component failed:\n.*Traceback"):
+        bench.bench_actors(config, shape, 0.2)
+
+
+def test_physical_cores_count_the_hyperthreads_of_one_core_once(tmp_path: Path) -> None:
+    # Logical CPUs 0 and 2 are the two threads of core 0, 1 and 3 of core 1, on one package.
+    for cpu, core in ((0, 0), (1, 1), (2, 0), (3, 1)):
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "core_id").write_text(f"{core}\n")
+        (topology / "physical_package_id").write_text("0\n")
+    assert bench.physical_cores({0, 1, 2, 3}, tmp_path) == 2
+    assert bench.physical_cores({0, 2}, tmp_path) == 1
+    assert bench.physical_cores({0, 1}, tmp_path) == 2
+    assert bench.physical_cores({0, 7}, tmp_path) is None  # no topology for CPU 7
 
 
 def test_gpu_busy_is_the_mean_of_nvidia_smis_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
