@@ -576,6 +576,7 @@ def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "
 LOGGED = (("stats/policy_lag", "mean_policy_lag", "mean", "mean policy lag", ".2f"),
           ("timing/wait_batch_ms", "wait_batch_ms", "mean", "learner ms per batch waiting for it", ".1f"),
           ("timing/host_to_device_ms", "host_to_device_ms", "mean", "learner ms per batch stacking and copying it", ".1f"),
+          ("timing/stack_ms", "stack_ms", "mean", "of which stacking", ".1f"),
           ("timing/forward_backward_ms", "forward_backward_ms", "mean", "learner ms per batch updating", ".1f"),
           ("actors/slot_wait_share", "actor_slot_wait_share", "mean", "actors' time waiting for slots", ".0%"),
           ("actors/policy_share", "actor_policy_share", "mean", "actors' time choosing actions", ".0%"),

@@ -100,9 +100,10 @@ class Learners:
             slots = self._take_full_slots()
             if slots is None and self.coordinator is None:
                 return
-            copy_start = time.perf_counter()
+            copy_start = stack_end = time.perf_counter()
             if slots is not None:
                 staging.fill(self.buffers, slots)
+                stack_end = time.perf_counter()
                 versions = self.buffers["policy_version"][slots].clone()
                 for slot in slots:
                     self.pool.slots.give_back(slot)
@@ -123,6 +124,7 @@ class Learners:
                 state.step += steps
                 state.updates += 1
                 timings_s = {"wait_batch": copy_start - wait_start, "host_to_device": copy_end - copy_start,
+                             "stack": stack_end - copy_start,  # the part of host_to_device that stacks the slots
                              "update_lock_wait": update_start - copy_end,
                              "forward_backward": publish_start - update_start,
                              "publish": publish_end - publish_start}

@@ -5,7 +5,7 @@ Tags follow the CleanRL / Stable-Baselines3 grouping, always against agent steps
     charts/   episodic_return, episodic_length, SPS, learning_rate, frames, episodes, mean_return_100
     losses/   total_loss, pg_loss, baseline_loss, entropy_loss
     stats/    grad_norm, policy_lag, rho_mean, rho_clipped_fraction, ppo_clip_fraction, full_queue_size, free_queue_size, ...
-    timing/   wait_batch_ms, host_to_device_ms, update_lock_wait_ms, forward_backward_ms, publish_ms
+    timing/   wait_batch_ms, host_to_device_ms (stack_ms of it), update_lock_wait_ms, forward_backward_ms, publish_ms
     actors/   slot_wait_share, policy_share, env_share, write_share (where the local actors' time went)
     eval/     episodic_return_mean and video (test mode)
     flags     the run's flags as a markdown table (TEXT tab) and as hparams (HPARAMS tab)

@@ -38,7 +38,7 @@ EXPECTED_TAGS = {
     "charts": ["episodic_return", "episodic_length", "SPS", "learning_rate", "frames"],
     "losses": ["total_loss", "pg_loss", "baseline_loss", "entropy_loss"],
     "stats": ["grad_norm", "policy_lag", "rho_mean", "rho_clipped_fraction", "full_queue_size", "free_queue_size"],
-    "timing": ["wait_batch_ms", "host_to_device_ms", "forward_backward_ms", "publish_ms"],
+    "timing": ["wait_batch_ms", "host_to_device_ms", "stack_ms", "forward_backward_ms", "publish_ms"],
     "actors": ["slot_wait_share", "policy_share", "env_share", "write_share"],
 }
 ALL_TAGS = [f"{group}/{name}" for group, names in EXPECTED_TAGS.items() for name in names]
