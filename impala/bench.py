@@ -81,7 +81,7 @@ COMPONENTS = ("env", "inference", "learner", "actor", "actors", "e2e")
 # Config fields the bench takes as flags; every other field keeps its Config default.
 CONFIG_FLAGS = ("env", "model", "use_lstm", "num_actors", "envs_per_actor", "env_splits", "unroll_length",
                 "batch_size", "total_steps", "disable_cuda", "amp", "inference", "inference_wait_ms", "policy_loss",
-                "optimizer", "epochs", "minibatches", "advantage_norm", "compile", "cuda_graph")
+                "optimizer", "epochs", "minibatches", "advantage_norm", "minibatch_mode", "compile", "cuda_graph")
 # Where the bench's defaults differ from the trainer's: a short run sized for two cores.
 BENCH_DEFAULTS = {"num_actors": 2, "total_steps": 60_000}
 POLL_S = 0.1

@@ -136,6 +136,12 @@ class Config:
     advantage_norm: str = _flag("minibatch", "ppo: normalise the advantages over each minibatch, or over the whole "
                                 "batch (its mean and deviation from one extra forward pass without gradient per batch, "
                                 "with the weights the update starts from)", choices=("minibatch", "batch"))
+    minibatch_mode: str = _flag("unrolls", "ppo: what --minibatches cuts the batch into: whole unrolls, whose V-trace "
+                                "targets and advantages every gradient step recomputes with the weights it has "
+                                "(Sample Factory's APPO), or single steps drawn at random from the whole batch, whose "
+                                "targets and advantages one forward computes per batch with the weights the update "
+                                "starts from (CleanRL's PPO, with V-trace for GAE); samples needs no --use_lstm",
+                                choices=("unrolls", "samples"))
     vtrace_lambda: float = _flag(0.95, "lambda of the V-trace targets (1: the paper's; lower trades variance for bias)")
 
     # Optimiser (PyTorch's RMSprop adds epsilon outside the square root).
@@ -283,6 +289,9 @@ class Config:
             problems.append("--mode test needs --xpid NAME of a trained run (or --checkpoint PATH)")
         if self.resume and self.xpid is None:
             problems.append("--resume needs --xpid NAME of the run to continue")
+        if self.minibatch_mode == "samples" and (self.policy_loss != "ppo" or self.use_lstm):
+            problems.append("--minibatch_mode samples needs --policy_loss ppo and a model without --use_lstm "
+                            "(single steps drawn from the batch have no sequence for an LSTM)")
         if self.use_lstm and self.inference == "central":
             problems.append("--use_lstm is not supported with --inference central; use --inference actor")
         if not self.savedir:

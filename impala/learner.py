@@ -162,8 +162,66 @@ def batch_advantage_moments(model: Net, batch: dict[str, torch.Tensor], core_sta
     return reducer.moments(advantages) if reducer is not None else (advantages.mean(), advantages.std())
 
 
+@torch.no_grad()
+def batch_samples(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config,
+                  reducer: GradientReducer | None = None) -> tuple[dict[str, torch.Tensor], Moments | None]:
+    """`--minibatch_mode samples`: the batch's T x B steps as single samples ([T x B, ...]: frames, action,
+    behaviour logits, V-trace target `vs` and PPO advantage), the targets and advantages from one forward with
+    the model as it is, held for every pass of the update as CleanRL's PPO holds its GAE. With
+    `--advantage_norm batch` also their mean and deviation over the batch (over all learner processes' with
+    `reducer`), else None."""
+    output, _ = model(batch["obs"], batch["done"], core_state)
+    values = output.baseline.float()
+    rewards, discounts, returns = _vtrace(output.policy_logits.float(), values, batch, config)
+    advantages = _ppo_advantages(values, rewards, discounts, returns)
+    samples = {"obs": batch["obs"][:-1], "action": batch["action"][:-1], "policy_logits": batch["policy_logits"][:-1],
+               "vs": returns.vs, "advantage": advantages}
+    moments = None
+    if config.advantage_norm == "batch":
+        moments = reducer.moments(advantages) if reducer is not None else (advantages.mean(), advantages.std())
+    return {name: value.flatten(0, 1) for name, value in samples.items()}, moments
+
+
+def compute_sample_loss(model: Net, samples: dict[str, torch.Tensor], core_state: CoreState, config: Config,
+                        reducer: GradientReducer | None = None, advantage_moments: Moments | None = None
+                        ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's loss on N single steps ([N, ...], `batch_samples`), whose V-trace targets and advantages were
+    computed before the update: one forward of N frames, no time axis. The same losses as `compute_loss`'s
+    PPO, averaged over the N steps; `core_state` is empty (no LSTM)."""
+    obs = samples["obs"][None]  # [1, N, ...]: one time step of N "envs"
+    output, _ = model(obs, torch.zeros(obs.shape[:2], dtype=torch.bool, device=obs.device), core_state)
+    logits = output.policy_logits[0].float()
+    values = output.baseline[0].float()
+    log_rhos = (vtrace.action_log_probs(logits, samples["action"])
+                - vtrace.action_log_probs(samples["policy_logits"], samples["action"]))
+    advantages = samples["advantage"]
+    if advantage_moments is None and reducer is not None:
+        advantage_moments = reducer.moments(advantages)
+    pg_loss, clip_fraction = losses.ppo_loss(log_rhos, advantages, config.ppo_clip, config.ppo_dual_clip,
+                                             moments=advantage_moments)
+    baseline_loss = config.baseline_cost * losses.baseline_loss(samples["vs"], values) / values.numel()
+    entropy_loss = config.entropy_cost * losses.entropy_loss(logits) / values.numel()
+    total_loss = pg_loss + baseline_loss + entropy_loss
+    rhos = log_rhos.detach().exp()
+    stats = {
+        "total_loss": total_loss.detach(),
+        "pg_loss": pg_loss.detach(),
+        "baseline_loss": baseline_loss.detach(),
+        "entropy_loss": entropy_loss.detach(),
+        "rho_mean": rhos.mean(),
+        "rho_clipped_fraction": (rhos > 1.0).float().mean(),
+        "ppo_clip_fraction": clip_fraction,
+    }
+    return total_loss, stats
+
+
 LossFunction = Callable[[Net, dict[str, torch.Tensor], CoreState, Config, "GradientReducer | None", "Moments | None"],
                         tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def eager_loss(config: Config) -> LossFunction:
+    """The loss of a minibatch in `--minibatch_mode`: of whole unrolls, or of single steps."""
+    return compute_sample_loss if config.minibatch_mode == "samples" else compute_loss
 
 
 def loss_function(config: Config, device: torch.device, world_size: int = 1) -> LossFunction:
@@ -173,10 +231,11 @@ def loss_function(config: Config, device: torch.device, world_size: int = 1) -> 
     captured as CUDA graphs (mode "reduce-overhead"), so a gradient step replays a graph forward and one
     backward. Shapes are fixed ([T + 1, minibatch]): a batch split into parts of two sizes compiles twice.
     tests/test_learner.py holds the compiled step equal to the eager one."""
+    loss = eager_loss(config)
     if not config.compile:
-        return compute_loss
+        return loss
     graphs = device.type == "cuda" and not uses_cuda_graph(config, device, world_size)
-    compiled = torch.compile(compute_loss, mode="reduce-overhead" if graphs else None, dynamic=False)
+    compiled = torch.compile(loss, mode="reduce-overhead" if graphs else None, dynamic=False)
     if not graphs:
         return compiled
 
@@ -233,47 +292,61 @@ def make_schedule(optimizer: torch.optim.Optimizer, config: Config, start_step: 
 
 def update(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
            batch: dict[str, torch.Tensor], core_state: CoreState, config: Config, amp: bool = False,
-           reducer: GradientReducer | None = None, loss_fn: LossFunction = compute_loss) -> dict[str, float]:
-    """`--epochs` passes over the batch, each `--minibatches` gradient steps on a share of its unrolls.
-    With several learner processes, `reducer` makes each step's gradient that of all their batches. `loss_fn` is
-    `compute_loss` or its compiled form (`loss_function`).
+           reducer: GradientReducer | None = None, loss_fn: LossFunction | None = None) -> dict[str, float]:
+    """`--epochs` passes over the batch, each `--minibatches` gradient steps on a share of its unrolls (or steps,
+    `--minibatch_mode`). With several learner processes, `reducer` makes each step's gradient that of all their
+    batches. `loss_fn` is `loss_function`'s (the eager loss of the mode when None).
 
     A step whose loss or gradient is not finite is not applied, and `stats["skipped"]` is then 1. The schedule
     steps once per batch. Returns the stats averaged over the steps, as Python floats: the one wait for the
     device in a batch (with Adam; RMSprop waits once per step to decide whether to apply it).
     """
-    orders = draw_orders(batch["obs"].shape[1], config, batch["obs"].device)
-    names, sums = _update_steps(model, optimizer, batch, core_state, orders, config, amp, reducer, loss_fn)
-    return _finish_update(names, sums, gradient_steps(batch["obs"].shape[1], config), scheduler)
+    units = minibatch_units(batch, config)
+    orders = draw_orders(units, config, batch["obs"].device)
+    names, sums = _update_steps(model, optimizer, batch, core_state, orders, config, amp, reducer,
+                                loss_fn or eager_loss(config))
+    return _finish_update(names, sums, gradient_steps(units, config), scheduler)
 
 
-def draw_orders(batch_size: int, config: Config, device: torch.device) -> torch.Tensor:
-    """The unrolls of each of the `--epochs` passes in the order they are cut into minibatches, [epochs, B]:
-    a fresh permutation per pass, drawn where it is used (no copy, no wait); one part needs no order."""
-    if min(config.minibatches, batch_size) == 1:
-        return torch.arange(batch_size, device=device).expand(config.epochs, batch_size)
-    return torch.stack([torch.randperm(batch_size, device=device) for _ in range(config.epochs)])
+def minibatch_units(batch: dict[str, torch.Tensor], config: Config) -> int:
+    """What `--minibatches` divides: the batch's B unrolls, or with `--minibatch_mode samples` its T x B steps."""
+    rows, unrolls = batch["obs"].shape[:2]
+    return (rows - 1) * unrolls if config.minibatch_mode == "samples" else unrolls
+
+
+def draw_orders(units: int, config: Config, device: torch.device) -> torch.Tensor:
+    """The unrolls (or steps, `minibatch_units`) of each of the `--epochs` passes in the order they are cut into
+    minibatches, [epochs, units]: a fresh permutation per pass, drawn where it is used (no copy, no wait); one
+    part needs no order."""
+    if min(config.minibatches, units) == 1:
+        return torch.arange(units, device=device).expand(config.epochs, units)
+    return torch.stack([torch.randperm(units, device=device) for _ in range(config.epochs)])
 
 
 def _update_steps(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
                   core_state: CoreState, orders: torch.Tensor, config: Config, amp: bool,
                   reducer: GradientReducer | None, loss_fn: LossFunction, skip_all: torch.Tensor | None = None
                   ) -> tuple[list[str], torch.Tensor]:
-    """Every gradient step of one update, the minibatches cut from `orders` ([epochs, B]), with nothing read
-    back: the stats' names and their sums over the steps, one tensor on the device. `skip_all` (a 0-d tensor,
-    1 or 0) skips every step on the device: `GraphedUpdate`'s warm-up, which must change nothing."""
-    batch_size = batch["obs"].shape[1]
-    parts = min(config.minibatches, batch_size)
+    """Every gradient step of one update, the minibatches cut from `orders` ([epochs, units]: `minibatch_units`),
+    with nothing read back: the stats' names and their sums over the steps, one tensor on the device. `skip_all`
+    (a 0-d tensor, 1 or 0) skips every step on the device: `GraphedUpdate`'s warm-up, which must change nothing."""
+    samples = config.minibatch_mode == "samples"
+    parts = min(config.minibatches, minibatch_units(batch, config))
     device = batch["obs"].device
     cache = skip_all is None  # autocast's cache of cast weights must not outlive a CUDA graph's capture
     moments = None  # one part is the whole batch: its own moments are the batch's
-    if config.policy_loss == "ppo" and config.advantage_norm == "batch" and parts > 1:
+    if samples:  # the targets and advantages of every step, once, with the weights the update starts from
+        with _autocast(device.type, amp, cache):
+            batch, moments = batch_samples(model, batch, core_state, config, reducer)
+    elif config.policy_loss == "ppo" and config.advantage_norm == "batch" and parts > 1:
         with _autocast(device.type, amp, cache):
             moments = batch_advantage_moments(model, batch, core_state, config, reducer)
     totals: dict[str, torch.Tensor] = {}
     for order in orders:
         for columns in torch.tensor_split(order, parts):  # near-equal parts, sizes differing by at most one
-            if parts == 1:
+            if samples:  # steps along the first axis; no LSTM state
+                part, part_state = {k: v.index_select(0, columns) for k, v in batch.items()}, core_state
+            elif parts == 1:
                 part, part_state = batch, core_state
             else:
                 part = {k: v.index_select(1, columns) for k, v in batch.items()}
@@ -286,9 +359,10 @@ def _update_steps(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str,
     return names, torch.stack([totals[name] for name in names])
 
 
-def gradient_steps(batch_size: int, config: Config) -> int:
-    """The gradient steps of an update of `batch_size` unrolls: `--epochs` x `--minibatches` (at most one per unroll)."""
-    return config.epochs * min(config.minibatches, batch_size)
+def gradient_steps(units: int, config: Config) -> int:
+    """The gradient steps of an update of `units` unrolls (or steps, `minibatch_units`): `--epochs` x
+    `--minibatches` (at most one per unit)."""
+    return config.epochs * min(config.minibatches, units)
 
 
 def _finish_update(names: list[str], sums: torch.Tensor, steps: int,
@@ -356,10 +430,11 @@ class GraphedUpdate:
     def __call__(self, model: Net, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, batch: dict[str, torch.Tensor],
                  core_state: CoreState, config: Config, amp: bool = False, reducer: GradientReducer | None = None,
-                 loss_fn: LossFunction = compute_loss) -> dict[str, float]:
+                 loss_fn: LossFunction | None = None) -> dict[str, float]:
+        loss_fn = loss_fn or eager_loss(config)
         if reducer is not None or self.failed:
             return update(model, optimizer, scheduler, batch, core_state, config, amp, reducer, loss_fn)
-        batch_size = batch["obs"].shape[1]
+        units = minibatch_units(batch, config)
         key = (id(model), id(optimizer), amp, loss_fn, tuple((k, v.shape, v.dtype) for k, v in batch.items()),
                tuple(s.shape for s in core_state))
         if key != self._key:
@@ -376,10 +451,10 @@ class GraphedUpdate:
             self._batch[name].copy_(value)
         for static, value in zip(self._core_state, core_state, strict=True):
             static.copy_(value)
-        self._orders.copy_(draw_orders(batch_size, config, batch["obs"].device))
+        self._orders.copy_(draw_orders(units, config, batch["obs"].device))
         assert self._graph is not None
         self._graph.replay()
-        return _finish_update(self._names, self._sums, gradient_steps(batch_size, config), scheduler)
+        return _finish_update(self._names, self._sums, gradient_steps(units, config), scheduler)
 
     def _capture(self, model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.Tensor],
                  core_state: CoreState, config: Config, amp: bool, loss_fn: LossFunction) -> None:
@@ -388,8 +463,8 @@ class GraphedUpdate:
         self._key = None
         self._batch = {name: value.clone() for name, value in batch.items()}
         self._core_state = tuple(s.clone() for s in core_state)
-        batch_size = batch["obs"].shape[1]
-        self._orders = torch.arange(batch_size, device=device).repeat(config.epochs, 1)  # draws nothing
+        units = minibatch_units(batch, config)
+        self._orders = torch.arange(units, device=device).repeat(config.epochs, 1)  # draws nothing
         for group in optimizer.param_groups:
             if not isinstance(group["lr"], torch.Tensor):  # a float would be baked into the graph
                 group["lr"] = torch.tensor(group["lr"], dtype=torch.float32, device=device)

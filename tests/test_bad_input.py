@@ -59,6 +59,7 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--env_splits", "3"], r"--envs_per_actor 2 must be a multiple of --env_splits 3"),
     (["--use_lstm", "--inference", "central"], r"--use_lstm is not supported with --inference central"),
     (["--ppo_dual_clip", "0.5"], r"--ppo_dual_clip must be 0 \(off\) or above 1, got 0.5"),
+    (["--minibatch_mode", "samples", "--use_lstm"], r"--minibatch_mode samples needs .* without --use_lstm"),
     (["--resume"], r"--resume needs --xpid"),
     (["--seed", "-5"], r"--seed must be in \[0, 2\^31\) = \[0, 2147483647\], got -5"),
     (["--seed", str(2**31)], r"--seed must be in \[0, 2\^31\) = \[0, 2147483647\], got 2147483648"),

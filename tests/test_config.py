@@ -162,6 +162,9 @@ def test_validate_reports_contradictory_flags() -> None:
     assert any("--use_lstm" in p and "central" in p for p in Config(use_lstm=True, inference="central").validate())
     assert Config(mode="test", xpid="x").validate() == []
     assert Config(use_lstm=True, inference="actor").validate() == []
+    for config in (Config(minibatch_mode="samples", use_lstm=True), Config(minibatch_mode="samples", policy_loss="impala")):
+        assert any("--minibatch_mode samples needs" in p for p in config.validate())
+    assert Config(minibatch_mode="samples").validate() == []
 
 
 def test_validate_reports_every_problem_at_once() -> None:

@@ -159,13 +159,15 @@ def _core_state(model: Net, config: Config, device: torch.device) -> tuple[torch
     return tuple(torch.randn(s.shape, device=device) for s in model.initial_state(config.batch_size))
 
 
-@pytest.mark.parametrize("use_lstm", [False, True])
-def test_a_graphed_update_computes_what_the_eager_update_does(use_lstm: bool, monkeypatch: pytest.MonkeyPatch):
-    """`--cuda_graph` (`GraphedUpdate`): three batches of 2 passes x 8 minibatches, captured once and
-    replayed, with the linear schedule, float32: the same stats, weights and Adam state as `update` from the
-    same random stream, to float error (cuDNN's backward may sum in another order)."""
+@pytest.mark.parametrize(("use_lstm", "minibatch_mode"), [(False, "unrolls"), (True, "unrolls"), (False, "samples")])
+def test_a_graphed_update_computes_what_the_eager_update_does(use_lstm: bool, minibatch_mode: str,
+                                                               monkeypatch: pytest.MonkeyPatch):
+    """`--cuda_graph` (`GraphedUpdate`): three batches of 2 passes x 8 minibatches (of unrolls, or of steps with
+    `--minibatch_mode samples`), captured once and replayed, with the linear schedule, float32: the same stats,
+    weights and Adam state as `update` from the same random stream, to float error (cuDNN's backward may sum in
+    another order)."""
     config = Config(unroll_length=20, batch_size=16, use_lstm=use_lstm, lr_schedule="linear",
-                    total_steps=20 * 16 * 4, cuda_graph=True)
+                    total_steps=20 * 16 * 4, cuda_graph=True, minibatch_mode=minibatch_mode)
     device = torch.device("cuda")
     eager_model, graphed_model = _same_start(config, device)
     start = torch.nn.utils.parameters_to_vector(eager_model.parameters()).detach().clone()

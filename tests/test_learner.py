@@ -608,6 +608,73 @@ def test_batch_advantage_norm_keeps_the_moments_of_the_update_start_for_every_st
     assert not all(torch.allclose(p, q) for p, q in zip(model.parameters(), per_minibatch.parameters(), strict=True))
 
 
+def test_sample_minibatches_hold_the_targets_of_the_update_start_and_match_a_hand_computation() -> None:
+    """`--minibatch_mode samples`: two passes over the batch's 6 steps in 3 minibatches of 2 steps drawn across
+    both unrolls. Every step's V-trace target and advantage are those of the weights before the update (V-trace
+    written out in `_hand_ppo_terms`); each SGD step's ratio, value and entropy are those of the weights it has."""
+    config = _config(batch_size=2, policy_loss="ppo", ppo_clip=0.2, vtrace_lambda=0.5, minibatch_mode="samples",
+                     minibatches=3, epochs=2)
+    model = _model()
+    batch = _batch_for_update(model)
+    T, B = config.unroll_length, 2
+    advantages, _, targets, _ = _hand_ppo_terms(model, batch, config)  # column-major: b * T + t
+    torch.manual_seed(5)
+    orders = [torch.randperm(T * B).tolist() for _ in range(config.epochs)]  # what update() draws with this seed
+    reference = copy.deepcopy(model)
+    optimizer, scheduler = _sgd(model, config.learning_rate)
+    torch.manual_seed(5)
+    stats = learner.update(model, optimizer, scheduler, batch, (), config)
+    reference_optimizer, _ = _sgd(reference, config.learning_rate)
+    for order in orders:
+        for part in (order[0:2], order[2:4], order[4:6]):
+            steps = [(i // B, i % B) for i in part]  # the batch's steps flattened time-major: t * B + b
+            obs = torch.stack([batch["obs"][t, b] for t, b in steps])
+            output, _ = reference(obs[None], torch.zeros(1, len(steps), dtype=torch.bool))
+            logits, values = output.policy_logits[0], output.baseline[0]
+            actions = torch.tensor([int(batch["action"][t, b]) for t, b in steps])
+            behaviour = torch.stack([batch["policy_logits"][t, b] for t, b in steps])
+            ratio = (F.log_softmax(logits, -1).gather(1, actions[:, None]).squeeze(1)
+                     - F.log_softmax(behaviour, -1).gather(1, actions[:, None]).squeeze(1)).exp()
+            adv = torch.tensor([advantages[b * T + t] for t, b in steps])
+            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+            clipped = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+            surrogate = torch.where(adv < 0, torch.maximum(clipped, config.ppo_dual_clip * adv), clipped)
+            vs = torch.tensor([targets[b * T + t][0] for t, b in steps])
+            probs = F.softmax(logits, -1)
+            loss = (-surrogate.mean() + config.baseline_cost * 0.5 * ((vs - values) ** 2).mean()
+                    + config.entropy_cost * (probs * F.log_softmax(logits, -1)).sum(-1).mean())
+            reference_optimizer.zero_grad()
+            loss.backward()
+            reference_optimizer.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=name)
+    assert stats["skipped"] == 0.0 and scheduler.last_epoch == 1
+    unrolls = _model()  # whole unrolls, targets recomputed at each step, move the weights elsewhere
+    optimizer, scheduler = _sgd(unrolls, config.learning_rate)
+    torch.manual_seed(5)
+    learner.update(unrolls, optimizer, scheduler, batch, (), dataclasses.replace(config, minibatch_mode="unrolls",
+                                                                                 minibatches=2))
+    assert not all(torch.allclose(p, q) for p, q in zip(model.parameters(), unrolls.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("advantage_norm", ["minibatch", "batch"])
+def test_one_pass_over_the_whole_batch_is_the_same_step_as_samples_or_unrolls(advantage_norm: str) -> None:
+    """With one minibatch and one pass, both modes take one step on every step of the batch with the targets of
+    the same weights: the same loss, stats and weights."""
+    config = _config(batch_size=2, policy_loss="ppo", vtrace_lambda=0.5, minibatch_mode="samples",
+                     advantage_norm=advantage_norm)
+    batch = _batch_for_update(model := _model())
+    reference = copy.deepcopy(model)
+    optimizer, scheduler = _sgd(model, config.learning_rate)
+    stats = learner.update(model, optimizer, scheduler, batch, (), config)
+    reference_optimizer, reference_scheduler = _sgd(reference, config.learning_rate)
+    reference_stats = learner.update(reference, reference_optimizer, reference_scheduler, batch, (),
+                                     dataclasses.replace(config, minibatch_mode="unrolls"))
+    assert stats == pytest.approx(reference_stats, rel=1e-5, abs=1e-7)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, msg=name)
+
+
 def _plain_steps(model: Net, batches: list[dict[str, torch.Tensor]], config: Config) -> None:
     """One plain SGD step of `compute_loss` per batch, in order: the reference for epochs and minibatches."""
     optimizer, _ = _sgd(model, config.learning_rate)
@@ -728,18 +795,21 @@ def test_a_checkpoint_of_a_graphed_gpu_run_resumes_with_a_float_learning_rate_an
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize(("use_lstm", "advantage_norm"), [(False, "minibatch"), (True, "batch")])
-def test_the_compiled_step_equals_the_eager_step(use_lstm: bool, advantage_norm: str) -> None:
+@pytest.mark.parametrize(("use_lstm", "advantage_norm", "minibatch_mode"),
+                         [(False, "minibatch", "unrolls"), (True, "batch", "unrolls"), (False, "minibatch", "samples")])
+def test_the_compiled_step_equals_the_eager_step(use_lstm: bool, advantage_norm: str, minibatch_mode: str) -> None:
     """`--compile`: the loss (forward, V-trace, PPO) and its backward compiled as one region. Two batches of
     2 passes x 2 minibatches with Adam leave the weights and stats the eager step leaves, to float error
     (the compiler fuses, so it rounds differently); also with the whole batch's advantage moments handed in."""
     config = _config(batch_size=4, policy_loss="ppo", optimizer="adam", epsilon=1e-5, learning_rate=0.01,
-                     minibatches=2, epochs=2, use_lstm=use_lstm, compile=True, advantage_norm=advantage_norm)
+                     minibatches=2, epochs=2, use_lstm=use_lstm, compile=True, advantage_norm=advantage_norm,
+                     minibatch_mode=minibatch_mode)
     eager_model = _model(use_lstm)
     compiled_model = copy.deepcopy(eager_model)
     loss_fn = learner.loss_function(config, torch.device("cpu"))
-    assert loss_fn is not learner.compute_loss
-    assert learner.loss_function(dataclasses.replace(config, compile=False), torch.device("cpu")) is learner.compute_loss
+    assert loss_fn not in (learner.compute_loss, learner.compute_sample_loss)
+    eager_loss = learner.compute_sample_loss if minibatch_mode == "samples" else learner.compute_loss
+    assert learner.loss_function(dataclasses.replace(config, compile=False), torch.device("cpu")) is eager_loss
     eager, eager_schedule = learner.make_optimizer(eager_model, config)
     compiled, compiled_schedule = learner.make_optimizer(compiled_model, config)
     core_state = eager_model.initial_state(4)
