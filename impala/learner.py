@@ -225,9 +225,9 @@ def eager_loss(config: Config) -> LossFunction:
 
 
 def loss_function(config: Config, device: torch.device, world_size: int = 1) -> LossFunction:
-    """`compute_loss`, or with `--compile` the same code compiled as one region: the model's forward, V-trace
-    and the losses, and with them their backward, each a few fused kernels instead of hundreds of small ones.
-    On a GPU whose update is not already one CUDA graph (`--cuda_graph`) the region is itself
+    """The loss of `--minibatch_mode` (`eager_loss`), or with `--compile` the same code compiled as one region:
+    the model's forward, V-trace and the losses, and with them their backward, each a few fused kernels instead
+    of hundreds of small ones. On a GPU whose update is not already one CUDA graph (`--cuda_graph`) the region is itself
     captured as CUDA graphs (mode "reduce-overhead"), so a gradient step replays a graph forward and one
     backward. Shapes are fixed ([T + 1, minibatch]): a batch split into parts of two sizes compiles twice.
     tests/test_learner.py holds the compiled step equal to the eager one."""
