@@ -1,4 +1,5 @@
-"""One learner update: assemble a batch of slots, V-trace targets, the IMPALA loss, an RMSprop step.
+"""One learner update: stage a batch of slots, then passes of minibatch gradient steps (V-trace targets, the
+PPO or IMPALA loss, clipping, Adam or RMSprop), eagerly or replayed as one CUDA graph (`GraphedUpdate`).
 
 Nothing here starts a thread or touches a queue: `learners.py` calls these from its learner threads.
 """
