@@ -49,6 +49,7 @@ import platform
 import queue
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -264,10 +265,18 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
         loss_fn = learner.loss_function(config, device)  # compiled with --compile, in the warm-up
         update = learner.update_function(config, device)  # a CUDA graph on a GPU, captured in the warm-up
 
+        phases_ms: dict[str, list[float]] = {"stack": [], "copy": [], "update": []}
+
         def step() -> int:
+            start = time.perf_counter()
             staging.fill(buffers, slots)
+            stacked = time.perf_counter()
             batch, core_state = staging.to(device)
+            copied = time.perf_counter()
             update(model, optimizer, scheduler, batch, core_state, config, amp, reducer, loss_fn)  # waits
+            for name, ms in zip(phases_ms, (stacked - start, copied - stacked, time.perf_counter() - copied),
+                                strict=True):
+                phases_ms[name].append(1000.0 * ms)
             return config.steps_per_update * world_size
 
         with gpu_busy(_cuda_index(device)) as busy:  # the warm-up's 10% included
@@ -279,7 +288,11 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
     return {"what": f"{shape.model} update on [T+1={config.unroll_length + 1}, B={config.batch_size}] "
                     f"({name}{ranks}{graph})",
             "batch": config.batch_size, "ranks": world_size, "device": str(device), "threads": threads, "amp": amp,
-            "cpu_is_host_only": device.type == "cuda", **rate.to_dict(), **busy}
+            "cpu_is_host_only": device.type == "cuda",
+            # Medians over every call, the warm-up's included (the median leaves out its compiling and capturing):
+            # stacking B slots, starting their copy to the device, and the update until its stats are read.
+            "median_ms_per_batch": {name: statistics.median(times) for name, times in phases_ms.items()},
+            **rate.to_dict(), **busy}
 
 
 def _cuda_index(device: torch.device) -> int | None:
@@ -702,6 +715,8 @@ def format_table(results: dict[str, Any]) -> str:
             detail += (", bf16 autocast" if c.get("amp") else "") + (", host CPU only" if c.get("cpu_is_host_only")
                                                                      else "")
             detail += f", GPU busy {c['gpu_busy']:.0%}" if "gpu_busy" in c else ""
+            if "median_ms_per_batch" in c:
+                detail += "; ms per batch: " + ", ".join(f"{name} {ms:.1f}" for name, ms in c["median_ms_per_batch"].items())
             lines.append(f"{name:<10} {c['steps_per_s']:>10.0f} {c['steps_per_cpu_s']:>12.0f} "
                          f"{c['cpu_ms_per_step']:>12.3f}  {detail}")
     if (limit := results["ceiling"]) is not None:

@@ -43,6 +43,9 @@ def test_micro_benchmarks_report_every_component_with_consistent_rates(micro_res
     assert set(shares) == {"slot_wait", "policy", "env", "write"} and sum(shares.values()) == pytest.approx(1)
     assert shares["policy"] > 0 and shares["env"] > 0
     assert components["learner"]["steps"] % (5 * 8) == 0  # T * B per update
+    phases = components["learner"]["median_ms_per_batch"]  # stack, copy, update: within one call's wall time
+    assert set(phases) == {"stack", "copy", "update"} and all(ms >= 0 for ms in phases.values())
+    assert phases["update"] > 0 and sum(phases.values()) < 1000.0 * components["learner"]["wall_s"]
     actors = components["actors"]  # --num_actors 2 at once, each its own process; the sums of theirs
     assert actors["actors"] == 2 and len(actors["per_actor_steps_per_s"]) == 2
     assert actors["steps_per_s"] == pytest.approx(sum(actors["per_actor_steps_per_s"]))
