@@ -104,8 +104,14 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
         clip_fraction = torch.zeros((), device=logits.device)
         baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1])
         entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1])
+    return _total_and_stats(pg_loss, baseline_loss, entropy_loss, returns.log_rhos, clip_fraction)
+
+
+def _total_and_stats(pg_loss: torch.Tensor, baseline_loss: torch.Tensor, entropy_loss: torch.Tensor,
+                     log_rhos: torch.Tensor, clip_fraction: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss to differentiate, the sum of the three, and the stats a gradient step reports."""
     total_loss = pg_loss + baseline_loss + entropy_loss
-    rhos = returns.log_rhos.detach().exp()
+    rhos = log_rhos.detach().exp()
     stats = {
         "total_loss": total_loss.detach(),
         "pg_loss": pg_loss.detach(),
@@ -202,18 +208,7 @@ def compute_sample_loss(model: Net, samples: dict[str, torch.Tensor], core_state
                                              moments=advantage_moments)
     baseline_loss = config.baseline_cost * losses.baseline_loss(samples["vs"], values) / values.numel()
     entropy_loss = config.entropy_cost * losses.entropy_loss(logits) / values.numel()
-    total_loss = pg_loss + baseline_loss + entropy_loss
-    rhos = log_rhos.detach().exp()
-    stats = {
-        "total_loss": total_loss.detach(),
-        "pg_loss": pg_loss.detach(),
-        "baseline_loss": baseline_loss.detach(),
-        "entropy_loss": entropy_loss.detach(),
-        "rho_mean": rhos.mean(),
-        "rho_clipped_fraction": (rhos > 1.0).float().mean(),
-        "ppo_clip_fraction": clip_fraction,
-    }
-    return total_loss, stats
+    return _total_and_stats(pg_loss, baseline_loss, entropy_loss, log_rhos, clip_fraction)
 
 
 LossFunction = Callable[[Net, dict[str, torch.Tensor], CoreState, Config, "GradientReducer | None", "Moments | None"],
