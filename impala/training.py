@@ -247,15 +247,15 @@ def monitor(run: Run) -> str:
         if state.step >= config.total_steps:
             _drain_episodes(run)  # the last games and a 100% progress line, at total_steps
             now = time.monotonic()
-            _log_progress(run, max(now - last_log_time, 1e-3), state.step - last_log_step, now - start_time)
+            _log_progress(run, max(now - last_log_time, 1e-3), last_log_step, now - start_time)
             return "finished"
         _drain_episodes(run)
         run.pool.check()
         check_evaluator(run)
         now = time.monotonic()
         if now - last_log_time >= config.log_interval_s:
-            _log_progress(run, now - last_log_time, state.step - last_log_step, now - start_time)
-            last_log_time, last_log_step = now, state.step
+            last_log_step = _log_progress(run, now - last_log_time, last_log_step, now - start_time)
+            last_log_time = now
         if now - last_checkpoint_time >= config.checkpoint_interval_s:
             _periodic_checkpoint(run)
             last_checkpoint_time = now
@@ -287,13 +287,15 @@ def _drain_episodes(run: Run) -> None:
         run.runlog.scalar("charts/episodic_length", episode_length, run.state.step)
 
 
-def _log_progress(run: Run, interval_s: float, interval_steps: int, elapsed_s: float) -> None:
-    """Average what the learners recorded since the last call, write it against agent steps, print progress.
+def _log_progress(run: Run, interval_s: float, last_step: int, elapsed_s: float) -> int:
+    """Average what the learners recorded since the last call, write it against agent steps, print progress;
+    returns the step it logged, from which the next interval counts.
 
-    Called by the monitor every `log_interval_s`; the sums are taken and reset under `update_lock`.
+    Called by the monitor every `log_interval_s`; the sums are taken and reset under `update_lock`, which can
+    wait for a whole update: the steps that update adds belong to the next interval, not to none.
     """
     step, episodes = run.state.step, run.state.episodes  # learners keep stepping: one value for every scalar
-    sps = interval_steps / interval_s
+    sps = (step - last_step) / interval_s
     mean_return = run.stats.mean_return_100()
     scalars = {"charts/SPS": sps, "charts/frames": step * _frames_per_step(run.config.env),
                "charts/episodes": episodes}
@@ -313,6 +315,7 @@ def _log_progress(run: Run, interval_s: float, interval_steps: int, elapsed_s: f
     scalars.update(run.pool.scalars())
     run.runlog.scalars(step, scalars)
     log.info(progress_line(step, run.config.total_steps, sps, elapsed_s, mean_return, episodes), extra=STATUS)
+    return step
 
 
 @functools.cache

@@ -216,3 +216,39 @@ def test_tensorboard_over_the_savedir_lists_each_run_once(tmp_path: Path) -> Non
             writer.add_scalar("charts/episodic_return", 10.0 * step, step)
     tags, _ = _served(tmp_path)
     assert list(tags) == ["only"]
+
+
+def test_sps_counts_the_steps_of_updates_slower_than_the_log_interval(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update longer than --log_interval_s holds the lock the progress line waits for: the steps it adds
+    go into the next line's SPS. Each row's SPS times its interval is the steps since the row before, and the
+    interval is at least --log_interval_s and at most that, the monitor's poll and one update."""
+    from impala import learner, training
+    from impala.config import Config
+
+    update_s, interval_s = 0.3, 0.1
+
+    def slow_update_function(config: Config, device: object, world_size: int = 1) -> object:
+        def slow_update(*args: object, **kwargs: object) -> dict[str, float]:
+            time.sleep(update_s)
+            return learner.update(*args, **kwargs)  # type: ignore[arg-type]
+        return slow_update
+
+    monkeypatch.setattr(learner, "update_function", slow_update_function)
+    config = parse_config(["--env", "CartPole-v1", "--num_actors", "1", "--envs_per_actor", "2", "--unroll_length",
+                           "5", "--batch_size", "4", "--total_steps", "200", "--log_interval_s", str(interval_s),
+                           "--hidden_size", "16", "--disable_cuda", "--savedir", str(tmp_path), "--xpid", "slow"])
+    run_dir = training.train(config)
+    with open(run_dir / "logs.csv", newline="") as f:
+        rows = [(int(row["step"]), float(row["charts/SPS"])) for row in csv.DictReader(f)]
+    steps = [step for step, _ in rows]
+    assert steps[-1] == 200 and steps == sorted(steps)
+    previous = 0
+    for i, (step, sps) in enumerate(rows):
+        counted = step - previous
+        assert (sps > 0) == (counted > 0), rows
+        assert sps >= counted / (interval_s + 0.05 + update_s + 0.5), rows  # 0.5 s: a loaded machine's slack
+        if i < len(rows) - 1:  # the last line comes at the end, however soon after the one before
+            assert sps <= counted / interval_s + 1e-9, rows
+        previous = step
+    assert sum(1 for _, sps in rows if sps > 0) >= 3  # updates finished in several intervals, each counted
