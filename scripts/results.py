@@ -9,6 +9,7 @@
     python scripts/results.py atari5                     # the five Atari-5 games, 10M steps each; rerun to resume
     python scripts/results.py atari5 --games Qbert --minutes 60   # one game for an hour (machines, sessions)
     python scripts/results.py atari5 --plot-only         # the Atari-5 table from the runs that exist, no training
+    python scripts/results.py atari5 --keep docs/results/atari5   # and keep each game's row and curve in the repository
 
 Flags this script does not know are passed on to `run.py` after the experiment's own (the last one wins).
 
@@ -23,7 +24,9 @@ with a checkpoint and starts the rest. Each run's atari5.json records every sess
 machine; the table (training and greedy returns, human-normalised scores, Atari-5's predicted Atari-57
 median, CleanRL's published PPO beside ours, settings and sources) is printed and written to
 SAVEDIR/atari5.md and SAVEDIR/atari5.json, and the five curves to SAVEDIR/atari5.png (or --out).
-docs/atari5.md explains every number.
+docs/atari5.md explains every number. A run directory lives on one machine; `--keep docs/results/atari5`
+also keeps each game's row and curve there, in the repository, so that games trained on different machines
+make one table and figure, and a game kept as finished is not trained again.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ ATARI5_STEPS = 10_000_000
 ATARI5_FLAGS = ["--total_steps", str(ATARI5_STEPS)]
 ATARI5_RECORD = "atari5.json"  # in each run directory: its sessions (wall time, machine) and greedy test
 RETURN_TAG = "charts/episodic_return"
+KEPT_CURVE_POINTS = 200  # a kept record's curve: the mean of the last 100 games at most this many times
 LAST_GAMES = 100
 
 
@@ -187,10 +191,16 @@ def record_session(run_dir: Path, wall_s: float, state_before: str, machine: str
         path.write_text(json.dumps(record, indent=2) + "\n")
 
 
-def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str, seed: int, xpid: str) -> None:
-    """Train one game unless it finished, then test it greedily once (the result is kept in atari5.json)."""
+def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str, seed: int, xpid: str,
+                    kept: dict | None = None) -> None:
+    """Train one game unless it finished (here, or on another machine: `kept`, its `--keep` record), then test it
+    greedily once (the result is kept in atari5.json) and, with `--keep`, keep its record."""
     run_dir = args.savedir / xpid
     state = run_state(run_dir)
+    if kept and kept.get("state") == "finished" and not run_dir.is_dir():
+        print(f"{xpid}: finished on {kept.get('machine') or 'another machine'} (kept in {args.keep}), not trained "
+              "again", flush=True)
+        return
     if state == "finished":
         print(f"{xpid}: finished, not trained again", flush=True)
     else:
@@ -209,6 +219,8 @@ def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str,
         record["greedy_test_mean"] = greedy_test(env_id, args.savedir, xpid, args.test_episodes)
         record["greedy_test_episodes"] = args.test_episodes
         (run_dir / ATARI5_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+    if args.keep and (run_dir / "meta.json").is_file():  # before the next game: a session may end during it
+        keep(args.keep, kept_record(run_dir, env_id, seed))
 
 
 def last_games_mean(run_dir: Path) -> tuple[float | None, int]:
@@ -230,8 +242,11 @@ def last_games_mean(run_dir: Path) -> tuple[float | None, int]:
     return mean, 0
 
 
-def atari5_row(run_dir: Path, env_id: str, seed: int) -> dict:
-    """One game's line of the table, from what its run directory holds (None where it holds nothing yet)."""
+def atari5_row(run_dir: Path, env_id: str, seed: int, kept: dict | None = None) -> dict:
+    """One game's line of the table, from what its run directory holds (None where it holds nothing yet), or
+    from its kept record (`--keep`) where the run directory does not exist (trained on another machine)."""
+    if kept and not run_dir.is_dir():
+        return {key: value for key, value in kept.items() if key not in KEPT_ONLY}
     game = atari5.game(env_id)
     meta, record = _read_json(run_dir / "meta.json"), _read_json(run_dir / ATARI5_RECORD)
     mean, games = last_games_mean(run_dir) if run_dir.is_dir() else (None, 0)
@@ -247,6 +262,48 @@ def atari5_row(run_dir: Path, env_id: str, seed: int) -> dict:
             "cleanrl_ppo_std": game.cleanrl_ppo_std, "cleanrl_hns": atari5.normalised(env_id, game.cleanrl_ppo),
             "wall_s": round(sum(s["wall_s"] for s in sessions), 1) if sessions else None,
             "sessions": len(sessions), "machine": "; ".join(machines) or None}
+
+
+KEPT_ONLY = ("curve", "flags", "source")  # what a kept record holds beyond the table's row
+
+
+def curve_points(run_dir: Path) -> list[list[float]]:
+    """[agent step, mean of the last 100 games] after the last game at or before each of KEPT_CURVE_POINTS
+    evenly spaced steps (from the event files, else logs.csv's `charts/mean_return_100`): the bold curve of the
+    figure, small enough to keep in the repository."""
+    steps, returns, _ = episodes(run_dir) if any(run_dir.glob("events.out.tfevents.*")) else (np.empty(0),) * 3
+    means = smooth(returns, LAST_GAMES)
+    if not len(steps) and (run_dir / "logs.csv").is_file():
+        import csv
+
+        with open(run_dir / "logs.csv", newline="") as f:
+            rows = [(int(r["step"]), float(r[CSV_RETURN_COLUMN])) for r in csv.DictReader(f)
+                    if r.get(CSV_RETURN_COLUMN) and np.isfinite(float(r[CSV_RETURN_COLUMN]))]
+        steps, means = np.array([r[0] for r in rows], np.int64), np.array([r[1] for r in rows])
+    if not len(steps):
+        return []
+    grid = np.linspace(steps[0], steps[-1], KEPT_CURVE_POINTS)
+    chosen = np.unique(np.searchsorted(steps, grid, side="right") - 1)
+    return [[int(steps[i]), round(float(means[i]), 2)] for i in chosen]
+
+
+def kept_record(run_dir: Path, env_id: str, seed: int) -> dict:
+    """What `--keep` keeps of a run: its table row, its curve (`curve_points`) and flags, and where it ran."""
+    row = atari5_row(run_dir, env_id, seed)
+    return {**row, "curve": curve_points(run_dir), "flags": _read_json(run_dir / "flags.json"),
+            "source": f"{run_dir} on {row['machine'] or 'an unrecorded machine'}"}
+
+
+def keep(keep_dir: Path, record: dict) -> None:
+    """Write `record` to KEEP_DIR/XPID.json, unless the one there reached more agent steps (a finished game
+    stays kept while the same name trains again elsewhere)."""
+    path = keep_dir / f"{record['xpid']}.json"
+    kept = _read_json(path)
+    if (kept.get("final_step") or 0) > (record["final_step"] or 0):
+        print(f"{path}: kept as it is ({kept['final_step']:,} agent steps, this run {record['final_step'] or 0:,})")
+        return
+    keep_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1) + "\n")
 
 
 def atari5_medians(rows: list[dict]) -> dict[str, float | None]:
@@ -327,14 +384,21 @@ def format_atari5(rows: list[dict], flags: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def atari5_figure(runs: list[tuple[str, Path]]) -> Figure:
+def atari5_figure(runs: list[tuple[str, Path]], kept: dict[str, dict] | None = None) -> Figure:
     """One panel per game, from `runs` (env id, run directory): every training game's return faint and the
     mean of the last 100 bold, against agent steps, one colour per seed, with CleanRL's PPO at 10M steps
-    (dashed) and random play (dotted). A game not run yet has an empty panel."""
+    (dashed) and random play (dotted). A run directory that does not exist is drawn from its kept record in
+    `kept` (by run name), its bold curve alone. A game not run yet has an empty panel."""
+    kept = kept or {}
     fig = Figure(figsize=(4 * len(atari5.GAMES), 3.8), layout="constrained")
     for axes, game in zip(fig.subplots(1, len(atari5.GAMES)), atari5.GAMES, strict=True):
-        run_dirs = [run_dir for env_id, run_dir in runs if env_id == game.env_id and run_dir.is_dir()]
+        run_dirs = [run_dir for env_id, run_dir in runs if env_id == game.env_id
+                    and (run_dir.is_dir() or kept.get(run_dir.name, {}).get("curve"))]
         for seed, run_dir in enumerate(run_dirs):
+            if not run_dir.is_dir():
+                steps, means = np.array(kept[run_dir.name]["curve"]).T
+                axes.plot(steps, means, color=f"C{seed}", linewidth=2, marker=".", label=f"{run_dir.name} (kept)")
+                continue
             steps, returns, _ = episodes(run_dir)
             axes.plot(steps, returns, color=f"C{seed}", alpha=0.15, linewidth=0.6)
             axes.plot(steps, smooth(returns, LAST_GAMES), color=f"C{seed}", linewidth=2, label=run_dir.name)
@@ -357,13 +421,20 @@ def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
     prefix = args.xpid or "atari5"
     runs = [(g.env_id, seed, atari5_xpid(prefix, g.env_id, seed, args.seeds))
             for g in atari5.GAMES for seed in range(args.seeds)]
+    kept = {xpid: record for _, _, xpid in runs if args.keep and (record := _read_json(args.keep / f"{xpid}.json"))}
     if not args.plot_only:
         for env_id, seed, xpid in runs:
             if not args.games or env_id in args.games:
-                run_atari5_game(args, run_flags, env_id, seed, xpid)
-    rows = [atari5_row(args.savedir / xpid, env_id, seed) for env_id, seed, xpid in runs]
+                run_atari5_game(args, run_flags, env_id, seed, xpid, kept.get(xpid))
+    if args.keep:  # --plot-only too: what the run directories here hold now
+        for env_id, seed, xpid in runs:
+            if (args.savedir / xpid / "meta.json").is_file():
+                keep(args.keep, kept_record(args.savedir / xpid, env_id, seed))
+        kept = {xpid: record for _, _, xpid in runs if (record := _read_json(args.keep / f"{xpid}.json"))}
+    rows = [atari5_row(args.savedir / xpid, env_id, seed, kept.get(xpid)) for env_id, seed, xpid in runs]
     flags = next((_read_json(args.savedir / xpid / "flags.json") for _, _, xpid in runs
-                  if (args.savedir / xpid / "flags.json").is_file()), {})
+                  if (args.savedir / xpid / "flags.json").is_file()),
+                 next((record["flags"] for record in kept.values() if record.get("flags")), {}))
     table = format_atari5(rows, flags)
     print(table, flush=True)
     args.savedir.mkdir(parents=True, exist_ok=True)
@@ -374,7 +445,7 @@ def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
                      "weights": atari5.WEIGHTS_SOURCE, "cleanrl": atari5.CLEANRL_SOURCE}}, indent=2) + "\n")
     out = args.out or args.savedir / f"{prefix}.png"  # beside the table
     out.parent.mkdir(parents=True, exist_ok=True)
-    atari5_figure([(env_id, args.savedir / xpid) for env_id, _, xpid in runs]).savefig(out, dpi=100)
+    atari5_figure([(env_id, args.savedir / xpid) for env_id, _, xpid in runs], kept).savefig(out, dpi=100)
     print(f"Wrote {args.savedir / f'{prefix}.md'}, {args.savedir / f'{prefix}.json'} and {out}")
     return 0
 
@@ -394,6 +465,10 @@ def main() -> int:
     parser.add_argument("--labels", nargs="+", default=None, help="--compare: a legend label per run directory")
     parser.add_argument("--games", nargs="+", default=None, metavar="GAME",
                         help="atari5: train only these games (e.g. Qbert or QbertNoFrameskip-v4); the table has all five")
+    parser.add_argument("--keep", type=Path, default=None, metavar="DIR",
+                        help="atari5: keep each run's table row and curve in DIR/XPID.json (e.g. docs/results/atari5, "
+                             "committed): a game kept as finished is not trained again, and the table and figure "
+                             "take it from there where its run directory is not on this machine")
     args, run_flags = parser.parse_known_args()
     if args.games:
         by_name = {g.env_id.removesuffix("NoFrameskip-v4").lower(): g.env_id for g in atari5.GAMES}
@@ -404,6 +479,8 @@ def main() -> int:
         args.games = {by_name[g.removesuffix("NoFrameskip-v4").lower()] for g in args.games}
     if run_flags and (args.compare or args.plot_only):
         parser.error(f"unknown flags {' '.join(run_flags)}: run.py's flags are for training runs only")
+    if args.experiment != "atari5" and args.keep:
+        parser.error("--keep is for atari5 only")
     if args.experiment == "atari5":
         if args.compare:
             parser.error("atari5 takes no --compare: rerun it with --plot-only for the table")

@@ -206,7 +206,7 @@ def test_the_figure_has_a_panel_per_game_with_cleanrls_score(tmp_path: Path) -> 
 
 def test_games_picks_which_games_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     trained = []
-    monkeypatch.setattr(results, "run_atari5_game", lambda args, flags, env_id, seed, xpid: trained.append(xpid))
+    monkeypatch.setattr(results, "run_atari5_game", lambda args, flags, env_id, seed, xpid, kept: trained.append(xpid))
     argv = sys.argv
     try:
         sys.argv = ["results.py", "atari5", "--games", "qbert", "PhoenixNoFrameskip-v4", "--savedir", str(tmp_path)]
@@ -219,3 +219,75 @@ def test_games_picks_which_games_train(tmp_path: Path, monkeypatch: pytest.Monke
         assert exit_info.value.code == 2 and "got Pong" in capsys.readouterr().err
     finally:
         sys.argv = argv
+
+
+# ------------------------------------------------------------------ kept records (--keep): runs of other machines
+
+
+def _main(*argv: str) -> int:
+    saved = sys.argv
+    sys.argv = ["results.py", *argv]
+    try:
+        return results.main()
+    finally:
+        sys.argv = saved
+
+
+def test_a_kept_curve_is_the_mean_of_the_last_100_games_at_most_200_times(tmp_path: Path) -> None:
+    few = tmp_path / "few"
+    with SummaryWriter(str(few)) as writer:
+        for step, value in ((1000, 100.0), (2000, 300.0), (3000, 500.0)):
+            writer.add_scalar(results.RETURN_TAG, value, step)
+    assert results.curve_points(few) == [[1000, 100.0], [2000, 200.0], [3000, 300.0]]
+    many = tmp_path / "many"
+    with SummaryWriter(str(many)) as writer:
+        for game in range(1000):  # returns 0..999 at steps 10, 20, ..., 10,000
+            writer.add_scalar(results.RETURN_TAG, float(game), 10 * (game + 1))
+    points = results.curve_points(many)
+    assert 100 <= len(points) <= results.KEPT_CURVE_POINTS and points[0] == [10, 0.0] and points[-1] == [10_000, 949.5]
+    for step, mean in points:  # after game g (step 10 (g + 1)): the mean of games max(0, g - 99)..g
+        game = step // 10 - 1
+        assert mean == pytest.approx((max(0, game - 99) + game) / 2)
+    logs_only = _finished_run(tmp_path, "logs-only", QB, [5.0, 7.0])  # no event files: logs.csv's column
+    assert results.curve_points(logs_only) == [[1000, 5.0], [2000, 7.0]]
+
+
+def test_a_kept_game_is_tabled_drawn_and_not_trained_again_on_another_machine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    here, elsewhere, kept = tmp_path / "here", tmp_path / "elsewhere", tmp_path / "kept"
+    run_dir = _finished_run(here, "atari5-Phoenix", PHX, [1000.0, 7242.6])
+    (run_dir / results.ATARI5_RECORD).write_text(json.dumps({
+        "sessions": [{"wall_s": 3600.0, "machine": "CPU X, 16 cores, GPU Y"}],
+        "greedy_test_mean": 761.4, "greedy_test_episodes": 10}))
+    assert _main("atari5", "--plot-only", "--savedir", str(here), "--keep", str(kept)) == 0
+    record = json.loads((kept / "atari5-Phoenix.json").read_text())
+    assert record["final_step"] == 10_000_000 and record["mean_last_100"] == 7242.6 and record["state"] == "finished"
+    assert record["curve"] == [[1000, 1000.0], [2000, 7242.6]] and record["flags"]["env"] == PHX
+    assert record["source"] == f"{run_dir} on CPU X, 16 cores, GPU Y"
+    assert sorted(p.name for p in kept.iterdir()) == ["atari5-Phoenix.json"]  # only games that ran
+    capsys.readouterr()
+
+    monkeypatch.setattr(results, "train", lambda *args, **kwargs: pytest.fail("a kept finished game trained again"))
+    assert _main("atari5", "--games", "Phoenix", "--savedir", str(elsewhere), "--keep", str(kept)) == 0
+    out = capsys.readouterr().out
+    assert "atari5-Phoenix: finished on CPU X, 16 cores, GPU Y" in out
+    assert "| Phoenix | 10,000,000 | 7,242.6 | 761.4 (10) | 100.0 / 0.0 |" in out and "1.00 h | CPU X, 16 cores, GPU Y |" in out
+    assert "| environments | 4 actors x 8 envs" in out  # the settings from the kept flags
+    assert not (elsewhere / "atari5-Phoenix").exists()
+    fig = results.atari5_figure([(PHX, elsewhere / "atari5-Phoenix")], {"atari5-Phoenix": record})
+    phoenix = fig.axes[3]
+    assert list(phoenix.lines[0].get_xdata()) == [1000, 2000] and list(phoenix.lines[0].get_ydata()) == [1000.0, 7242.6]
+    assert phoenix.lines[0].get_label() == "atari5-Phoenix (kept)"
+
+
+def test_a_kept_record_is_not_replaced_by_a_run_with_fewer_steps(tmp_path: Path, capsys) -> None:
+    kept = tmp_path / "kept"
+    finished = _finished_run(tmp_path / "a", "atari5-Qbert", QB, [13_000.0])
+    results.keep(kept, results.kept_record(finished, QB, 0))
+    restarted = _finished_run(tmp_path / "b", "atari5-Qbert", QB, [400.0], end_reason="interrupted")
+    results.keep(kept, results.kept_record(restarted, QB, 0))  # 5M of 10M: the finished record stays
+    assert json.loads((kept / "atari5-Qbert.json").read_text())["mean_last_100"] == 13_000.0
+    assert "kept as it is (10,000,000 agent steps, this run 5,000,000)" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        _main("pong", "--plot-only", "--keep", str(kept))
+    assert exit_info.value.code == 2 and "--keep is for atari5 only" in capsys.readouterr().err
