@@ -120,7 +120,7 @@ class InferenceServer:
             return 0
         index_of = {id(c): i for i, c in connections.items()}
         pending: list[int] = []
-        self._receive(wait(list(connections.values()), timeout_s), index_of, pending)
+        self._receive(wait(list(connections.values()), timeout_s), index_of, pending, connections)
         if not pending:
             return 0
         deadline = time.monotonic() + self.wait_s
@@ -129,7 +129,7 @@ class InferenceServer:
             if remaining <= 0:
                 break
             others = [c for i, c in connections.items() if i not in pending]
-            self._receive(wait(others, remaining), index_of, pending)
+            self._receive(wait(others, remaining), index_of, pending, connections)
         self._act(pending)
         self.batches += 1
         self.served += len(pending)
@@ -140,14 +140,28 @@ class InferenceServer:
                 pass  # the actor died; the monitor restarts it with a new pipe
         return len(pending)
 
-    @staticmethod
-    def _receive(ready: list, index_of: dict[int, int], pending: list[int]) -> None:
+    def _receive(self, ready: list, index_of: dict[int, int], pending: list[int],
+                 connections: dict[int, Connection]) -> None:
         for connection in ready:
+            client = index_of[id(connection)]
             try:
                 connection.recv_bytes()
             except (EOFError, OSError):
-                continue  # the actor died
-            pending.append(index_of[id(connection)])
+                self._drop(client, connection, connections)  # the actor died
+                continue
+            pending.append(client)
+
+    def _drop(self, client: int, connection: Connection, connections: dict[int, Connection]) -> None:
+        """Stop waiting on a dead actor's pipe, in this batch's snapshot (`connections`) and in the server's.
+
+        A pipe whose other end is closed is always ready to read: left in, `wait` returns it at once, every time,
+        and this thread spins a core until the actor's replacement connects (or forever, if none does).
+        """
+        del connections[client]
+        with self._lock:
+            if self.connections.get(client) is connection:  # not already replaced by `connect`
+                del self.connections[client]
+        connection.close()
 
     def _act(self, clients: list[int]) -> None:
         self._take_new_weights()

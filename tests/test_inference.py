@@ -171,12 +171,17 @@ def test_an_actor_with_two_splits_is_served_as_two_clients():
     free, full = queue.Queue(), queue.Queue()
     for slot in range(8):
         free.put(slot)
-    stop = threading.Event()
+    stop, served = threading.Event(), threading.Event()
     channels = ActorChannels(free, full, queue.Queue(), queue.Queue(), stop, types.SimpleNamespace(value=0),
                              inference_positions=positions)
-    thread = threading.Thread(target=server.serve, args=(threading.Event(),), daemon=True)
+    thread = threading.Thread(target=server.serve, args=(served,), daemon=True)
     thread.start()
-    run_actor(0, config, buffers, model, channels, max_unrolls=2, inference_connections=actor_ends)
+    try:
+        run_actor(0, config, buffers, model, channels, max_unrolls=2, inference_connections=actor_ends)
+    finally:
+        served.set()
+        thread.join(5)
+    assert not thread.is_alive()
     assert channels.error_queue.empty()
     assert sorted(full.queue) == list(range(8))
     assert server.batches >= 1 and server.served == 2 * 2 * 5  # each split asked once per step
@@ -218,3 +223,22 @@ def test_a_pipe_replaced_while_a_batch_gathers_is_served_afterwards_not_waited_o
     assert server.serve_once(timeout_s=1.0) == 1
     assert new_actor_end.poll(1.0) and set(buffers["action"][:ENVS, 1].tolist()) <= {0, 1}
     assert old_main_end.closed, "the replaced pipe is closed once no snapshot holds it"
+
+
+def test_a_dead_actors_pipe_is_dropped_not_waited_on_again_and_its_replacement_is_served():
+    """The actor end closed (the actor died) makes the server's end always ready to read: the server drops it
+    rather than let `wait` return it at once on every call, which spun the serving thread at 100% CPU until a
+    replacement connected. The other client goes on being served, and so is the replacement."""
+    server, buffers, positions, _, ends = make_server(num_actors=2, wait_s=0.3)
+    dead_main_end = server.connections[0]
+    ends[0].close()
+    request(buffers, positions, 1, ends[1], t=0)
+    assert server.serve_once(timeout_s=1.0) == 1  # the live client, not waited on for the dead one's 0.3 s
+    assert ends[1].poll(1.0)
+    assert list(server.connections) == [1] and dead_main_end.closed
+    assert server.serve_once(timeout_s=0.0) == 0  # nothing is ready: the dead pipe is no longer waited on
+    new_main_end, new_actor_end = Pipe()
+    server.connect(0, new_main_end)  # what the monitor does when it restarts the actor
+    request(buffers, positions, 0, new_actor_end, t=1)
+    assert server.serve_once(timeout_s=1.0) == 1
+    assert new_actor_end.poll(1.0) and set(buffers["action"][:ENVS, 1].tolist()) <= {0, 1}

@@ -1,0 +1,31 @@
+"""What every test is held to, beside its own assertions."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+
+def _runs_project_code(thread: threading.Thread) -> bool:
+    """A thread whose target is a function of this project (impala or its tests), not a library's own."""
+    target = getattr(thread, "_target", None)
+    module = getattr(target, "__module__", None) or ""
+    return module.split(".")[0] in ("impala", "tests") or module.startswith("test_")
+
+
+@pytest.fixture(autouse=True)
+def no_thread_of_the_project_left_running() -> Iterator[None]:
+    """A thread that a test starts and never stops keeps using the CPU under every later test: one inference
+    server left serving closed pipes once took a core away from the second half of the suite."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5
+    while True:
+        left = [t for t in threading.enumerate() if t not in before and t.is_alive() and _runs_project_code(t)]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert not left, f"threads left running by the test: {[t.name for t in left]}"
