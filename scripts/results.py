@@ -230,16 +230,21 @@ def last_games_mean(run_dir: Path) -> tuple[float | None, int]:
         _, returns, _ = episodes(run_dir)
         if len(returns):
             return float(returns[-LAST_GAMES:].mean()), len(returns)
-    mean = None
+    _, means = csv_means(run_dir)
+    return (float(means[-1]) if len(means) else None), 0
+
+
+def csv_means(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    """logs.csv's rows that have a `charts/mean_return_100`: their agent steps and that mean (empty arrays if
+    the run has no logs.csv or no game finished)."""
+    rows = []
     if (run_dir / "logs.csv").is_file():
         import csv
 
         with open(run_dir / "logs.csv", newline="") as f:
-            for row in csv.DictReader(f):
-                value = row.get(CSV_RETURN_COLUMN) or ""
-                if value and np.isfinite(float(value)):
-                    mean = float(value)
-    return mean, 0
+            rows = [(int(r["step"]), float(r[CSV_RETURN_COLUMN])) for r in csv.DictReader(f)
+                    if r.get(CSV_RETURN_COLUMN) and np.isfinite(float(r[CSV_RETURN_COLUMN]))]
+    return np.array([r[0] for r in rows], np.int64), np.array([r[1] for r in rows], np.float64)
 
 
 def atari5_row(run_dir: Path, env_id: str, seed: int, kept: dict | None = None) -> dict:
@@ -273,13 +278,8 @@ def curve_points(run_dir: Path) -> list[list[float]]:
     figure, small enough to keep in the repository."""
     steps, returns, _ = episodes(run_dir) if any(run_dir.glob("events.out.tfevents.*")) else (np.empty(0),) * 3
     means = smooth(returns, LAST_GAMES)
-    if not len(steps) and (run_dir / "logs.csv").is_file():
-        import csv
-
-        with open(run_dir / "logs.csv", newline="") as f:
-            rows = [(int(r["step"]), float(r[CSV_RETURN_COLUMN])) for r in csv.DictReader(f)
-                    if r.get(CSV_RETURN_COLUMN) and np.isfinite(float(r[CSV_RETURN_COLUMN]))]
-        steps, means = np.array([r[0] for r in rows], np.int64), np.array([r[1] for r in rows])
+    if not len(steps):
+        steps, means = csv_means(run_dir)
     if not len(steps):
         return []
     grid = np.linspace(steps[0], steps[-1], KEPT_CURVE_POINTS)
@@ -294,16 +294,17 @@ def kept_record(run_dir: Path, env_id: str, seed: int) -> dict:
             "source": f"{run_dir} on {row['machine'] or 'an unrecorded machine'}"}
 
 
-def keep(keep_dir: Path, record: dict) -> None:
+def keep(keep_dir: Path, record: dict) -> dict:
     """Write `record` to KEEP_DIR/XPID.json, unless the one there reached more agent steps (a finished game
-    stays kept while the same name trains again elsewhere)."""
+    stays kept while the same name trains again elsewhere). Returns the record kept."""
     path = keep_dir / f"{record['xpid']}.json"
     kept = _read_json(path)
     if (kept.get("final_step") or 0) > (record["final_step"] or 0):
         print(f"{path}: kept as it is ({kept['final_step']:,} agent steps, this run {record['final_step'] or 0:,})")
-        return
+        return kept
     keep_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
 
 
 def atari5_medians(rows: list[dict]) -> dict[str, float | None]:
@@ -429,8 +430,7 @@ def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
     if args.keep:  # --plot-only too: what the run directories here hold now
         for env_id, seed, xpid in runs:
             if (args.savedir / xpid / "meta.json").is_file():
-                keep(args.keep, kept_record(args.savedir / xpid, env_id, seed))
-        kept = {xpid: record for _, _, xpid in runs if (record := _read_json(args.keep / f"{xpid}.json"))}
+                kept[xpid] = keep(args.keep, kept_record(args.savedir / xpid, env_id, seed))
     rows = [atari5_row(args.savedir / xpid, env_id, seed, kept.get(xpid)) for env_id, seed, xpid in runs]
     flags = next((_read_json(args.savedir / xpid / "flags.json") for _, _, xpid in runs
                   if (args.savedir / xpid / "flags.json").is_file()),
