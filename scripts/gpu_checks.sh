@@ -9,7 +9,7 @@
 # $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|tests|learner|defaults|pong|atari5] [TOTAL_STEPS]
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|tests|learner|defaults|actors|pong|atari5] [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
 what=${1:-all}
@@ -49,12 +49,27 @@ if [ "$what" = pong ]; then
   tail -n 8 "$out"/*.txt
   exit 0
 fi
+# Where an actor's time goes on this machine's cores, and what each actor-side option buys: one actor alone
+# and `--num_actors auto` actors together (`actor`, `actors`), as the defaults have them, then with one option
+# changed each: float32 acting (--no-amp), two env splits, 16 envs per actor.
+if [ "$what" = actors ]; then
+  for v in "" "--no-amp" "--env_splits 2" "--envs_per_actor 16"; do
+    name=$(echo "base $v" | tr -c 'a-z0-9\n' '_' | tr -s _)
+    # shellcheck disable=SC2086  # $v is flags, split on purpose
+    timeout 140 python3 -m impala.bench --num_actors auto --only env,inference,actor,actors --seconds 5 $v \
+      --json "$out/actors$name.json" > "$out/actors$name.txt" 2>&1
+  done
+  grep -h -E "^(env|inference|actor|actors) " "$out"/actors*.txt
+  exit 0
+fi
 # One Atari-5 game with all cores, 9 minutes per call (a device call lasts at most 10): rerun it while the
 # machine is warm to resume the run in results/runs; the game's kept record comes back in $OUT/atari5, to
-# copy into docs/results/atari5. GAME=DoubleDunk (default Phoenix).
+# copy into docs/results/atari5. GAME=DoubleDunk (default Phoenix). A candidate change to the defaults:
+# EXTRA="--minibatch_mode samples" XPID=atari5-samples (its runs and records named apart from the defaults').
 if [ "$what" = atari5 ]; then
+  # shellcheck disable=SC2086  # $EXTRA is flags, split on purpose
   timeout 590 python3 scripts/results.py atari5 --games "${GAME:-Phoenix}" --minutes 9 --keep "$out/atari5" \
-    > "$out/atari5.txt" 2>&1
+    --xpid "${XPID:-atari5}" ${EXTRA:-} > "$out/atari5.txt" 2>&1
   tail -n 12 "$out/atari5.txt"
   exit 0
 fi
