@@ -83,6 +83,34 @@ def test_uint8_frames_under_bfloat16_autocast_give_bit_for_bit_what_float_frames
 
 
 @pytest.mark.parametrize("model", ["shallow", "resnet"])
+def test_float32_frames_on_the_cpu_reach_the_torso_channels_last_with_the_outputs_and_gradients_of_nchw(
+        model: str) -> None:
+    torch.manual_seed(0)
+    net = Net(ATARI_SHAPE, NUM_ACTIONS, model=model)
+    obs = _obs(ATARI_SHAPE, 3, 2)
+    seen = []
+    net.torso.register_forward_pre_hook(lambda _, inputs: seen.append(inputs[0]))
+    results = []
+    for layout in ("net", "nchw"):
+        net.zero_grad()
+        if layout == "net":
+            output, _ = net(obs, torch.zeros(3, 2, dtype=torch.bool))
+            logits, baseline = output.policy_logits.flatten(0, 1), output.baseline.flatten()
+        else:  # the same net with the frames handed to the torso as they are (NCHW)
+            features = net.torso(obs.flatten(0, 1).float() / 255.0)
+            logits, baseline = net.policy(features), net.baseline(features).squeeze(-1)
+        (logits.sum() + baseline.sum()).backward()
+        results.append([logits, baseline, *(p.grad.clone() for p in net.parameters())])
+    assert seen[0].is_contiguous(memory_format=torch.channels_last) and not seen[0].is_contiguous()
+    assert seen[1].is_contiguous()
+    for ours, nchw in zip(*results, strict=True):
+        torch.testing.assert_close(ours, nchw, rtol=1e-4, atol=1e-4)  # float32 sums in another order
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bfloat16 frames keep their layout
+        net(obs, torch.zeros(3, 2, dtype=torch.bool))
+    assert seen[2].dtype == torch.bfloat16 and seen[2].is_contiguous()
+
+
+@pytest.mark.parametrize("model", ["shallow", "resnet"])
 def test_a_torso_cast_once_per_version_acts_as_autocast_does_and_follows_new_versions_only(model: str) -> None:
     torch.manual_seed(0)
     net = Net(ATARI_SHAPE, NUM_ACTIONS, model=model, use_lstm=True, hidden_size=16)
