@@ -153,9 +153,9 @@ class Net(nn.Module):
     def forward(self, obs: torch.Tensor, done: torch.Tensor, core_state: CoreState = ()
                 ) -> tuple[AgentOutput, CoreState]:
         T, B = obs.shape[:2]
-        x = obs.flatten(0, 1)
-        x = self._scale_frames(x) if x.dtype == torch.uint8 else x.float()
-        features = self.torso(self._cpu_layout(x))
+        x = self._cpu_layout(obs.flatten(0, 1))
+        x = self._scale_frames(x) if x.dtype == torch.uint8 else x.float()  # both keep the layout
+        features = self.torso(x)
         if self.core is not None:
             features, core_state = self._unroll_core(features.view(T, B, -1), done, core_state)
             features = features.flatten(0, 1)
@@ -169,12 +169,12 @@ class Net(nn.Module):
 
     @staticmethod
     def _cpu_layout(x: torch.Tensor) -> torch.Tensor:
-        """Images in float32 on the CPU go to the convolutions channels last (NHWC), the layout oneDNN computes
-        in: the shallow net's forward and backward take 10-20% less time, the ResNet's 30%, and the ResNet acting
-        at batch 8 half (BENCHMARKS.md). The values are the same up to float32 rounding. On a GPU and under
-        autocast, where it was not measured, frames stay as they are."""
-        if (x.dim() == 4 and x.device.type == "cpu" and x.dtype == torch.float32
-                and not torch.is_autocast_enabled("cpu")):
+        """Images that the CPU convolves in float32 go to the torso channels last (NHWC), the layout oneDNN
+        computes in: the shallow net's forward and backward take 10-20% less time, the ResNet's 30%, and the
+        ResNet acting at batch 8 half (BENCHMARKS.md). The values are the same up to float32 rounding. Reordered
+        here, before scaling, a uint8 frame moves a quarter of the bytes. On a GPU and under autocast, where it
+        was not measured, frames stay as they are."""
+        if x.dim() == 4 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu"):
             return x.contiguous(memory_format=torch.channels_last)
         return x
 
