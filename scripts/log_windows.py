@@ -1,0 +1,86 @@
+"""Per-window averages of a run's logs.csv: the tables RESULTS.md gives beside its curves.
+
+    python scripts/log_windows.py results/runs/atari5-DoubleDunk                 # 0.5M-step windows
+    python scripts/log_windows.py RUN_A RUN_B --window 1000000                   # two runs, one table each
+
+For each window of agent steps: the mean of the last 100 training games at the window's last row, and the
+window's means of the policy's entropy (nats per step), PPO's clip fraction, the gradient norm before clipping,
+the baseline loss and the policy lag (in updates). The entropy comes from `losses/entropy_loss`, which the
+learner logs as entropy_cost x sum(pi log pi), averaged over an update's gradient steps: per step for the PPO
+loss, summed over a gradient step's samples for the IMPALA loss (flags.json says which, and the sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+COLUMNS = {  # logs.csv column -> table heading; averaged over each window
+    "losses/entropy_loss": "entropy",
+    "stats/ppo_clip_fraction": "clip fraction",
+    "stats/grad_norm": "gradient norm",
+    "losses/baseline_loss": "baseline loss",
+    "stats/policy_lag": "policy lag",
+}
+RETURN = "charts/mean_return_100"
+
+
+def samples_per_entropy_term(flags: dict) -> float:
+    """How many steps' pi log pi one logged entropy loss sums: 1 for PPO (a mean), else a gradient step's."""
+    if flags.get("policy_loss", "ppo") == "ppo":
+        return 1.0
+    return flags["unroll_length"] * flags["batch_size"] / max(1, flags.get("minibatches", 1))
+
+
+def windows(run_dir: Path, window: int) -> list[dict[str, float]]:
+    """One dict per window that has rows: `start`, `end` (agent steps), `return` and COLUMNS' headings."""
+    flags = json.loads((run_dir / "flags.json").read_text())
+    per_entropy = flags["entropy_cost"] * samples_per_entropy_term(flags)
+    groups: dict[int, list[dict[str, str]]] = {}
+    with open(run_dir / "logs.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            groups.setdefault(int(row["step"]) // window, []).append(row)
+    table = []
+    for index in sorted(groups):
+        rows = groups[index]
+        returns = [float(r[RETURN]) for r in rows if r.get(RETURN)]
+        line = {"start": index * window, "end": (index + 1) * window, "return": returns[-1] if returns else math.nan}
+        for column, heading in COLUMNS.items():
+            values = [float(r[column]) for r in rows if r.get(column)]
+            line[heading] = sum(values) / len(values) if values else math.nan
+        line["entropy"] = -line["entropy"] / per_entropy if per_entropy else math.nan  # no entropy cost: unknown
+        table.append(line)
+    return table
+
+
+def format_table(run_dir: Path, table: list[dict[str, float]]) -> str:
+    headings = ["agent steps", "mean of the last 100 games", *COLUMNS.values()]
+    lines = [f"{run_dir}", "", "| " + " | ".join(headings) + " |", "|" + "---|" * len(headings)]
+    for line in table:
+        cells = [f"{line['start'] / 1e6:g}-{line['end'] / 1e6:g}M", f"{line['return']:,.1f}",
+                 *(f"{line[h]:.3f}" for h in COLUMNS.values())]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", type=Path, nargs="+", metavar="RUN_DIR")
+    parser.add_argument("--window", type=int, default=500_000, help="agent steps per window")
+    args = parser.parse_args()
+    if args.window <= 0:
+        parser.error(f"--window must be positive, got {args.window}")
+    for run_dir in args.runs:
+        if not (run_dir / "logs.csv").is_file() or not (run_dir / "flags.json").is_file():
+            print(f"log_windows: error: {run_dir} has no logs.csv and flags.json (not a run directory?)", file=sys.stderr)
+            return 2
+    print("\n\n".join(format_table(run_dir, windows(run_dir, args.window)) for run_dir in args.runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
