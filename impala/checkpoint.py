@@ -1,7 +1,7 @@
 """Checkpoints: written atomically, loaded as data only, checked against the run that loads them.
 
 A checkpoint is a dict of tensors and plain values (model, optimiser and schedule state, step
-counters, flags). It is written to a temporary file in the same directory, flushed to disk and renamed
+counters, flags, the returns of the last 100 games). It is written to a temporary file in the same directory, flushed to disk and renamed
 over the old one, so a kill at any instant leaves either the old or the new checkpoint, never a torn
 one. It is loaded with `torch.load(weights_only=True)`: a checkpoint is data and can never run code.
 """
@@ -73,6 +73,10 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                 "num_actions": int}
     if not isinstance(state, dict) or any(not isinstance(state.get(key), kind) for key, kind in required.items()):
         raise UserError(f"checkpoint {path} is not an impala checkpoint (no model, flags or step counters in it)")
+    returns = state.get("recent_returns", [])  # the last 100 games' returns; older checkpoints have none
+    if not isinstance(returns, list) or not all(isinstance(r, (int, float)) for r in returns):
+        raise UserError(f"checkpoint {path} is not an impala checkpoint (its recent_returns are not a list of "
+                        "numbers)")
     return state
 
 

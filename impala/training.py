@@ -173,6 +173,8 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     pool_name = run_dir.name if coordinator is None else f"{run_dir.name}.rank-{coordinator.rank}"
     pool = _actor_pool(config, ctx, buffers, state, actor_model, pool_name)
     amp, stats, update_lock = use_amp(config.amp, device, model.model), IntervalStats(), threading.Lock()
+    if checkpoint is not None:  # the last 100 games go on across a resume: the mean's curve has no jump there
+        stats.episode_returns.extend(float(r) for r in checkpoint.get("recent_returns", []))
     learners = Learners(config, state, buffers, pool, device, amp, stats, update_lock, coordinator)
     run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
               resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None, stats=stats,
@@ -333,7 +335,7 @@ def checkpoint(run: Run) -> None:
         state = run.state.state_dict()
     model = run.state.model
     state.update(flags=run.config.to_dict(), model=model.model, observation_shape=list(model.observation_shape),
-                 num_actions=model.num_actions)
+                 num_actions=model.num_actions, recent_returns=list(run.stats.episode_returns))
     save_checkpoint(run.run_dir / CHECKPOINT_NAME, state)
     run.saved_step = state["step"]
     log.info("Saved checkpoint at step %d to %s", state["step"], run.run_dir / CHECKPOINT_NAME)

@@ -100,6 +100,11 @@ def test_missing_and_foreign_files(tmp_path: Path) -> None:
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.tar")
     with pytest.raises(UserError, match="not an impala checkpoint"):
         load_checkpoint(tmp_path / "other.tar")
+    save_checkpoint(tmp_path / "returns.tar", {**_state(40), "recent_returns": [1.0, 2]})
+    assert load_checkpoint(tmp_path / "returns.tar")["recent_returns"] == [1.0, 2]
+    save_checkpoint(tmp_path / "returns.tar", {**_state(40), "recent_returns": ["21"]})
+    with pytest.raises(UserError, match="recent_returns are not a list of numbers"):
+        load_checkpoint(tmp_path / "returns.tar")
 
 
 def test_a_checkpoint_for_another_env_or_shape_is_refused_saying_which() -> None:

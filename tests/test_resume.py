@@ -4,6 +4,7 @@ same TensorBoard run."""
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import re
 import signal
@@ -61,6 +62,24 @@ def test_sigterm_then_resume_reaches_total_steps_with_one_curve(tmp_path: Path) 
     assert steps == sorted(steps), "one curve: no second series starting again from zero"
     assert steps[0] < stopped_at < steps[-1]
     assert len(list(first.run_dir.glob("events.out.tfevents.*"))) == 2  # both sessions in the same run
+
+    # The last 100 games' window went on across the resume: each checkpoint holds the last 100 returns of
+    # every game logged before it, the first session's included.
+    sessions = []  # each session's games, read from its own file (TensorBoard's merged view purges at resumes)
+    for path in sorted(first.run_dir.glob("events.out.tfevents.*")):
+        session = EventAccumulator(str(path))
+        session.Reload()
+        sessions.append([event.value for event in session.Scalars("charts/episodic_return")])
+    first_games, games = sessions[0], sessions[0] + sessions[1]
+    assert saved["recent_returns"] == pytest.approx(first_games[-100:], abs=1e-4)
+    assert final["recent_returns"] == pytest.approx(games[-100:], abs=1e-4)
+    # The second session's first mean of the last 100 games counts the first session's games too.
+    with open(first.run_dir / "logs.csv", newline="") as f:
+        row = next(row for row in csv.DictReader(f)
+                   if int(row["charts/episodes"]) > len(first_games) and row["charts/mean_return_100"])
+    window = games[: int(row["charts/episodes"])][-100:]
+    assert len(window) == 100 and len(window) > int(row["charts/episodes"]) - len(first_games)
+    assert float(row["charts/mean_return_100"]) == pytest.approx(sum(window) / 100, abs=1e-3)
 
 
 def _cartpole(savedir: Path, total_steps: int) -> Config:
