@@ -35,7 +35,7 @@ from impala.evaluator import Evaluator, check_evaluator, make_evaluator, start_e
 from impala.inference import InferenceServer
 from impala.learner import LearnerState
 from impala.learners import Learners
-from impala.metrics import STATUS, IntervalStats, RunLog, close_console, progress_line, setup_console
+from impala.metrics import STATUS, IntervalStats, RecentRate, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
 from impala.ray_pool import RayActorPool, require_ray
 from impala.rundir import finish_run_files, open_run, prepare_run_directory, write_run_files
@@ -239,6 +239,7 @@ def monitor(run: Run) -> str:
     config, state = run.config, run.state
     last_log_time = last_checkpoint_time = start_time = time.monotonic()
     last_log_step = state.step
+    console_rate = RecentRate(0.0, state.step)
     while True:
         if run.stop.reason is not None:
             log.info(run.stop.log_line)
@@ -249,14 +250,14 @@ def monitor(run: Run) -> str:
         if state.step >= config.total_steps:
             _drain_episodes(run)  # the last games and a 100% progress line, at total_steps
             now = time.monotonic()
-            _log_progress(run, max(now - last_log_time, 1e-3), last_log_step, now - start_time)
+            _log_progress(run, max(now - last_log_time, 1e-3), last_log_step, now - start_time, console_rate)
             return "finished"
         _drain_episodes(run)
         run.pool.check()
         check_evaluator(run)
         now = time.monotonic()
         if now - last_log_time >= config.log_interval_s:
-            last_log_step = _log_progress(run, now - last_log_time, last_log_step, now - start_time)
+            last_log_step = _log_progress(run, now - last_log_time, last_log_step, now - start_time, console_rate)
             last_log_time = now
         if now - last_checkpoint_time >= config.checkpoint_interval_s:
             _periodic_checkpoint(run)
@@ -289,9 +290,10 @@ def _drain_episodes(run: Run) -> None:
         run.runlog.scalar("charts/episodic_length", episode_length, run.state.step)
 
 
-def _log_progress(run: Run, interval_s: float, last_step: int, elapsed_s: float) -> int:
-    """Average what the learners recorded since the last call, write it against agent steps, print progress;
-    returns the step it logged, from which the next interval counts.
+def _log_progress(run: Run, interval_s: float, last_step: int, elapsed_s: float, console_rate: RecentRate) -> int:
+    """Average what the learners recorded since the last call, write it against agent steps, print progress
+    (its SPS and time left from `console_rate`, over the last minute); returns the step it logged, from which the
+    next interval counts.
 
     Called by the monitor every `log_interval_s`; the sums are taken and reset under `update_lock`, which can
     wait for a whole update: the steps that update adds belong to the next interval, not to none.
@@ -316,7 +318,8 @@ def _log_progress(run: Run, interval_s: float, last_step: int, elapsed_s: float)
     scalars.update(timing_scalars)
     scalars.update(run.pool.scalars())
     run.runlog.scalars(step, scalars)
-    log.info(progress_line(step, run.config.total_steps, sps, elapsed_s, mean_return, episodes), extra=STATUS)
+    log.info(progress_line(step, run.config.total_steps, console_rate.add(elapsed_s, step), elapsed_s, mean_return,
+                           episodes), extra=STATUS)
     return step
 
 

@@ -16,7 +16,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from impala import metrics
-from impala.metrics import STATUS, ConsoleHandler, RunLog, duration, flags_markdown, progress_line, video_summary
+from impala.metrics import (
+    STATUS,
+    ConsoleHandler,
+    RecentRate,
+    RunLog,
+    duration,
+    flags_markdown,
+    progress_line,
+    video_summary,
+)
 
 
 def _read(run_dir: Path) -> EventAccumulator:
@@ -112,6 +121,23 @@ def test_progress_line_shows_percentage_speed_times_and_return() -> None:
     assert "left ?" in early and "return -" in early and "  0.0%" in early
     done = progress_line(step=12, total_steps=10, sps=5.0, elapsed_s=3661.0, mean_return=1.0, episodes=1)
     assert done.startswith("[" + "#" * 20 + "] 100.0%") and "elapsed 1:01:01" in done and "left 0:00:00" in done
+
+
+def test_the_console_rate_spans_the_last_minute_so_two_or_three_updates_per_interval_read_as_one_speed() -> None:
+    # A CPU learner: 1,024 agent steps per update, 2 or 3 updates in each 5-s interval (409.6 or 614.4 each).
+    rate = RecentRate(0.0, 10_000)
+    step, rates = 10_000, []
+    for interval in range(1, 41):
+        step += 1024 * (2 if interval % 2 else 3)
+        rates.append(rate.add(5.0 * interval, step))
+    assert rates[0] == pytest.approx(409.6)  # the first interval: all there is
+    assert rates[2] == pytest.approx(1024 * 7 / 15)  # since the start, within the first minute
+    assert rates[11:] == pytest.approx([512.0] * 29)  # from a minute on: the last 12 intervals, 6 of each kind
+    assert len(rate._points) == 13  # what it keeps: a minute of points, not the run's
+    paused = RecentRate(0.0, 0)
+    paused.add(5.0, 500)
+    assert paused.add(35.0, 500) == pytest.approx(500 / 35.0)  # a stall shows as a falling rate
+    assert paused.add(65.0, 500) == 0.0  # and a minute of it as none
 
 
 def test_duration_formats_hours_minutes_seconds() -> None:
