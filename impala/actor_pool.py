@@ -349,6 +349,26 @@ def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None
     run_actor(*actor_args, **actor_kwargs)
 
 
+def start_fork_server() -> None:
+    """Start the fork server now rather than with the first actor: it imports torch and this package (2-3 s
+    here), which then overlaps the rest of the run's build in this process (the optimiser's first parameter
+    group alone imports torch._dynamo, about 2 s) instead of following it. Started with Ctrl-C and SIGTERM
+    blocked, as `start_process` would start it (see there). After `process_context`, which names what it
+    preloads."""
+    if START_METHOD != "forkserver":
+        return
+    from multiprocessing import forkserver, resource_tracker
+
+    # The fork server starts the resource tracker first if it is not running, and that start unblocks
+    # Ctrl-C and SIGTERM in this thread on its way out: so the tracker first, then the block.
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def start_process(process: BaseProcess) -> None:
     """Start a child process of the run with Ctrl-C and SIGTERM blocked in this thread meanwhile.
 
@@ -463,9 +483,11 @@ def stop_fork_server() -> None:
     The resource tracker is left running: the queues' semaphores still unregister with it when they are
     garbage-collected, and it exits with this process, unlinking whatever is left in /dev/shm.
 
-    Bounded: `_stop` waits for the server to exit, which it does once every process it forked has closed
-    its copy of the server's "alive" pipe; a server still there after FORK_SERVER_STOP_TIMEOUT_S is killed,
-    so the end of a run never hangs on it.
+    Killed, then reaped by `_stop`: left to exit by itself once its "alive" pipe closes, the server would
+    first run its interpreter's exit with torch loaded (0.7 s of every run's end measured here), and a
+    process it forked that still held the pipe would keep it for good. It serves nothing once every actor
+    is joined, and holds nothing but its socket, which `_stop` unlinks. Bounded all the same: a server
+    still there after FORK_SERVER_STOP_TIMEOUT_S is logged and left, so the end of a run never hangs on it.
     """
     if START_METHOD != "forkserver":
         return
@@ -481,24 +503,23 @@ def stop_fork_server() -> None:
             server._stop()  # type: ignore[attr-defined]
 
     # A pidfd names this server for good: once `_stop` has reaped it, its pid may be another process's, but
-    # the pidfd still refers to the dead server, so the kill below can never hit someone else. Opened
-    # before `_stop`, while the server is an unreaped child of this process (Linux 5.3+; else the pid).
+    # the pidfd still refers to the dead server, so the kill can never hit someone else. Opened while the
+    # server is an unreaped child of this process (Linux 5.3+; else the pid, which is still the server's).
     pidfd = None
     with contextlib.suppress(AttributeError, OSError):
         pidfd = os.pidfd_open(pid)
     try:
+        with contextlib.suppress(ProcessLookupError):
+            if pidfd is not None:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            else:
+                os.kill(pid, signal.SIGKILL)
         stopper = threading.Thread(target=stop, name="fork-server-stop", daemon=True)
         stopper.start()
         stopper.join(FORK_SERVER_STOP_TIMEOUT_S)
         if stopper.is_alive():
-            log.warning("The fork server (pid %d) did not stop within %.0f s; killing it", pid,
+            log.warning("The fork server (pid %d) was killed but not reaped within %.0f s; left behind", pid,
                         FORK_SERVER_STOP_TIMEOUT_S)
-            with contextlib.suppress(ProcessLookupError):
-                if pidfd is not None:
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                else:
-                    os.kill(pid, signal.SIGKILL)
-            stopper.join(FORK_SERVER_STOP_TIMEOUT_S)
     finally:
         if pidfd is not None:
             os.close(pidfd)

@@ -25,7 +25,14 @@ from pathlib import Path
 import torch
 
 from impala import distributed, learner
-from impala.actor_pool import LocalActorPool, finish_within, keep_freed_memory, process_context
+from impala.actor_pool import (
+    LocalActorPool,
+    finish_within,
+    keep_freed_memory,
+    process_context,
+    start_fork_server,
+    stop_fork_server,
+)
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, keep_step_copy, save_checkpoint
 from impala.config import Config, TrainingError, UserError
@@ -119,7 +126,8 @@ def probe_env(config: Config) -> tuple[tuple[int, ...], torch.dtype, int]:
 
 
 def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequests | None = None) -> Run:
-    """Everything a run needs, with no process or thread started yet.
+    """Everything a run needs, with no actor or thread started yet: only the fork server, which `train` stops
+    again when the build fails.
 
     Every check a user can fail (env id, model, checkpoint, shared memory, savedir) comes before the
     first file is written, so a refused run leaves an existing run directory exactly as it was; so does
@@ -141,9 +149,10 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
                                                                   num_actions)
     else:
         run_dir, resuming, checkpoint_path, checkpoint = distributed.rank_run_dir(config), False, None, None
+    ctx = process_context()
+    start_fork_server()  # the checks a user fails most are behind; its imports overlap the rest of the build
     # Made here, before anything else draws from torch's generator, so their initial draws stay the same.
     actor_model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
-    ctx = process_context()
     evaluator = make_evaluator(config, run_dir, observation_shape, num_actions, ctx) if writes_files else None
     device = coordinator.ranks.device if coordinator is not None else select_device(config)
     world_size = coordinator.ranks.world_size if coordinator is not None else 1
@@ -441,7 +450,12 @@ def train(config: Config) -> Path:
         try:
             config, coordinator = distributed.join(config)  # under torchrun; else (config, None)
             stop.check()
-            return _run(build(config, coordinator, stop))
+            try:
+                run = build(config, coordinator, stop)
+            except BaseException:
+                stop_fork_server()  # started during the build; nothing else of the run was
+                raise
+            return _run(run)
         finally:
             if coordinator is not None:  # bounded too: a rank that cannot leave its group must still exit
                 finish_within(END_CLOSE_TIMEOUT_S, functools.partial(distributed.leave, coordinator),

@@ -259,7 +259,8 @@ def test_nccl_with_one_rank_reduces_on_the_gpu_and_leaves_the_update_alone(tmp_p
 SMALL_RANKS = (*SMALL_RUN, "--num_actors", "1", "--disable_cuda")
 # The README's CartPole command, its actors and its batch split between two ranks: the global batch is the same.
 CARTPOLE_RANKS = ("--env", "CartPole-v1", *IMPALA_RULE, "--num_actors", "1", "--envs_per_actor", "4",
-                  "--unroll_length", "5", "--batch_size", "4", "--learning_rate", "0.001", "--disable_cuda")
+                  "--unroll_length", "5", "--batch_size", "4", "--learning_rate", "0.001", "--entropy_cost", "0.01",
+                  "--disable_cuda")
 
 
 def _impala_tracebacks(text: str) -> list[str]:
@@ -320,10 +321,9 @@ def test_kill_9_of_one_rank_ends_the_job_with_one_line_and_the_last_checkpoint_k
 
 @pytest.mark.slow
 def test_torchrun_cartpole_learns_as_one_run_that_test_mode_plays(tmp_path: Path) -> None:
-    """The README's CartPole command on two ranks (37 minutes on the 2-core development machine while other runs
-    kept it busy: a load average of 15 to 55)."""
+    """The README's CartPole command on two ranks (2.5 minutes on the idle 2-core development machine)."""
     savedir = tmp_path / "runs"
-    run = Torchrun(savedir, "cartpole", total_steps=500_000, flags=CARTPOLE_RANKS)
+    run = Torchrun(savedir, "cartpole", total_steps=300_000, flags=CARTPOLE_RANKS)
     try:
         assert run.wait(timeout=3600) == 0, run.text()
     finally:
@@ -334,7 +334,7 @@ def test_torchrun_cartpole_learns_as_one_run_that_test_mode_plays(tmp_path: Path
     with open(run_dir / "logs.csv", newline="") as f:
         rows = [row for row in csv.DictReader(f) if row.get("charts/mean_return_100")]
     best = max(float(row["charts/mean_return_100"]) for row in rows)
-    assert int(rows[-1]["step"]) == 500_000
+    assert int(rows[-1]["step"]) == 300_000
     assert best >= 450, [row["charts/mean_return_100"] for row in rows]
     played = run_py("--mode", "test", "--env", "CartPole-v1", "--savedir", str(savedir), "--xpid", "cartpole",
                     "--test_episodes", "3")

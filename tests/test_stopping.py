@@ -8,13 +8,14 @@ import json
 import os
 import signal
 from collections.abc import Callable
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
 import pytest
 from process_helpers import checkpoint_step
 
-from impala import training
+from impala import actor_pool, training
 from impala.config import Config
 from impala.stopping import Stopped, stop_requests
 
@@ -63,10 +64,21 @@ def test_a_signal_while_building_stops_before_anything_is_written(savedir: Path,
                                                                   signum: int) -> None:
     before = _files(savedir)
     monkeypatch.setattr(training, "probe_env", _signalling(training.probe_env, signum))
+    servers: list[int] = []
+
+    def start_fork_server() -> None:
+        actor_pool.start_fork_server()
+        servers.append(forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(training, "start_fork_server", start_fork_server)
     with pytest.raises(Stopped) as stopped:
         training.train(_config(savedir, 400))
     assert stopped.value.exit_code == 128 + signum
     assert _files(savedir) == before  # not a byte changed in the run directory, nor `latest` beside it
+    assert len(servers) == 1 and servers[0] is not None  # the build started the fork server ...
+    with pytest.raises(ProcessLookupError):  # ... and the refused build stopped it again: killed and reaped
+        os.kill(servers[0], 0)
+    assert forkserver._forkserver._forkserver_pid is None  # type: ignore[attr-defined]
 
 
 def test_a_signal_after_the_run_files_are_written_starts_nothing_and_saves_nothing(
