@@ -5,8 +5,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from process_helpers import README_CARTPOLE, README_CARTPOLE_STEPS, run_py
 
 
 def _runs_project_code(thread: threading.Thread) -> bool:
@@ -29,3 +31,14 @@ def no_thread_of_the_project_left_running() -> Iterator[None]:
             break
         time.sleep(0.05)
     assert not left, f"threads left running by the test: {[t.name for t in left]}"
+
+
+@pytest.fixture(scope="session")
+def readme_cartpole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The savedir of one run of the README's CartPole command to its end (xpid "cartpole"), trained once for
+    every test that reads it (1-1.5 minutes on two cores). Tests that change the run copy it first."""
+    savedir = tmp_path_factory.mktemp("readme-cartpole")
+    result = run_py(*README_CARTPOLE, "--total_steps", str(README_CARTPOLE_STEPS), "--savedir", str(savedir),
+                    "--xpid", "cartpole", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return savedir

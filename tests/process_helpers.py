@@ -23,6 +23,12 @@ SMALL_RUN = (*IMPALA_RULE, "--env", "CartPole-v1", "--num_actors", "2", "--envs_
              "--batch_size", "4", "--num_learner_threads", "1", "--hidden_size", "32", "--learning_rate", "0.001",
              "--log_interval_s", "0.5")
 
+# The README's CartPole command, less its --total_steps.
+README_CARTPOLE = ("--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
+                   "--batch_size", "8", "--learning_rate", "0.001", *IMPALA_RULE, "--entropy_cost", "0.01",
+                   "--disable_cuda")
+README_CARTPOLE_STEPS = 300_000
+
 
 def run_py(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python run.py ARGS` to completion, from the repository root."""

@@ -321,9 +321,11 @@ def test_kill_9_of_one_rank_ends_the_job_with_one_line_and_the_last_checkpoint_k
 
 @pytest.mark.slow
 def test_torchrun_cartpole_learns_as_one_run_that_test_mode_plays(tmp_path: Path) -> None:
-    """The README's CartPole command on two ranks (2.5 minutes on the idle 2-core development machine)."""
+    """The README's CartPole command on two ranks, cut from 300k agent steps to 80k (45-47 s on the idle 2-core
+    development machine; the whole command, 2.5 minutes, is in the README). At 80k two seeds ended with a mean
+    of the last 100 games of 375 and 420, and test mode played both at 500; random actions get about 22."""
     savedir = tmp_path / "runs"
-    run = Torchrun(savedir, "cartpole", total_steps=300_000, flags=CARTPOLE_RANKS)
+    run = Torchrun(savedir, "cartpole", total_steps=80_000, flags=CARTPOLE_RANKS)
     try:
         assert run.wait(timeout=3600) == 0, run.text()
     finally:
@@ -334,11 +336,11 @@ def test_torchrun_cartpole_learns_as_one_run_that_test_mode_plays(tmp_path: Path
     with open(run_dir / "logs.csv", newline="") as f:
         rows = [row for row in csv.DictReader(f) if row.get("charts/mean_return_100")]
     best = max(float(row["charts/mean_return_100"]) for row in rows)
-    assert int(rows[-1]["step"]) == 300_000
-    assert best >= 450, [row["charts/mean_return_100"] for row in rows]
+    assert int(rows[-1]["step"]) == 80_000
+    assert best >= 250, [row["charts/mean_return_100"] for row in rows]
     played = run_py("--mode", "test", "--env", "CartPole-v1", "--savedir", str(savedir), "--xpid", "cartpole",
                     "--test_episodes", "3")
     assert played.returncode == 0, played.stderr
     mean = float(re.search(r"Mean return over 3 episodes: ([\d.]+)", played.stdout).group(1))  # type: ignore[union-attr]
     print(f"best mean_return_100 {best:.1f}, final {rows[-1]['charts/mean_return_100']}, test mode {mean:.1f}")
-    assert mean >= 450
+    assert mean >= 300

@@ -238,7 +238,7 @@ def test_a_run_evaluates_keeps_its_best_and_test_mode_plays_it(tmp_path: Path) -
 
 @pytest.mark.slow
 def test_a_killed_evaluator_is_reported_and_replaced_and_training_reaches_its_total(tmp_path: Path) -> None:
-    total = 100_000
+    total = 50_000  # about 20 s of training here; the kill, the restart and a new evaluation take 3-6 s of it
     run_ = Training(tmp_path, "kill-eval", "--eval_interval_s", "1", "--eval_episodes", "2", total_steps=total)
     try:
         victim = int(run_.wait_for(r"Evaluator started \(pid (\d+)\)").group(1))

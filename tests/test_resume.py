@@ -7,12 +7,21 @@ from __future__ import annotations
 import csv
 import dataclasses
 import re
+import shutil
 import signal
 from pathlib import Path
 
 import pytest
 import torch
-from process_helpers import IMPALA_RULE, Training, checkpoint_step, run_py, shm_left, wait_until_gone
+from process_helpers import (
+    README_CARTPOLE,
+    README_CARTPOLE_STEPS,
+    Training,
+    checkpoint_step,
+    run_py,
+    shm_left,
+    wait_until_gone,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from impala import training
@@ -118,17 +127,14 @@ def _test_mode_mean(savedir: Path, xpid: str) -> float:
 
 
 @pytest.mark.slow
-def test_a_resumed_cartpole_agent_plays_as_well_as_before_it_stopped(tmp_path: Path) -> None:
-    readme_command = ("--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5",
-                      "--batch_size", "8", "--learning_rate", "0.001", *IMPALA_RULE, "--entropy_cost", "0.01",
-                      "--savedir", str(tmp_path), "--xpid", "cartpole", "--disable_cuda")
-    first = run_py(*readme_command, "--total_steps", "300000", timeout=600)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+def test_a_resumed_cartpole_agent_plays_as_well_as_before_it_stopped(readme_cartpole: Path, tmp_path: Path) -> None:
+    shutil.copytree(readme_cartpole / "cartpole", tmp_path / "cartpole")  # the README's command, trained to its end
     before = _test_mode_mean(tmp_path, "cartpole")
     assert before >= 450
     # A few more updates at the end of the decayed learning rate: far too few to learn CartPole again.
-    resumed = run_py(*readme_command, "--total_steps", "304000", timeout=300)
+    resumed = run_py(*README_CARTPOLE, "--total_steps", str(README_CARTPOLE_STEPS + 4_000), "--savedir", str(tmp_path),
+                     "--xpid", "cartpole", timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "Resuming from step 300,000" in resumed.stdout or "Resuming from step 300000" in resumed.stdout
-    assert checkpoint_step(tmp_path / "cartpole") == 304_000
+    assert f"Resuming from step {README_CARTPOLE_STEPS} (" in resumed.stdout
+    assert checkpoint_step(tmp_path / "cartpole") == README_CARTPOLE_STEPS + 4_000
     assert _test_mode_mean(tmp_path, "cartpole") >= 450
