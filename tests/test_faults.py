@@ -230,12 +230,12 @@ def test_failed_periodic_checkpoints_are_reported_and_training_goes_on(tmp_path:
         real_save(path, state)
 
     monkeypatch.setattr(training, "save_checkpoint", full_then_free)
-    run_dir = training.train(_small_run(tmp_path, "disk-full", checkpoint_interval_s=0.1, total_steps=20_000))
+    run_dir = training.train(_small_run(tmp_path, "disk-full", checkpoint_interval_s=0.2, total_steps=2_000))
     log_text = (run_dir / "out.log").read_text()
     assert log_text.count("Could not save a checkpoint at step") == 2
     assert "No space left on device. Training goes on (no checkpoint saved yet)" in log_text
-    assert len(calls) >= 3  # and the tries after the disk had room again succeeded
-    assert checkpoint_step(run_dir) == 20_000
+    assert len(calls) >= 3 and log_text.count("Saved checkpoint at step") >= 2  # a periodic one, and the final
+    assert checkpoint_step(run_dir) == 2_000
     assert '"end_reason": "finished"' in (run_dir / "meta.json").read_text()
 
 
