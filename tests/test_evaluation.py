@@ -259,7 +259,7 @@ def test_a_killed_evaluator_is_reported_and_replaced_and_training_reaches_its_to
 
 @pytest.mark.slow
 def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path) -> None:
-    first = Training(tmp_path, "resumed", "--eval_interval_s", "1", "--eval_episodes", "2", total_steps=20_000)
+    first = Training(tmp_path, "resumed", "--eval_interval_s", "1", "--eval_episodes", "2", total_steps=10_000)
     try:
         assert first.wait(timeout=120) == 0
     finally:
@@ -270,7 +270,7 @@ def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path
     save_checkpoint(best_path, {**first_best, "eval_return_mean": CARTPOLE_MAX_RETURN})
     before = best_path.read_bytes()
 
-    second = Training(tmp_path, "resumed", "--eval_interval_s", "1", "--eval_episodes", "2", total_steps=40_000)
+    second = Training(tmp_path, "resumed", "--eval_interval_s", "1", "--eval_episodes", "2", total_steps=20_000)
     try:
         assert second.wait(timeout=120) == 0
     finally:
@@ -280,7 +280,7 @@ def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path
     assert re.search(r"Evaluation at step \d+: .*; the best is 500.00", text), "the resumed run evaluated"
     assert "New best evaluation" not in text
     assert best_path.read_bytes() == before
-    assert checkpoint_step(first.run_dir) == 40_000
+    assert checkpoint_step(first.run_dir) == 20_000
 
     # --checkpoint PATH: a new run that starts from the best agent's weights and step counters.
     branch = Training(tmp_path, "branch", "--checkpoint", str(best_path), total_steps=first_best["step"] + 2_000)
