@@ -150,7 +150,8 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     else:
         run_dir, resuming, checkpoint_path, checkpoint = distributed.rank_run_dir(config), False, None, None
     ctx = process_context()
-    start_fork_server()  # the checks a user fails most are behind; its imports overlap the rest of the build
+    if config.num_actors or (config.eval_interval_s and writes_files):  # local actors or the evaluator
+        start_fork_server()  # the checks a user fails most are behind; its imports overlap the rest of the build
     # Made here, before anything else draws from torch's generator, so their initial draws stay the same.
     actor_model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
     evaluator = make_evaluator(config, run_dir, observation_shape, num_actions, ctx) if writes_files else None
