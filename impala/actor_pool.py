@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
@@ -362,11 +362,8 @@ def start_fork_server() -> None:
     # The fork server starts the resource tracker first if it is not running, and that start unblocks
     # Ctrl-C and SIGTERM in this thread on its way out: so the tracker first, then the block.
     resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
+    with stop_signals_blocked():
         forkserver.ensure_running()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def start_process(process: BaseProcess) -> None:
@@ -379,9 +376,16 @@ def start_process(process: BaseProcess) -> None:
     once (its pipes carry their exit codes). Blocked here rather than ignored: a signal that comes
     meanwhile waits, or reaches another thread, and the main process still records it (`stopping.py`).
     """
+    with stop_signals_blocked():
+        process.start()
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block Ctrl-C and SIGTERM in this thread for the block, then restore the mask it had."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
-        process.start()
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 

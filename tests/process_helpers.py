@@ -30,6 +30,19 @@ README_CARTPOLE = ("--env", "CartPole-v1", "--num_actors", "2", "--envs_per_acto
 README_CARTPOLE_STEPS = 300_000
 
 
+def with_flags(args: tuple[str, ...], **values: str) -> tuple[str, ...]:
+    """`args` with the value after each `--NAME` replaced by `values[NAME]`; every name must be in `args`."""
+    out = list(args)
+    for name, value in values.items():
+        out[out.index(f"--{name}") + 1] = value
+    return tuple(out)
+
+
+# The README's torchrun CartPole command, less its --total_steps: each of two ranks has half the actors and half
+# the batch, so the global batch is the single-process command's.
+README_CARTPOLE_RANKS = with_flags(README_CARTPOLE, num_actors="1", batch_size="4")
+
+
 def run_py(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python run.py ARGS` to completion, from the repository root."""
     return subprocess.run([sys.executable, "run.py", *args], cwd=REPO_ROOT, capture_output=True, text=True,

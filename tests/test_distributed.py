@@ -21,7 +21,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Torchrun, checkpoint_step, run_py, wait_until_gone
+from process_helpers import (
+    README_CARTPOLE_RANKS,
+    REPO_ROOT,
+    SMALL_RUN,
+    Torchrun,
+    checkpoint_step,
+    run_py,
+    wait_until_gone,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 
@@ -257,10 +265,6 @@ def test_nccl_with_one_rank_reduces_on_the_gpu_and_leaves_the_update_alone(tmp_p
 
 # Each rank has one actor (the machine has two cores for the two ranks and their actors).
 SMALL_RANKS = (*SMALL_RUN, "--num_actors", "1", "--disable_cuda")
-# The README's CartPole command, its actors and its batch split between two ranks: the global batch is the same.
-CARTPOLE_RANKS = ("--env", "CartPole-v1", *IMPALA_RULE, "--num_actors", "1", "--envs_per_actor", "4",
-                  "--unroll_length", "5", "--batch_size", "4", "--learning_rate", "0.001", "--entropy_cost", "0.01",
-                  "--disable_cuda")
 
 
 def _impala_tracebacks(text: str) -> list[str]:
@@ -325,7 +329,7 @@ def test_torchrun_cartpole_learns_as_one_run_that_test_mode_plays(tmp_path: Path
     development machine; the whole command, 2.5 minutes, is in the README). At 80k two seeds ended with a mean
     of the last 100 games of 375 and 420, and test mode played both at 500; random actions get about 22."""
     savedir = tmp_path / "runs"
-    run = Torchrun(savedir, "cartpole", total_steps=80_000, flags=CARTPOLE_RANKS)
+    run = Torchrun(savedir, "cartpole", total_steps=80_000, flags=README_CARTPOLE_RANKS)
     try:
         assert run.wait(timeout=3600) == 0, run.text()
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from process_helpers import README_CARTPOLE, README_CARTPOLE_STEPS
+from process_helpers import README_CARTPOLE, README_CARTPOLE_RANKS, README_CARTPOLE_STEPS
 
 from impala.config import Config
 from impala.training import learner_threads
@@ -121,9 +121,13 @@ def _flag_values(args: list[str]) -> dict[str, str]:
     return values
 
 
-def test_the_cartpole_run_the_tests_train_is_the_readmes_command() -> None:
+def test_the_cartpole_runs_the_tests_train_are_the_readmes_commands() -> None:
     readme = (REPO_ROOT / "README.md").read_text().splitlines()
     command = next(line for line in readme if line.startswith("python run.py --env CartPole-v1"))
     tested = _flag_values([*README_CARTPOLE, "--total_steps", str(README_CARTPOLE_STEPS)])
     assert tested.pop("--disable_cuda") == ""  # the tests' machines may have a GPU; the README's command uses it
     assert _flag_values(command.split()[2:]) == tested
+    prefix = "torchrun --standalone --nproc_per_node 2 run.py --env CartPole-v1"
+    command = next(line for line in readme if line.startswith(prefix))
+    tested = _flag_values([*README_CARTPOLE_RANKS, "--total_steps", str(README_CARTPOLE_STEPS)])
+    assert _flag_values(command.split()[5:]) == tested  # this one's ranks do not use a GPU
