@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -37,10 +38,26 @@ def load_agent(config: Config) -> tuple[Net, dict]:
     return model, state
 
 
+@dataclass(frozen=True)
+class Games:
+    """What `play` played, one entry a game: its return, its length in agent steps, and whether a time limit
+    cut it (a policy that stalls plays every game to the limit)."""
+
+    returns: list[float]
+    lengths: list[int]
+    cut: list[bool]
+
+    def summary(self) -> str:
+        """One line on the games' lengths."""
+        cut = sum(self.cut)
+        return (f"Games lasted {min(self.lengths)}-{max(self.lengths)} agent steps (mean {np.mean(self.lengths):.0f}); "
+                f"{cut} of {len(self.cut)} cut by the time limit")
+
+
 def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True,
          on_step: Callable[[np.ndarray, np.ndarray], None] | None = None, fire_on_life_loss: bool = True
-         ) -> list[float]:
-    """Full-game returns of `episodes` games, the first game of each of `episodes` parallel envs.
+         ) -> Games:
+    """The full games of `episodes` parallel envs, the first game of each.
 
     `on_step(obs, game_over)`, when given, sees every observation the agent acts on ([episodes, ...]) and
     which games ended on that action ([episodes] bool): `EpisodeRecorder.add` keeps env 0's frames.
@@ -48,6 +65,7 @@ def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True,
     env = EnvBatch(env_id, episodes, seed, episodic_life=False, fire_on_life_loss=fire_on_life_loss)
     check_compatible_env(model, env)
     returns: list[float | None] = [None] * episodes
+    lengths, cut = [0] * episodes, [False] * episodes
     obs = torch.from_numpy(env.reset())
     done = torch.ones(episodes, dtype=torch.bool)
     core_state = model.initial_state(episodes)
@@ -67,10 +85,11 @@ def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True,
             for i in np.flatnonzero(step.game_over):
                 if returns[i] is None:
                     returns[i] = float(step.episode_return[i])
+                    lengths[i], cut[i] = int(step.episode_step[i]), bool(step.truncated[i])
             obs, done = torch.from_numpy(step.obs), torch.from_numpy(step.done)
     finally:
         env.close()
-    return [float(r) for r in returns if r is not None]  # every one is set by now
+    return Games([float(r) for r in returns if r is not None], lengths, cut)  # every return is set by now
 
 
 def check_compatible_env(model: Net, env: EnvBatch) -> None:
@@ -88,14 +107,16 @@ def test(config: Config) -> float:
     torch.set_num_threads(1)
     model, state = load_agent(config)
     recorder = EpisodeRecorder() if config.video else None
-    returns = play(model, config.env, config.test_episodes, config.seed + 12345,
-                   greedy=config.eval_actions == "greedy", on_step=recorder.add if recorder is not None else None,
-                   fire_on_life_loss=config.fire_on_life_loss)
+    games = play(model, config.env, config.test_episodes, config.seed + 12345,
+                 greedy=config.eval_actions == "greedy", on_step=recorder.add if recorder is not None else None,
+                 fire_on_life_loss=config.fire_on_life_loss)
+    returns = games.returns
     mean = float(np.mean(returns))
     best = (f"; its evaluation while training: {state['eval_return_mean']:.2f}" if "eval_return_mean" in state
             else "")
     print(f"Mean return over {len(returns)} episodes: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
           f"checkpoint at step {state['step']}{best})")
+    print(games.summary())
     if recorder is not None:
         run_dir = _run_dir(config) or find_checkpoint(None, config.checkpoint).parent
         write_evaluation(run_dir, int(state["step"]), returns, recorder.frames(), VIDEO_FPS_ATARI
@@ -123,9 +144,9 @@ def serve_evaluations(model: Net, config: Config, connection: Connection) -> Non
         except EOFError:
             return
         start_cpu_s = time.process_time()
-        returns = play(model, config.env, config.eval_episodes, config.seed + EVAL_SEED_OFFSET + number,
-                       greedy=config.eval_actions == "greedy", fire_on_life_loss=config.fire_on_life_loss)
-        connection.send((number, step, returns, time.process_time() - start_cpu_s))
+        games = play(model, config.env, config.eval_episodes, config.seed + EVAL_SEED_OFFSET + number,
+                     greedy=config.eval_actions == "greedy", fire_on_life_loss=config.fire_on_life_loss)
+        connection.send((number, step, games.returns, time.process_time() - start_cpu_s))
 
 
 # Atari plays at 60 frames/s and an agent step is 4 frames; other envs have no common clock.

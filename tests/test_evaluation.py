@@ -15,6 +15,7 @@ import types
 from multiprocessing import Pipe
 from pathlib import Path
 
+import gymnasium as gym
 import pytest
 import torch
 from process_helpers import IMPALA_RULE, Training, checkpoint_step, run_py, wait_until_gone
@@ -122,9 +123,24 @@ def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
     server.join(timeout=30)
     assert not server.is_alive()
     assert (number, step) == (2, 1234)
-    assert returns == play(model, "CartPole-v1", 3, 7 + EVAL_SEED_OFFSET + 2, greedy=True)
+    assert returns == play(model, "CartPole-v1", 3, 7 + EVAL_SEED_OFFSET + 2, greedy=True).returns
     assert len(returns) == 3 and all(r >= 1 for r in returns) and cpu_s > 0
 
+
+
+def test_play_reports_each_games_length_and_whether_a_time_limit_cut_it() -> None:
+    """An untrained policy drops CartPole's pole long before the 500-step limit; the same env cut at 5 steps
+    (the pole cannot fall that soon) ends every game at the limit. A CartPole step is worth 1."""
+    model = _net()
+    games = play(model, "CartPole-v1", 4, 3)
+    assert games.lengths == [int(r) for r in games.returns] and all(0 < n < 500 for n in games.lengths)
+    assert games.cut == [False] * 4
+    if "TestEvalCartPoleLimit5-v1" not in gym.registry:
+        gym.register("TestEvalCartPoleLimit5-v1", entry_point="gymnasium.envs.classic_control.cartpole:CartPoleEnv",
+                     max_episode_steps=5)
+    games = play(model, "TestEvalCartPoleLimit5-v1", 3, 3)
+    assert (games.returns, games.lengths, games.cut) == ([5.0] * 3, [5] * 3, [True] * 3)
+    assert games.summary() == "Games lasted 5-5 agent steps (mean 5); 3 of 3 cut by the time limit"
 
 
 def test_the_evaluator_follows_fire_on_life_loss(monkeypatch: pytest.MonkeyPatch) -> None:

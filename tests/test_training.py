@@ -60,6 +60,11 @@ def test_test_mode_plays_the_trained_agent(readme_cartpole: Path) -> None:
     match = re.search(r"Mean return over 5 episodes: ([-\d.]+)", result.stdout)
     assert match is not None, result.stdout
     assert float(match.group(1)) >= 450  # greedy play of the agent above (the most is 500)
+    lengths = re.search(r"Games lasted (\d+)-(\d+) agent steps \(mean \d+\); (\d+) of 5 cut by the time limit",
+                        result.stdout)
+    assert lengths is not None, result.stdout
+    shortest, longest, cut = (int(n) for n in lengths.groups())
+    assert shortest <= longest <= 500 and (cut > 0) == (longest == 500)  # CartPole-v1's limit is 500 steps
 
 
 def test_test_mode_without_a_run_is_a_one_line_user_error(tmp_path: Path) -> None:
