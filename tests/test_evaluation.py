@@ -127,7 +127,6 @@ def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
     assert len(returns) == 3 and all(r >= 1 for r in returns) and cpu_s > 0
 
 
-
 def test_play_reports_each_games_length_and_whether_a_time_limit_cut_it() -> None:
     """An untrained policy drops CartPole's pole long before the 500-step limit; the same env cut at 5 steps
     (the pole cannot fall that soon) ends every game at the limit. A CartPole step is worth 1."""
