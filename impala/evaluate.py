@@ -136,7 +136,8 @@ def serve_evaluations(model: Net, config: Config, connection: Connection) -> Non
 
     For each request `(number, step)` it plays `config.eval_episodes` full games with `model` (the shared
     copy the main process fills with the weights of agent step `step` and leaves alone until the answer
-    comes) and answers `(number, step, returns, cpu_s)`, `cpu_s` the CPU seconds this process spent on it.
+    comes) and answers `(number, step, games, cpu_s)`, `games` the `Games` played and `cpu_s` the CPU seconds
+    this process spent on them.
     """
     while True:
         try:
@@ -146,7 +147,7 @@ def serve_evaluations(model: Net, config: Config, connection: Connection) -> Non
         start_cpu_s = time.process_time()
         games = play(model, config.env, config.eval_episodes, config.seed + EVAL_SEED_OFFSET + number,
                      greedy=config.eval_actions == "greedy", fire_on_life_loss=config.fire_on_life_loss)
-        connection.send((number, step, games.returns, time.process_time() - start_cpu_s))
+        connection.send((number, step, games, time.process_time() - start_cpu_s))
 
 
 # Atari plays at 60 frames/s and an agent step is 4 frames; other envs have no common clock.

@@ -31,7 +31,7 @@ from impala.actor_pool import (
 )
 from impala.checkpoint import BEST_CHECKPOINT_NAME, best_so_far, save_checkpoint
 from impala.config import Config
-from impala.evaluate import serve_evaluations
+from impala.evaluate import Games, serve_evaluations
 from impala.learner import LearnerState
 from impala.metrics import RunLog
 from impala.model import Net
@@ -147,12 +147,12 @@ def _receive_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
     if message[0] == "error":
         evaluator.error_text = message[1]
         return
-    number, step, returns, cpu_s = message
+    number, step, games, cpu_s = message
     if evaluator.pending is None or number != evaluator.pending["number"]:
         log.warning("Ignoring an unexpected evaluation (number %s, step %s)", number, step)
         return
     pending, evaluator.pending = evaluator.pending, None
-    finish_evaluation(run, evaluator, {**pending, "cpu_s": cpu_s}, returns)
+    finish_evaluation(run, evaluator, {**pending, "cpu_s": cpu_s}, games)
 
 
 def _request_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
@@ -174,18 +174,24 @@ def _request_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
     evaluator.pending = {"number": evaluator.requested, **counters}
 
 
-def finish_evaluation(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: list[float]) -> None:
-    """Log the evaluation against the step of the weights it played with; keep the agent if it is the best."""
+def finish_evaluation(run: EvaluatedRun, evaluator: Evaluator, pending: dict, games: Games) -> None:
+    """Log the evaluation against the step of the weights it played with; keep the agent if it is the best.
+
+    Its games' mean length and how many a time limit cut are logged too: a policy that stalls plays every
+    game to the limit, and its return alone does not show it.
+    """
+    returns = games.returns
     mean, std = statistics.fmean(returns), statistics.pstdev(returns)
-    scalars = {"eval/episodic_return_mean": mean, "eval/episodic_return_std": std}
+    scalars = {"eval/episodic_return_mean": mean, "eval/episodic_return_std": std,
+               "eval/episode_length_mean": statistics.fmean(games.lengths), "eval/games_cut": float(sum(games.cut))}
     if "cpu_s" in pending:  # what evaluation costs: CPU seconds per evaluation, against the eval interval
         scalars["eval/cpu_s"] = pending["cpu_s"]
     run.runlog.scalars(pending["step"], scalars)
     best = evaluator.best
     better = best is None or mean > best[0]
-    log.info("Evaluation at step %d: mean return %.2f (std %.2f, %d games, %.2f CPU s)%s", pending["step"], mean,
+    log.info("Evaluation at step %d: mean return %.2f (std %.2f, %d games, %.2f CPU s)%s. %s", pending["step"], mean,
              std, len(returns), pending.get("cpu_s", float("nan")),
-             "" if best is None or better else f"; the best is {best[0]:.2f} at step {best[1]}")
+             "" if best is None or better else f"; the best is {best[0]:.2f} at step {best[1]}", games.summary())
     if better:
         _save_best(run, evaluator, pending, returns)
 

@@ -6,6 +6,7 @@ copies, and --checkpoint picks what test mode and resume load."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -32,7 +33,7 @@ from impala.checkpoint import (
     save_checkpoint,
 )
 from impala.config import Config, UserError, parse_config
-from impala.evaluate import EVAL_SEED_OFFSET, play, serve_evaluations
+from impala.evaluate import EVAL_SEED_OFFSET, Games, play, serve_evaluations
 from impala.evaluator import Evaluator, check_evaluator, finish_evaluation, replace_evaluator
 from impala.metrics import RunLog
 from impala.model import Net
@@ -118,13 +119,13 @@ def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
     server = threading.Thread(target=serve_evaluations, args=(model, config, process_end))
     server.start()
     main_end.send((2, 1234))
-    number, step, returns, cpu_s = main_end.recv()
+    number, step, games, cpu_s = main_end.recv()
     main_end.close()  # end-of-file ends the loop
     server.join(timeout=30)
     assert not server.is_alive()
     assert (number, step) == (2, 1234)
-    assert returns == play(model, "CartPole-v1", 3, 7 + EVAL_SEED_OFFSET + 2, greedy=True).returns
-    assert len(returns) == 3 and all(r >= 1 for r in returns) and cpu_s > 0
+    assert games == play(model, "CartPole-v1", 3, 7 + EVAL_SEED_OFFSET + 2, greedy=True)
+    assert len(games.returns) == 3 and all(r >= 1 for r in games.returns) and cpu_s > 0
 
 
 def test_play_reports_each_games_length_and_whether_a_time_limit_cut_it() -> None:
@@ -172,19 +173,25 @@ def _fake_run(tmp_path: Path, best: tuple[float, int] | None) -> types.SimpleNam
                                  model=model, runlog=RunLog(tmp_path), evaluator=evaluator)
 
 
-def test_only_a_better_evaluation_replaces_the_best(tmp_path: Path) -> None:
+def _games(returns: list[float], lengths: tuple[int, int] = (120, 80), cut: tuple[bool, bool] = (False, False)
+           ) -> Games:
+    return Games(returns, list(lengths), list(cut))
+
+
+def test_only_a_better_evaluation_replaces_the_best(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="impala")
     run_ = _fake_run(tmp_path, best=None)
     pending = {"number": 1, "step": 100, "updates": 5, "episodes": 9, "cpu_s": 0.5}
-    finish_evaluation(run_, run_.evaluator, pending, [20.0, 30.0])
+    finish_evaluation(run_, run_.evaluator, pending, _games([20.0, 30.0]))
     saved = load_checkpoint(tmp_path / BEST_CHECKPOINT_NAME)
     assert (saved["step"], saved["eval_return_mean"], saved["eval_return_std"]) == (100, 25.0, 5.0)
     assert saved["eval_returns"] == [20.0, 30.0] and saved["updates"] == 5
     assert all(torch.equal(v, run_.evaluator.model.state_dict()[k]) for k, v in saved["model_state_dict"].items())
     first = (tmp_path / BEST_CHECKPOINT_NAME).read_bytes()
     for step, returns in ((200, [25.0, 25.0]), (300, [10.0, 12.0])):  # equal, then worse: both kept out
-        finish_evaluation(run_, run_.evaluator, {**pending, "step": step}, returns)
+        finish_evaluation(run_, run_.evaluator, {**pending, "step": step}, _games(returns))
     assert (tmp_path / BEST_CHECKPOINT_NAME).read_bytes() == first
-    finish_evaluation(run_, run_.evaluator, {**pending, "step": 400}, [40.0, 40.0])
+    finish_evaluation(run_, run_.evaluator, {**pending, "step": 400}, _games([40.0, 40.0], (500, 500), (True, False)))
     assert load_checkpoint(tmp_path / BEST_CHECKPOINT_NAME)["step"] == 400
     assert run_.evaluator.best == (40.0, 400)
     meta = json.loads((tmp_path / "meta.json").read_text())["best_evaluation"]
@@ -195,6 +202,10 @@ def test_only_a_better_evaluation_replaces_the_best(tmp_path: Path) -> None:
     assert [(e.step, e.value) for e in events.Scalars(EVAL_TAG)] == [(100, 25), (200, 25), (300, 11), (400, 40)]
     assert [e.value for e in events.Scalars("eval/episodic_return_std")] == [5, 0, 1, 0]
     assert [e.value for e in events.Scalars("eval/cpu_s")] == [0.5] * 4
+    assert [e.value for e in events.Scalars("eval/episode_length_mean")] == [100, 100, 100, 500]
+    assert [e.value for e in events.Scalars("eval/games_cut")] == [0, 0, 0, 1]
+    assert "Evaluation at step 400: mean return 40.00 (std 0.00, 2 games, 0.50 CPU s). Games lasted 500-500 " \
+        "agent steps (mean 500); 1 of 2 cut by the time limit" in caplog.text
 
 
 def test_an_evaluator_that_keeps_dying_ends_evaluation_not_training(tmp_path: Path,
@@ -233,6 +244,8 @@ def test_a_run_evaluates_keeps_its_best_and_test_mode_plays_it(tmp_path: Path) -
     assert len(evaluations) >= 2, "evaluations while training, not only at the end"
     assert all(0 <= e.step <= 60_000 for e in evaluations)  # against the step of the weights played
     assert len(events.Scalars("eval/episodic_return_std")) == len(evaluations)
+    lengths = events.Scalars("eval/episode_length_mean")  # CartPole's games: 1 to 500 agent steps
+    assert [e.step for e in lengths] == [e.step for e in evaluations] and all(1 <= e.value <= 500 for e in lengths)
     best = max(evaluations, key=lambda e: e.value)
     saved = load_checkpoint(run_dir / BEST_CHECKPOINT_NAME)
     assert saved["eval_return_mean"] == pytest.approx(best.value, rel=1e-6)
