@@ -89,14 +89,16 @@ def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None,
     return process.returncode
 
 
-def greedy_test(env: str, savedir: Path, xpid: str, episodes: int) -> float:
+def greedy_test(env: str, savedir: Path, xpid: str, episodes: int) -> tuple[float, str]:
+    """Test mode's mean return and its line on the games' lengths ("Games lasted A-B agent steps ...")."""
     command = [sys.executable, "run.py", "--mode", "test", "--env", env, "--savedir", str(savedir), "--xpid", xpid,
                "--test_episodes", str(episodes)]
     output = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
     match = re.search(r"Mean return over \d+ episodes: (-?[\d.]+)", output)
-    if match is None:
-        raise RuntimeError(f"no mean return in the test output:\n{output}")
-    return float(match.group(1))
+    lengths = re.search(r"^Games lasted .*$", output, re.MULTILINE)
+    if match is None or lengths is None:
+        raise RuntimeError(f"no mean return or game lengths in the test output:\n{output}")
+    return float(match.group(1)), lengths.group(0)
 
 
 def episodes(run_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -216,7 +218,8 @@ def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str,
             print(f"{xpid}: run.py exited with {code} (its out.log says why); going on with the next game", flush=True)
     record = _read_json(run_dir / ATARI5_RECORD)
     if run_state(run_dir) == "finished" and record.get("greedy_test_episodes") != args.test_episodes:
-        record["greedy_test_mean"] = greedy_test(env_id, args.savedir, xpid, args.test_episodes)
+        record["greedy_test_mean"], record["greedy_test_lengths"] = greedy_test(env_id, args.savedir, xpid,
+                                                                                args.test_episodes)
         record["greedy_test_episodes"] = args.test_episodes
         (run_dir / ATARI5_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     if args.keep and (run_dir / "meta.json").is_file():  # before the next game: a session may end during it
@@ -261,6 +264,7 @@ def atari5_row(run_dir: Path, env_id: str, seed: int, kept: dict | None = None) 
     return {"game": game.name, "env": env_id, "xpid": run_dir.name, "seed": seed, "state": run_state(run_dir),
             "final_step": meta.get("final_step"), "games": games, f"mean_last_{LAST_GAMES}": mean,
             "greedy_test_mean": greedy, "greedy_test_episodes": record.get("greedy_test_episodes"),
+            "greedy_test_lengths": record.get("greedy_test_lengths"),
             f"hns_last_{LAST_GAMES}": None if mean is None else atari5.normalised(env_id, mean),
             "hns_greedy": None if greedy is None else atari5.normalised(env_id, greedy),
             "random": game.random, "human": game.human, "cleanrl_ppo": game.cleanrl_ppo,
@@ -507,7 +511,7 @@ def main() -> int:
         row = summary(args.savedir / xpid)
         if not args.plot_only:
             row["process_wall_s"] = round(time.monotonic() - start, 1)
-        row["greedy_test_mean"] = greedy_test(env, args.savedir, xpid, args.test_episodes)
+        row["greedy_test_mean"], row["greedy_test_lengths"] = greedy_test(env, args.savedir, xpid, args.test_episodes)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if len(rows) > 1:

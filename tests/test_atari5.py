@@ -7,6 +7,7 @@ import csv
 import importlib.util
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -278,6 +279,32 @@ def test_a_kept_game_is_tabled_drawn_and_not_trained_again_on_another_machine(
     phoenix = fig.axes[3]
     assert list(phoenix.lines[0].get_xdata()) == [1000, 2000] and list(phoenix.lines[0].get_ydata()) == [1000.0, 7242.6]
     assert phoenix.lines[0].get_label() == "atari5-Phoenix (kept)"
+
+
+def test_a_finished_game_is_tested_greedily_once_and_its_games_lengths_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A game that finished without a greedy test gets one: test mode's mean return and its line on the games'
+    lengths go into atari5.json and the kept record; the next call finds them and does not test again."""
+    run_dir = _finished_run(tmp_path, "atari5-Phoenix", PHX, [1000.0, 7242.6])
+    (run_dir / results.ATARI5_RECORD).write_text(json.dumps({"sessions": [{"wall_s": 60.0, "machine": "M"}]}))
+    lengths = "Games lasted 1800-4400 agent steps (mean 3100); 0 of 10 cut by the time limit"
+    commands: list[list[str]] = []
+
+    def test_mode(command: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 0, "Mean return over 10 episodes: 5123.50 (min 2000.00, max "
+                                           f"9000.00; checkpoint at step 10000000)\n{lengths}\n", "")
+
+    monkeypatch.setattr(results.subprocess, "run", test_mode)
+    monkeypatch.setattr(results, "train", lambda *args, **kwargs: pytest.fail("a finished game trained again"))
+    kept = tmp_path / "kept"
+    for _ in range(2):
+        assert _main("atari5", "--games", "Phoenix", "--savedir", str(tmp_path), "--keep", str(kept)) == 0
+    assert len(commands) == 1 and commands[0][1:] == ["run.py", "--mode", "test", "--env", PHX, "--savedir",
+                                                      str(tmp_path), "--xpid", "atari5-Phoenix", "--test_episodes", "10"]
+    record = json.loads((kept / "atari5-Phoenix.json").read_text())
+    assert (record["greedy_test_mean"], record["greedy_test_episodes"]) == (5123.5, 10)
+    assert record["greedy_test_lengths"] == lengths
 
 
 def test_a_kept_record_is_not_replaced_by_a_run_with_fewer_steps(tmp_path: Path, capsys) -> None:
