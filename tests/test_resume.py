@@ -88,8 +88,9 @@ def test_sigterm_then_resume_reaches_total_steps_with_one_curve(tmp_path: Path) 
     with open(first.run_dir / "logs.csv", newline="") as f:
         row = next(row for row in csv.DictReader(f)
                    if int(row["charts/episodes"]) > len(first_games) and row["charts/mean_return_100"])
-    window = games[: int(row["charts/episodes"])][-100:]
-    new_games = int(row["charts/episodes"]) - len(first_games)
+    episodes = int(row["charts/episodes"])
+    window = games[:episodes][-100:]
+    new_games = episodes - len(first_games)
     assert new_games < 100, f"the second session's first line came after {new_games} games of its own"
     assert len(window) > new_games  # so the window holds games of the first session
     assert float(row["charts/mean_return_100"]) == pytest.approx(sum(window) / len(window), abs=1e-3)
