@@ -39,9 +39,24 @@ def test_defaults_are_the_atari_settings_measured_in_results() -> None:
 def test_derived_values() -> None:
     config = Config(num_actors=3, envs_per_actor=5, num_learner_threads=2, batch_size=4, unroll_length=20)
     assert config.slots_needed == 3 * 5 + 2 * 4
-    assert config.resolved_num_buffers == config.slots_needed  # actors at most about one batch ahead
-    assert Config(num_buffers=100).resolved_num_buffers == 100
+    assert config.resolved_num_buffers() == config.slots_needed  # actors at most about one batch ahead
+    assert Config(num_buffers=100).resolved_num_buffers() == 100
+    assert Config(num_buffers=100).resolved_num_buffers(learner_on_gpu=True) == 100  # the flag wins
     assert config.steps_per_update == 20 * 4
+
+
+@pytest.mark.parametrize("num_actors, envs_per_actor, batch_size, learner_threads, cpu, gpu", [
+    (14, 8, 32, 1, 14 * 8 + 32, 2 * 14 * 8),  # one GPU machine's default: two unrolls of slots per env
+    (4, 8, 32, 1, 64, 64),  # two cores' default: slots_needed already holds two unrolls per env
+    (2, 8, 32, 2, 16 + 64, 16 + 64),  # more than two unrolls per env: never fewer than slots_needed
+    (3, 5, 4, 1, 19, 30),
+])
+def test_a_gpu_learner_gives_every_actor_two_unrolls_of_slots(num_actors: int, envs_per_actor: int, batch_size: int,
+                                                              learner_threads: int, cpu: int, gpu: int) -> None:
+    config = Config(num_actors=num_actors, envs_per_actor=envs_per_actor, batch_size=batch_size,
+                    num_learner_threads=learner_threads)
+    assert config.resolved_num_buffers() == config.resolved_num_buffers(learner_on_gpu=False) == cpu
+    assert config.resolved_num_buffers(learner_on_gpu=True) == gpu
 
 
 @pytest.mark.parametrize("cores, local_ranks, batch_size, envs_per_actor, other_actors, expected", [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import multiprocessing
 import os
+import queue
 import random
 import signal
 import time
@@ -106,4 +107,26 @@ def test_no_slot_is_lost_or_doubled_when_actors_are_killed_at_random_moments(tmp
         slots = run.pool.slots.drain()
         training.shutdown(run, save=False)
     assert kills == 20
-    assert sorted(slots) == list(range(config.resolved_num_buffers))
+    assert sorted(slots) == list(range(config.resolved_num_buffers()))
+
+
+def _free_now(q: RecordQueue) -> int:
+    """How many slots `q` hands out without waiting for a learner."""
+    count = 0
+    while True:
+        try:
+            q.get(timeout=0.01)
+        except queue.Empty:
+            return count
+        count += 1
+
+
+def test_with_a_gpu_learner_an_actor_starts_its_next_unroll_while_its_last_waits_for_a_batch() -> None:
+    config = Config(num_actors=14, envs_per_actor=8, batch_size=32)  # the default on one GPU machine of 16 cores
+    for learner_on_gpu, free_after_handing_over in ((False, (2, 3)), (True, (8,))):
+        ledger = _ledger(config.resolved_num_buffers(learner_on_gpu=learner_on_gpu), config.num_actors)
+        for actor in range(config.num_actors):
+            for slot in _take(ledger.free_queue(actor), config.envs_per_actor):  # one unroll, filled, handed over
+                ledger.full_queue.put(slot)
+            assert _free_now(ledger.free_queue(actor)) in free_after_handing_over  # what its next unroll can have
+        ledger.close()
