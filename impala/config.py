@@ -406,6 +406,12 @@ def config_from_dict(values: dict[str, Any]) -> Config:
 LATEST_NAME = "latest"
 
 
+def run_name_of(env_id: str) -> str:
+    """The env's part of a default run name, a plain name (ALE/Pong-v5 gives ALE_Pong-v5, my_envs:Maze-v0
+    gives my_envs_Maze-v0)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", env_id)
+
+
 def run_path(savedir: str | Path, xpid: str) -> Path:
     """SAVEDIR/XPID, where XPID `latest` means the run named in the file SAVEDIR/latest (when it is a file)."""
     savedir = Path(savedir).expanduser()

@@ -19,6 +19,7 @@ steps all its envs together, so in those games (FIRE and lives) each env gets a 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,10 +44,20 @@ def _register() -> None:
 
 
 def env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
-    """The gymnasium spec of `env_id`; an unknown id raises UserError with gymnasium's suggestion."""
+    """The gymnasium spec of `env_id`; an unknown id raises UserError with gymnasium's suggestion.
+
+    `MODULE:ID` imports MODULE first, as `gymnasium.make` does: a user's own env, registered by its module.
+    """
     _register()
+    module, _, name = env_id.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            raise UserError(f"env {env_id!r}: no module {exc.name!r} to import; put the module that registers "
+                            f"{name!r} on PYTHONPATH or install it") from None
     try:
-        return gym.spec(env_id)
+        return gym.spec(name)
     except gym.error.Error as exc:
         raise UserError(f"unknown env id {env_id!r}: {exc}") from None
 

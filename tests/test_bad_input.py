@@ -51,6 +51,8 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize(("flags", "pattern"), [
     (["--env", "CartPol-v1"], r"unknown env id 'CartPol-v1'"),
     (["--env", "Pendulum-v1"], r"only Discrete is supported"),
+    (["--env", "no_such_module_here:Maze-v0"], r"no module 'no_such_module_here' to import; put the module"),
+    (["--env", "json:Maze-v0"], r"unknown env id 'json:Maze-v0'"),  # the module is there, the id is not
     (["--batch_size", "0"], r"--batch_size must be >= 1, got 0"),
     (["--num_actors", "-2"], r"--num_actors: takes a number >= 0 or auto, got .-2."),
     (["--num_actors", "0"], r"--num_actors must be >= 1, got 0"),

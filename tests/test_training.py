@@ -92,6 +92,30 @@ def test_pong_smoke_run(tmp_path: Path) -> None:
     assert state["model"] == "shallow"
 
 
+def test_a_users_own_env_trains_and_plays_from_its_module(tmp_path: Path) -> None:
+    """--env MODULE:ID imports MODULE (which registers ID) in every process that makes the env: the trainer, its
+    actors and test mode."""
+    (tmp_path / "my_envs.py").write_text(
+        "import gymnasium as gym\n"
+        "gym.register('ShortCartPole-v0', entry_point='gymnasium.envs.classic_control:CartPoleEnv', "
+        "max_episode_steps=20)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    common = ["--env", "my_envs:ShortCartPole-v0", "--savedir", str(tmp_path / "runs"), "--disable_cuda"]
+    result = subprocess.run([sys.executable, "run.py", *common, "--num_actors", "2", "--envs_per_actor", "2",
+                             "--unroll_length", "5", "--batch_size", "2", "--total_steps", "200"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run_dir,) = (tmp_path / "runs").glob("my_envs_ShortCartPole-v0-*")  # a plain name from the env id
+    assert json.loads((run_dir / "flags.json").read_text())["env"] == "my_envs:ShortCartPole-v0"
+    assert torch.load(run_dir / "model.tar", map_location="cpu", weights_only=True)["step"] == 200
+    result = subprocess.run([sys.executable, "run.py", *common, "--mode", "test", "--xpid", run_dir.name,
+                             "--test_episodes", "3"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                            check=False, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lengths = re.search(r"Games lasted (\d+)-(\d+) agent steps", result.stdout)
+    assert lengths is not None and int(lengths.group(2)) <= 20, result.stdout  # the module's time limit
+
+
 @pytest.mark.parametrize(("env", "seed"), [("PongNoFrameskip-v4", 5000), ("PongNoFrameskip-v4", 2**31 - 1),
                                            ("CartPole-v1", 5000)])
 def test_any_seed_below_2_31_trains(tmp_path: Path, env: str, seed: int) -> None:
