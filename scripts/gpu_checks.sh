@@ -5,7 +5,7 @@
 # four parts: `tests` (the gpu-marked tests), `learner` (the learner alone: eager with --no-cuda_graph, with
 # --compile, as the default's one CUDA graph per update, and graphed with --compile: GPU busy share, host CPU
 # per step), `defaults` (the components, the actors stepping together alone, and the trainer with all cores, `--num_actors auto`: inference in the
-# actors, central, and the eager learner) and `pong` (the README's Pong command, its time to a mean of 18;
+# actors, central, and in the actors with the fewest slots) and `pong` (the README's Pong command, its time to a mean of 18;
 # $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
@@ -36,9 +36,12 @@ if [ "$what" = learner ]; then
   exit 0
 fi
 if [ "$what" = defaults ]; then
+  # The last variant: the fewest slots that cannot deadlock (--num_actors auto's actors x 8 envs + one batch of
+  # 32), the default before a GPU learner's two unrolls of slots per env.
+  fewest=$(( ($(nproc) - 2) * 8 + 32 ))
   timeout 500 python3 -m impala.bench --num_actors auto --total_steps "$steps" --seconds 5 \
     --only env,inference,learner,actor,actors,e2e --variants "--inference actor" "--inference central" \
-    "--no-cuda_graph --inference actor" \
+    "--inference actor --num_buffers $fewest" \
     --json "$out/defaults.json" > "$out/defaults.txt" 2>&1
   tail -n 20 "$out"/*.txt
   exit 0
