@@ -9,7 +9,7 @@
 # $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|tests|learner|defaults|actors|pong|atari5] [TOTAL_STEPS]
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|tests|learner|defaults|placement|actors|pong|atari5] [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
 what=${1:-all}
@@ -44,6 +44,17 @@ if [ "$what" = defaults ]; then
     "--inference actor --num_buffers $fewest" \
     --json "$out/defaults.json" > "$out/defaults.txt" 2>&1
   tail -n 20 "$out"/*.txt
+  exit 0
+fi
+# What could lift the trainer past its actors' pace, once they no longer wait for slots: central inference with
+# two env splits (an actor steps one half of its envs while the other half waits for actions), and 16 envs per
+# actor (a bigger, cheaper forward in each actor).
+if [ "$what" = placement ]; then
+  timeout 560 python3 -m impala.bench --num_actors auto --total_steps "$steps" --only e2e \
+    --variants "--inference central --env_splits 2" "--inference actor --envs_per_actor 16" \
+    "--inference central --envs_per_actor 16 --env_splits 2" \
+    --json "$out/placement.json" > "$out/placement.txt" 2>&1
+  tail -n 20 "$out/placement.txt"
   exit 0
 fi
 if [ "$what" = pong ]; then
