@@ -385,9 +385,9 @@ def _last_saved(run: Run) -> str:
 
 def _log_start(run: Run) -> None:
     config = run.config
-    log.info("Run %s: %s, %d actors x %d envs, T=%d, B=%d, device %s%s", run.run_dir, config.env,
-             config.num_actors, config.envs_per_actor, config.unroll_length, config.batch_size, run.device,
-             ", bfloat16 autocast" if run.amp else "")
+    log.info("Run %s: %s, %d actors x %d envs, %d slots, T=%d, B=%d, device %s%s", run.run_dir, config.env,
+             config.num_actors, config.envs_per_actor, run.buffers["slot_owner"].numel(), config.unroll_length,
+             config.batch_size, run.device, ", bfloat16 autocast" if run.amp else "")
     if run.coordinator is not None:
         ranks = run.coordinator.ranks
         log.info("%d learner ranks (torchrun, %s): each with these actors and batch; this one, rank 0, "

@@ -105,6 +105,8 @@ def test_a_users_own_env_trains_and_plays_from_its_module(tmp_path: Path) -> Non
                              "--unroll_length", "5", "--batch_size", "2", "--total_steps", "200"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, check=False, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # the start line; on the CPU the fewest slots that cannot deadlock: 2 actors x 2 envs + a batch of 2
+    assert "my_envs:ShortCartPole-v0, 2 actors x 2 envs, 6 slots, T=5, B=2, device cpu" in result.stdout + result.stderr
     (run_dir,) = (tmp_path / "runs").glob("my_envs_ShortCartPole-v0-*")  # a plain name from the env id
     assert json.loads((run_dir / "flags.json").read_text())["env"] == "my_envs:ShortCartPole-v0"
     assert torch.load(run_dir / "model.tar", map_location="cpu", weights_only=True)["step"] == 200
