@@ -78,8 +78,9 @@ class Config:
     num_buffers: int | None = _flag(None, "shared rollout slots (default: the fewest that cannot deadlock, envs of "
                                     "all actors + learner threads x batch_size, so that actors run at most about one "
                                     "batch ahead of a learner slower than they are, which keeps the policy lag low; "
-                                    "with the learner on a GPU, at least two unrolls of slots for every env, so that "
-                                    "no actor waits for its last unroll to be taken before it starts the next)")
+                                    "with a GPU learner whose update is one CUDA graph, at least two unrolls of slots for "
+                                    "every env, so that no actor waits for its last unroll to be taken before it "
+                                    "starts the next)")
     unroll_length: int = _flag(32, "agent steps per unroll (T)")
     inference: str = _flag("actor", "where actions are computed: 'actor' (each actor, on CPU) or 'central' "
                            "(one thread in the main process batches all actors on the learner's device)",
@@ -208,23 +209,24 @@ class Config:
         """Slots that actors and learners can hold at once; fewer would deadlock."""
         return self.num_actors * self.envs_per_actor + self.num_learner_threads * self.batch_size
 
-    def resolved_num_buffers(self, learner_on_gpu: bool = False) -> int:
-        """Slots of the local actors (none without them): --num_buffers, else `slots_needed`, and with the
-        learner on a GPU at least two unrolls of slots for every env.
+    def resolved_num_buffers(self, learner_keeps_up: bool = False) -> int:
+        """Slots of the local actors (none without them): --num_buffers, else `slots_needed`, and for a learner
+        that keeps up with its actors (a GPU learner whose update is one CUDA graph) at least two unrolls of
+        slots for every env.
 
         Each slot returns to one actor (`slots.py`). With `slots_needed` an actor has one unroll of slots and its
         share of a batch (14 actors of 8 envs, batch 32: 2 or 3 slots each), so after handing an unroll over it
         waits until a learner has taken that unroll into a batch and given its slots back. A learner slower than
-        its actors (the CPU) takes batches as fast as it can anyway, and more slots would only queue unrolls and
-        add policy lag. A GPU learner keeps up with its actors, so that wait is time they do not act: 14% of
-        it in BENCHMARKS.md's measurement, where a second unroll of slots took it to 0% for 0.2-0.3 updates
-        more policy lag."""
+        its actors (the CPU, an eager GPU update) takes batches as fast as it can anyway, and more slots would
+        only queue unrolls and add policy lag. Where the learner keeps up, that wait is time the actors do not
+        act: 14% of it in BENCHMARKS.md's measurement, where a second unroll of slots took it to 0% for 0.2-0.3
+        updates more policy lag."""
         if self.num_buffers is not None:
             return self.num_buffers
         if self.num_actors == 0:
             return 0
         envs = self.num_actors * self.envs_per_actor
-        return max(self.slots_needed, 2 * envs) if learner_on_gpu else self.slots_needed
+        return max(self.slots_needed, 2 * envs) if learner_keeps_up else self.slots_needed
 
     @property
     def ray_unrolls_per_env(self) -> int:

@@ -165,7 +165,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     if checkpoint is not None:
         assert checkpoint_path is not None
         state.load_state_dict(checkpoint, config, checkpoint_path)
-    local_slots = config.resolved_num_buffers(learner_on_gpu=device.type == "cuda")
+    local_slots = config.resolved_num_buffers(learner_keeps_up=learner.uses_cuda_graph(config, device, world_size))
     spec = BufferSpec(local_slots + config.remote_slots, config.unroll_length, observation_shape, observation_dtype,
                       num_actions, model.core_state_shapes())
     buffers = create_buffers(spec)

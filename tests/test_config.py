@@ -41,22 +41,23 @@ def test_derived_values() -> None:
     assert config.slots_needed == 3 * 5 + 2 * 4
     assert config.resolved_num_buffers() == config.slots_needed  # actors at most about one batch ahead
     assert Config(num_buffers=100).resolved_num_buffers() == 100
-    assert Config(num_buffers=100).resolved_num_buffers(learner_on_gpu=True) == 100  # the flag wins
+    assert Config(num_buffers=100).resolved_num_buffers(learner_keeps_up=True) == 100  # the flag wins
     assert config.steps_per_update == 20 * 4
 
 
-@pytest.mark.parametrize("num_actors, envs_per_actor, batch_size, learner_threads, cpu, gpu", [
-    (14, 8, 32, 1, 14 * 8 + 32, 2 * 14 * 8),  # one GPU machine's default: two unrolls of slots per env
+@pytest.mark.parametrize("num_actors, envs_per_actor, batch_size, learner_threads, slower, keeps_up", [
+    (14, 8, 32, 1, 14 * 8 + 32, 2 * 14 * 8),  # one GPU machine's default (graphed): two unrolls per env
     (4, 8, 32, 1, 64, 64),  # two cores' default: slots_needed already holds two unrolls per env
     (2, 8, 32, 2, 16 + 64, 16 + 64),  # more than two unrolls per env: never fewer than slots_needed
     (3, 5, 4, 1, 19, 30),
 ])
-def test_a_gpu_learner_gives_every_actor_two_unrolls_of_slots(num_actors: int, envs_per_actor: int, batch_size: int,
-                                                              learner_threads: int, cpu: int, gpu: int) -> None:
+def test_a_learner_that_keeps_up_gives_every_env_two_unrolls_of_slots(num_actors: int, envs_per_actor: int,
+                                                                     batch_size: int, learner_threads: int, slower: int,
+                                                                     keeps_up: int) -> None:
     config = Config(num_actors=num_actors, envs_per_actor=envs_per_actor, batch_size=batch_size,
                     num_learner_threads=learner_threads)
-    assert config.resolved_num_buffers() == config.resolved_num_buffers(learner_on_gpu=False) == cpu
-    assert config.resolved_num_buffers(learner_on_gpu=True) == gpu
+    assert config.resolved_num_buffers() == config.resolved_num_buffers(learner_keeps_up=False) == slower
+    assert config.resolved_num_buffers(learner_keeps_up=True) == keeps_up
 
 
 @pytest.mark.parametrize("cores, local_ranks, batch_size, envs_per_actor, other_actors, expected", [

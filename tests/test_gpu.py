@@ -293,11 +293,12 @@ def test_central_inference_on_the_gpu_serves_the_models_outputs_from_pinned_stag
     torch.testing.assert_close(buffers["policy_logits"][slots, 2], expected.policy_logits[0].cpu())
 
 
-def test_a_gpu_learner_gives_every_env_two_unrolls_of_slots(tmp_path):
+@pytest.mark.parametrize("graphed, slots", [(True, 12), (False, 8)])
+def test_a_graphed_gpu_learner_gives_every_env_two_unrolls_of_slots(tmp_path, graphed, slots):
     command = [sys.executable, "run.py", "--env", "CartPole-v1", "--num_actors", "3", "--envs_per_actor", "2",
                "--unroll_length", "5", "--batch_size", "2", "--total_steps", "200", "--savedir", str(tmp_path),
-               "--xpid", "slots"]
+               "--xpid", "slots", "--cuda_graph" if graphed else "--no-cuda_graph"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    # 2 x 3 x 2 = 12, where the CPU has the fewest that cannot deadlock, 3 x 2 + 2 = 8
-    assert "3 actors x 2 envs, 12 slots, T=5, B=2, device cuda" in result.stdout
+    # graphed, 2 x 3 x 2 = 12; eager, the fewest that cannot deadlock, 3 x 2 + 2 = 8 (as on the CPU)
+    assert f"3 actors x 2 envs, {slots} slots, T=5, B=2, device cuda" in result.stdout

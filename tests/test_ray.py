@@ -54,7 +54,7 @@ def test_num_actors_may_be_zero_only_with_ray() -> None:
         parse_config(["--num_actors", "0"])
     config = parse_config(["--num_actors", "0", "--ray", "local", "--ray_actors", "3", "--ray_envs_per_actor", "4",
                            "--batch_size", "5", "--num_learner_threads", "2"])
-    assert config.resolved_num_buffers() == config.resolved_num_buffers(learner_on_gpu=True) == 0
+    assert config.resolved_num_buffers() == config.resolved_num_buffers(learner_keeps_up=True) == 0
     assert config.ray_unrolls_per_env == 2  # 256 agent steps per object at least: 4 envs x T=32 x 2
     assert config.remote_slots == 3 * 4 * 2 + 2 * 5  # one object's worth per remote actor, the learners' B each
     assert parse_config(["--ray", "local", "--ray_envs_per_actor", "4", "--unroll_length", "80"]).ray_unrolls_per_env == 1

@@ -121,10 +121,10 @@ def _free_now(q: RecordQueue) -> int:
         count += 1
 
 
-def test_with_a_gpu_learner_an_actor_starts_its_next_unroll_while_its_last_waits_for_a_batch() -> None:
-    config = Config(num_actors=14, envs_per_actor=8, batch_size=32)  # the default on one GPU machine of 16 cores
-    for learner_on_gpu, free_after_handing_over in ((False, (2, 3)), (True, (8,))):
-        ledger = _ledger(config.resolved_num_buffers(learner_on_gpu=learner_on_gpu), config.num_actors)
+def test_with_a_learner_that_keeps_up_an_actor_starts_its_next_unroll_while_its_last_waits_for_a_batch() -> None:
+    config = Config(num_actors=14, envs_per_actor=8, batch_size=32)  # the default on a GPU machine of 16 cores
+    for learner_keeps_up, free_after_handing_over in ((False, (2, 3)), (True, (8,))):
+        ledger = _ledger(config.resolved_num_buffers(learner_keeps_up=learner_keeps_up), config.num_actors)
         for actor in range(config.num_actors):
             for slot in _take(ledger.free_queue(actor), config.envs_per_actor):  # one unroll, filled, handed over
                 ledger.full_queue.put(slot)
