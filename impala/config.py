@@ -408,10 +408,10 @@ def config_from_dict(values: dict[str, Any]) -> Config:
 LATEST_NAME = "latest"
 
 
-def run_name_of(env_id: str) -> str:
-    """The env's part of a default run name, a plain name (ALE/Pong-v5 gives ALE_Pong-v5, my_envs:Maze-v0
-    gives my_envs_Maze-v0)."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", env_id)
+def plain_name(text: str) -> str:
+    """`text` as a part of a run name: every character but letters, digits, '.', '_' and '-' as '_'
+    (ALE/Pong-v5 gives ALE_Pong-v5, my_envs:Maze-v0 gives my_envs_Maze-v0)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
 
 
 def run_path(savedir: str | Path, xpid: str) -> Path:

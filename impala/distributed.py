@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from impala.config import Config, TrainingError, UserError, run_name_of, run_path
+from impala.config import Config, TrainingError, UserError, plain_name, run_path
 from impala.learner import LearnerState
 from impala.metrics import ConsoleHandler, RunLog
 from impala.model import Net
@@ -60,7 +60,7 @@ def default_xpid(config: Config) -> str:
     if run_id in ("", "none"):
         raise UserError("under torchrun without --standalone or --rdzv-id, pass --xpid NAME: every rank and every "
                         "restart of the job must name the same run")
-    return f"{run_name_of(config.env)}-{re.sub(r'[^A-Za-z0-9._-]', '_', run_id)}"
+    return f"{plain_name(config.env)}-{plain_name(run_id)}"
 
 
 def rank_seed(seed: int, rank: int) -> int:

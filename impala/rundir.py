@@ -25,12 +25,12 @@ from impala.checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,
 )
-from impala.config import LATEST_NAME, Config, UserError, run_name_of, run_path
+from impala.config import LATEST_NAME, Config, UserError, plain_name, run_path
 
 
 def run_directory(config: Config) -> tuple[Path, bool]:
     """The run's directory and whether it resumes an existing run. Writes nothing."""
-    xpid = config.xpid or f"{run_name_of(config.env)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    xpid = config.xpid or f"{plain_name(config.env)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     run_dir = run_path(config.savedir, xpid)
     resuming = resume_checkpoint(config, run_dir) is not None
     if config.resume and not resuming:
