@@ -69,7 +69,7 @@ import torch.distributed as dist
 from impala import distributed, learner
 from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.actor_pool import keep_freed_memory
-from impala.buffers import BufferSpec
+from impala.buffers import BufferSpec, pin_observations, unpin_observations
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import Config, UserError, add_flags, to_flags
 from impala.environment import EnvBatch
@@ -82,7 +82,8 @@ COMPONENTS = ("env", "inference", "learner", "actor", "actors", "e2e")
 # Config fields the bench takes as flags; every other field keeps its Config default.
 CONFIG_FLAGS = ("env", "model", "use_lstm", "num_actors", "envs_per_actor", "env_splits", "unroll_length",
                 "batch_size", "total_steps", "disable_cuda", "amp", "inference", "inference_wait_ms", "policy_loss",
-                "optimizer", "epochs", "minibatches", "advantage_norm", "minibatch_mode", "compile", "cuda_graph")
+                "optimizer", "epochs", "minibatches", "advantage_norm", "minibatch_mode", "compile", "cuda_graph",
+                "pin_slots")
 # Where the bench's defaults differ from the trainer's: a short run sized for two cores.
 BENCH_DEFAULTS = {"num_actors": 2, "total_steps": 60_000}
 POLL_S = 0.1
@@ -260,6 +261,10 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
                     config.hidden_size).to(device)
         optimizer, scheduler = learner.make_optimizer(model, config, world_size)
         buffers = _synthetic_slots(config, shape, model)
+        pinned = device.type == "cuda" and config.pin_slots
+        if pinned:  # as the trainer's learner threads copy them: from shared memory, page-locked
+            buffers["obs"].share_memory_()
+            pinned = pin_observations(buffers)
         staging = learner.BatchStaging(buffers, config.batch_size, pin=device.type == "cuda")
         slots = list(range(config.batch_size))
         loss_fn = learner.loss_function(config, device)  # compiled with --compile, in the warm-up
@@ -281,16 +286,20 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
 
         with gpu_busy(_cuda_index(device)) as busy:  # the warm-up's 10% included
             rate = timed_loop(step, seconds, lockstep=coordinator is not None)
+        if pinned:
+            unpin_observations(buffers)
         distributed.leave(coordinator)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     ranks = f", {world_size} ranks x B" if world_size > 1 else ""
     graph = ", one CUDA graph per update" if isinstance(update, learner.GraphedUpdate) else ""
+    graph += ", observations copied straight from page-locked slots" if pinned else ""
     return {"what": f"{shape.model} update on [T+1={config.unroll_length + 1}, B={config.batch_size}] "
                     f"({name}{ranks}{graph})",
             "batch": config.batch_size, "ranks": world_size, "device": str(device), "threads": threads, "amp": amp,
             "cpu_is_host_only": device.type == "cuda",
             # Medians over every call, the warm-up's included (the median leaves out its compiling and capturing):
-            # stacking B slots, starting their copy to the device, and the update until its stats are read.
+            # stacking B slots, their copy to the device (started; observations copied straight from page-locked
+            # slots are read by then), and the update until its stats are read.
             "median_ms_per_batch": {name: statistics.median(times) for name, times in phases_ms.items()},
             **rate.to_dict(), **busy}
 

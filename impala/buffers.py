@@ -15,12 +15,17 @@ of obs T. Only slot numbers travel through queues; the tensors below stay in sha
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from impala.config import UserError
+
+log = logging.getLogger("impala")
 
 _POISON = {torch.uint8: 255, torch.bool: True, torch.int64: -1, torch.float32: float("nan")}
 
@@ -93,3 +98,52 @@ def create_buffers(spec: BufferSpec, shared: bool = True) -> Buffers:
         tensor = torch.full(shape, _POISON[dtype], dtype=dtype)
         buffers[name] = tensor.share_memory_() if shared else tensor
     return buffers
+
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not only the current
+
+
+def pin_observations(buffers: Buffers) -> bool:
+    """Page-lock the slots' observations where they are, in shared memory, for CUDA (`cudaHostRegister`), so a GPU
+    learner copies each slot's frames straight to the device instead of stacking them on the host first
+    (`learner.BatchStaging`): with Pong's defaults, 30 MB per batch that the host no longer copies. Returns
+    whether they are pinned; where CUDA refuses (a limit on locked memory), one warning, and the learner stacks
+    them as before. `unpin_observations` undoes it.
+
+    Only the main process pins: actors open the same memory from the fork server and are not affected.
+    """
+    storage = buffers["obs"].untyped_storage()
+    start, size = storage.data_ptr(), storage.nbytes()
+    error = _cuda_call(lambda: torch.cuda.cudart().cudaHostRegister(start, size, _HOST_REGISTER_PORTABLE))
+    if error is not None:
+        log.warning("Could not page-lock the slots' observations for the GPU (%s, %.0f MiB); the learner stacks "
+                    "each batch on the host instead", error, size / 2**20)
+        return False
+    return True
+
+
+def unpin_observations(buffers: Buffers) -> None:
+    """Undo `pin_observations`, once nothing copies from the slots any more."""
+    start = buffers["obs"].untyped_storage().data_ptr()
+    error = _cuda_call(lambda: torch.cuda.cudart().cudaHostUnregister(start))
+    if error is not None:
+        log.warning("Could not release the page-locked slots (%s)", error)
+
+
+def _cuda_call(call: Callable[[], object]) -> str | None:
+    """Run a CUDA runtime call of `torch.cuda.cudart()`; None when it succeeded, else why not. It runs in a thread
+    of its own: a failed call also leaves its error as the thread's last CUDA error, which PyTorch would report
+    at that thread's next kernel launch."""
+    outcome: list[str | None] = ["no result"]
+
+    def run() -> None:
+        try:
+            torch.cuda.check_error(call())  # type: ignore[arg-type]
+            outcome[0] = None
+        except (RuntimeError, TypeError) as exc:  # a CudaError, or a binding that takes other arguments
+            outcome[0] = str(exc).strip() or type(exc).__name__
+
+    thread = threading.Thread(target=run, name="cuda-register")
+    thread.start()
+    thread.join()
+    return outcome[0]

@@ -167,6 +167,9 @@ class Config:
     cuda_graph: bool = _flag(True, "a GPU learner with --optimizer adam replays each update (every gradient step "
                              "of a batch) as one CUDA graph instead of launching every kernel from Python; "
                              "--no-cuda_graph to launch them one by one", negatable=True)
+    pin_slots: bool = _flag(True, "a GPU learner page-locks the slots' observations in shared memory and copies each "
+                            "batch's straight to the GPU, instead of stacking them on the host first; "
+                            "--no-pin_slots to stack them", negatable=True)
 
     # Outputs.
     log_interval_s: float = _flag(5.0, "seconds between console lines and TensorBoard scalars")

@@ -44,11 +44,21 @@ BATCH_KEYS = ("obs", "done", "reward", "truncated", "truncation_value", "action"
 
 
 class BatchStaging:
-    """Reusable host tensors one learner thread stacks slots into ([T + 1, B, ...]), pinned for CUDA."""
+    """How one learner thread puts B slots on its device as one time-major batch [T + 1, B, ...].
+
+    `fill` stacks the slots' fields into reusable host tensors (pinned for CUDA), `to` copies them to the device
+    at once. On a GPU whose slots' observations are page-locked in place (`buffers.pin_observations`), those,
+    nearly all of a batch's bytes, are not stacked: `to` copies each slot's frames straight from shared memory
+    to the device and returns once the GPU has read them. Either way the slots may go back to the actors as soon
+    as `to` returns.
+    """
 
     def __init__(self, buffers: Buffers, batch_size: int, pin: bool) -> None:
+        self.direct = ("obs",) if pin and buffers["obs"].is_pinned() else ()  # copied straight from the slots
         self.tensors = {}
         for key in BATCH_KEYS:
+            if key in self.direct:
+                continue
             per_slot = buffers[key].shape[1:]  # [T + 1, ...]
             shape = (per_slot[0], batch_size, *per_slot[1:])
             tensor = torch.empty(shape, dtype=buffers[key].dtype)
@@ -58,10 +68,12 @@ class BatchStaging:
         if pin:
             self.core_state = [s.pin_memory() for s in self.core_state]
         self._copied: torch.cuda.Event | None = None  # the last copy to a GPU, which reads these tensors
+        self._buffers = buffers
+        self._slots: list[int] = []  # those of the last `fill`
 
     def fill(self, buffers: Buffers, slots: Sequence[int]) -> None:
-        """Copy `slots` out of shared memory; the slots may be reused as soon as this returns. Waits first for
-        the previous asynchronous copy to a GPU to have read these tensors, if it has not yet."""
+        """Stack `slots` into the host tensors (every field but those `to` copies straight from the slots).
+        Waits first for the previous asynchronous copy to a GPU to have read these tensors, if it has not yet."""
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
@@ -69,16 +81,33 @@ class BatchStaging:
             torch.stack([buffers[key][i] for i in slots], dim=1, out=out)
         for i, out in enumerate(self.core_state):
             torch.stack([buffers[f"core_state_{i}"][s] for s in slots], dim=1, out=out)
+        self._buffers, self._slots = buffers, list(slots)
 
     def to(self, device: torch.device) -> tuple[dict[str, torch.Tensor], CoreState]:
-        """The batch on `device`; to a GPU asynchronously (from pinned memory), so the host goes on at once."""
+        """The batch of the last `fill` on `device`. To a GPU asynchronously, from pinned memory: the host goes on
+        at once, or, when fields are copied straight from the slots, once the GPU has read them. A GPU wait here
+        sleeps (a blocking event) rather than spin a core that an actor could use."""
         non_blocking = device.type == "cuda"
-        batch = {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}
+        staged = {key: value.to(device, non_blocking=non_blocking) for key, value in self.tensors.items()}
+        for key in self.direct:
+            staged[key] = gather_slots(self._buffers[key], self._slots, device)
         core_state = tuple(s.to(device, non_blocking=non_blocking) for s in self.core_state)
         if non_blocking:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        return batch, core_state
+            self._copied = torch.cuda.Event(blocking=True)
+            self._copied.record(torch.cuda.current_stream(device))
+            if self.direct:  # the slots themselves are being read
+                self._copied.synchronize()
+                self._copied = None
+        return {key: staged[key] for key in BATCH_KEYS}, core_state
+
+
+def gather_slots(source: torch.Tensor, slots: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`source[slots]` time-major, [T + 1, B, ...], on `device`: copied slot by slot (a slot's rows lie together
+    in memory, a batch's do not), asynchronously where `source` is pinned, then turned time-major on the device."""
+    by_slot = torch.empty((len(slots), *source.shape[1:]), dtype=source.dtype, device=device)
+    for i, slot in enumerate(slots):
+        by_slot[i].copy_(source[slot], non_blocking=True)
+    return by_slot.transpose(0, 1).contiguous()
 
 
 def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config,
@@ -363,7 +392,12 @@ def gradient_steps(units: int, config: Config) -> int:
 
 def _finish_update(names: list[str], sums: torch.Tensor, steps: int,
                    scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, float]:
-    """Read the stats' sums (the update's one wait for the device), average them, step the schedule."""
+    """Read the stats' sums (the update's one wait for the device), average them, step the schedule. On a GPU
+    the wait sleeps until the update is done (a blocking event) instead of spinning a core the actors could use."""
+    if sums.is_cuda:
+        done = torch.cuda.Event(blocking=True)
+        done.record(torch.cuda.current_stream(sums.device))
+        done.synchronize()
     values = {name: total / steps for name, total in zip(names, sums.tolist(), strict=True)}
     values["skipped"] = 1.0 if values["skipped"] else 0.0  # a batch with a non-finite step counts as skipped
     values["learning_rate"] = scheduled_lr(scheduler)

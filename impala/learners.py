@@ -14,7 +14,7 @@ import torch
 
 from impala import learner
 from impala.actor_pool import ActorPool
-from impala.buffers import Buffers
+from impala.buffers import Buffers, pin_observations, unpin_observations
 from impala.config import Config, TrainingError
 from impala.learner import LearnerState
 from impala.metrics import IntervalStats
@@ -53,19 +53,27 @@ class Learners:
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
         self.errors: list[Exception] = []
+        self.pinned = False  # the slots' observations page-locked for the GPU (`buffers.pin_observations`)
 
     def start(self) -> None:
+        """Start the threads; on a GPU, first page-lock the slots' observations for them (`--pin_slots`)."""
+        if self.device.type == "cuda" and self.config.pin_slots:
+            self.pinned = pin_observations(self.buffers)
         for i in range(self.config.num_learner_threads):
             thread = threading.Thread(target=self._thread, name=f"learner-{i}", daemon=True)
             thread.start()
             self.threads.append(thread)
 
     def stop(self, timeout_s: float) -> None:
-        """Ask every thread to stop and wait up to `timeout_s` in all; one inside an update finishes it."""
+        """Ask every thread to stop and wait up to `timeout_s` in all; one inside an update finishes it. The slots
+        are unlocked once no thread is left that could be copying from them."""
         self.stop_event.set()
         deadline = time.monotonic() + timeout_s
         for thread in self.threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self.pinned and not any(thread.is_alive() for thread in self.threads):
+            unpin_observations(self.buffers)
+            self.pinned = False
 
     def _thread(self) -> None:
         try:
@@ -105,9 +113,9 @@ class Learners:
                 staging.fill(self.buffers, slots)
                 stack_end = time.perf_counter()
                 versions = self.buffers["policy_version"][slots].clone()
-                for slot in slots:
-                    self.pool.slots.give_back(slot)
                 batch, core_state = staging.to(self.device)
+                for slot in slots:  # nothing reads them any more
+                    self.pool.slots.give_back(slot)
             copy_end = time.perf_counter()
             with self.update_lock:
                 steps = self._steps_of_update(stop=slots is None)

@@ -2,14 +2,16 @@
 # The GPU checks of BENCHMARKS.md ("To re-measure"), one after the other, each output kept in $OUT
 # (default ./gpu-out): the gpu-marked tests, the deep ResNet learner row, the shallow net's
 # components, and one end-to-end row per inference mode. The default settings as a user meets them, in
-# four parts: `tests` (the gpu-marked tests), `learner` (the learner alone: eager with --no-cuda_graph, with
-# --compile, as the default's one CUDA graph per update, and graphed with --compile: GPU busy share, host CPU
-# per step), `defaults` (the components, the actors stepping together alone, and the trainer with all cores, `--num_actors auto`: inference in the
-# actors, central, and in the actors with the fewest slots) and `pong` (the README's Pong command, its time to a mean of 18;
-# $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
+# parts: `tests` (the gpu-marked tests), `learner` (the learner alone: eager with --no-cuda_graph, with and
+# without --compile; the default's one CUDA graph per update, with --compile, and with the observations stacked on
+# the host, --no-pin_slots: GPU busy share, host CPU per step), `defaults` (the components, the actors stepping
+# together alone, and the trainer with all cores, `--num_actors auto`: inference in the actors, and central),
+# `ablations` (the trainer with the fewest slots, and with --no-pin_slots) and `pong` (the README's Pong command,
+# its time to a mean of 18; $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|tests|learner|defaults|placement|actors|pong|atari5] [TOTAL_STEPS]
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|tests|learner|defaults|ablations|placement|actors|pong|atari5]
+#        [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
 what=${1:-all}
@@ -26,6 +28,8 @@ fi
 if [ "$what" = learner ]; then
   timeout 60 python3 -m impala.bench --only learner --seconds 10 --no-cuda_graph \
     --json "$out/learner.json" > "$out/learner.txt" 2>&1
+  timeout 60 python3 -m impala.bench --only learner --seconds 10 --no-pin_slots \
+    --json "$out/learner_graph_stacked.json" > "$out/learner_graph_stacked.txt" 2>&1
   timeout 180 python3 -m impala.bench --only learner --seconds 10 --no-cuda_graph --compile \
     --json "$out/learner_compile.json" > "$out/learner_compile.txt" 2>&1
   timeout 60 python3 -m impala.bench --only learner --seconds 10 \
@@ -36,14 +40,21 @@ if [ "$what" = learner ]; then
   exit 0
 fi
 if [ "$what" = defaults ]; then
-  # The last variant: the fewest slots that cannot deadlock (--num_actors auto's actors x 8 envs + one batch of
-  # 32), the default before a GPU learner's two unrolls of slots per env.
-  fewest=$(( ($(nproc) - 2) * 8 + 32 ))
-  timeout 500 python3 -m impala.bench --num_actors auto --total_steps "$steps" --seconds 5 \
+  timeout 560 python3 -m impala.bench --num_actors auto --total_steps "$steps" --seconds 5 \
     --only env,inference,learner,actor,actors,e2e --variants "--inference actor" "--inference central" \
-    "--inference actor --num_buffers $fewest" \
     --json "$out/defaults.json" > "$out/defaults.txt" 2>&1
   tail -n 20 "$out"/*.txt
+  exit 0
+fi
+# The trainer's default with one GPU-learner default undone each: the fewest slots that cannot deadlock
+# (--num_actors auto's actors x 8 envs + one batch of 32, the default before a GPU learner's two unrolls of slots
+# per env), and the observations stacked on the host (--no-pin_slots).
+if [ "$what" = ablations ]; then
+  fewest=$(( ($(nproc) - 2) * 8 + 32 ))
+  timeout 560 python3 -m impala.bench --num_actors auto --total_steps "$steps" --only e2e \
+    --variants "--inference actor --num_buffers $fewest" "--inference actor --no-pin_slots" \
+    --json "$out/ablations.json" > "$out/ablations.txt" 2>&1
+  tail -n 20 "$out/ablations.txt"
   exit 0
 fi
 # What could lift the trainer past its actors' pace, once they no longer wait for slots: central inference with

@@ -18,7 +18,7 @@ import torch
 from process_helpers import IMPALA_RULE
 
 from impala import learner
-from impala.buffers import BufferSpec, create_buffers
+from impala.buffers import BufferSpec, create_buffers, pin_observations, unpin_observations
 from impala.config import Config
 from impala.model import FlatWeights, Net, use_amp
 from impala.plotting import CSV_RETURN_COLUMN
@@ -80,6 +80,54 @@ def test_staging_is_refilled_only_after_the_gpu_has_read_it():
     batch, _ = staging.to(torch.device("cuda"))
     staging.fill(buffers, [4, 5, 6, 7])
     assert batch["obs"][:, :, 0, 0, 0].cpu().amax(0).tolist() == [0, 1, 2, 3]
+
+
+def test_page_locked_observations_go_to_the_gpu_unstacked_and_equal_the_stacked_batch():
+    """`--pin_slots`: the shared-memory observations are page-locked in place; a batch then copies them slot by slot
+    straight to the GPU, and equals the batch that stacking them on the host gives. Unlocked again after."""
+    config = Config(unroll_length=20, batch_size=4)
+    buffers = create_buffers(BufferSpec(8, config.unroll_length, (4, 84, 84), torch.uint8, 6))
+    buffers["obs"].random_(0, 255)
+    buffers["reward"].uniform_(-1, 1)
+    stacked = learner.BatchStaging(buffers, config.batch_size, pin=True)
+    assert stacked.direct == () and "obs" in stacked.tensors
+    slots = [6, 1, 4, 3]
+    stacked.fill(buffers, slots)
+    expected, _ = stacked.to(torch.device("cuda"))
+    assert pin_observations(buffers)
+    try:
+        assert buffers["obs"].is_pinned() and not buffers["reward"].is_pinned()
+        direct = learner.BatchStaging(buffers, config.batch_size, pin=True)
+        assert direct.direct == ("obs",) and "obs" not in direct.tensors
+        direct.fill(buffers, slots)
+        batch, _ = direct.to(torch.device("cuda"))
+        assert list(batch) == list(expected)
+        for key, value in expected.items():
+            assert batch[key].device.type == "cuda" and batch[key].is_contiguous()
+            assert torch.equal(batch[key], value), key
+    finally:
+        unpin_observations(buffers)
+    assert not buffers["obs"].is_pinned()
+
+
+def test_slots_copied_straight_to_the_gpu_may_be_reused_once_to_returns():
+    """With observations copied straight from page-locked slots, `to` returns only once the GPU has read them: an
+    actor that refills the slots right after cannot change the batch, however busy the GPU was."""
+    config = Config(unroll_length=20, batch_size=4)
+    buffers = create_buffers(BufferSpec(8, config.unroll_length, (4, 84, 84), torch.uint8, 6))
+    for slot in range(8):
+        buffers["obs"][slot] = slot
+    assert pin_observations(buffers)
+    try:
+        staging = learner.BatchStaging(buffers, config.batch_size, pin=True)
+        staging.fill(buffers, [0, 1, 2, 3])
+        torch.cuda._sleep(200_000_000)  # keep the stream busy, so the copies queue behind it
+        batch, _ = staging.to(torch.device("cuda"))
+        buffers["obs"][:4] = 99  # what the actors would write into the slots given back
+        assert batch["obs"][:, :, 0, 0, 0].cpu().amax(0).tolist() == [0, 1, 2, 3]
+        assert batch["obs"][:, :, 0, 0, 0].cpu().amin(0).tolist() == [0, 1, 2, 3]
+    finally:
+        unpin_observations(buffers)
 
 
 def test_an_eager_update_waits_for_the_gpu_once_per_batch():

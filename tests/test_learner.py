@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from impala import buffers as buffers_module
 from impala import learner, losses, vtrace
 from impala.buffers import BufferSpec, create_buffers
 from impala.config import Config, parse_config
@@ -404,6 +405,32 @@ def test_a_non_finite_batch_is_skipped(where: str, optimizer_name: str) -> None:
     stats = learner.update(model, optimizer, scheduler, _batch_for_update(model), (), config)
     assert stats["skipped"] == 0.0
     assert any(not torch.equal(p.detach(), before[name]) for name, p in model.named_parameters())
+
+
+def test_slots_gathered_one_by_one_equal_the_stacked_batch() -> None:
+    """`gather_slots`, how a GPU learner copies page-locked observations (slot by slot, then time-major on the
+    device), gives what stacking the same slots does, in the order the slots were taken."""
+    buffers = create_buffers(BufferSpec(6, 4, (2, 3, 3), torch.uint8, 3), shared=False)
+    buffers["obs"].copy_(torch.randint(0, 255, buffers["obs"].shape, dtype=torch.uint8))
+    slots = [4, 0, 5, 2]
+    gathered = learner.gather_slots(buffers["obs"], slots, torch.device("cpu"))
+    assert gathered.shape == (5, 4, 2, 3, 3) and gathered.is_contiguous()
+    assert torch.equal(gathered, torch.stack([buffers["obs"][i] for i in slots], dim=1))
+    assert torch.equal(gathered[:, 1], buffers["obs"][0])
+
+
+def test_slots_that_cuda_refuses_to_page_lock_leave_one_warning_and_no_error(monkeypatch, caplog) -> None:
+    """Where CUDA refuses to page-lock the slots (a limit on locked memory), one warning and False: the learner
+    then stacks the observations on the host, as with --no-pin_slots (the GPU tests check both paths)."""
+    class RefusingRuntime:
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+            raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(torch.cuda, "cudart", RefusingRuntime)
+    buffers = create_buffers(BufferSpec(4, 3, (2, 3, 3), torch.uint8, 3))
+    with caplog.at_level("WARNING", logger="impala"):
+        assert not buffers_module.pin_observations(buffers)
+    assert "Could not page-lock the slots' observations for the GPU (CUDA error: out of memory" in caplog.text
 
 
 def test_unused_rows_are_never_read() -> None:
