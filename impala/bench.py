@@ -264,7 +264,7 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
         pinned = device.type == "cuda" and config.pin_slots
         if pinned:  # as the trainer's learner threads copy them: from shared memory, page-locked
             buffers["obs"].share_memory_()
-            pinned = pin_observations(buffers)
+            pinned = pin_observations(buffers, device)
         staging = learner.BatchStaging(buffers, config.batch_size, pin=device.type == "cuda")
         slots = list(range(config.batch_size))
         loss_fn = learner.loss_function(config, device)  # compiled with --compile, in the warm-up
@@ -287,7 +287,7 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
         with gpu_busy(_cuda_index(device)) as busy:  # the warm-up's 10% included
             rate = timed_loop(step, seconds, lockstep=coordinator is not None)
         if pinned:
-            unpin_observations(buffers)
+            unpin_observations(buffers, device)
         distributed.leave(coordinator)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     ranks = f", {world_size} ranks x B" if world_size > 1 else ""

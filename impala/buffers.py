@@ -103,7 +103,7 @@ def create_buffers(spec: BufferSpec, shared: bool = True) -> Buffers:
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not only the current
 
 
-def pin_observations(buffers: Buffers) -> bool:
+def pin_observations(buffers: Buffers, device: torch.device) -> bool:
     """Page-lock the slots' observations where they are, in shared memory, for CUDA (`cudaHostRegister`), so a GPU
     learner copies each slot's frames straight to the device instead of stacking them on the host first
     (`learner.BatchStaging`): with Pong's defaults, 30 MB per batch that the host no longer copies. Returns
@@ -114,7 +114,7 @@ def pin_observations(buffers: Buffers) -> bool:
     """
     storage = buffers["obs"].untyped_storage()
     start, size = storage.data_ptr(), storage.nbytes()
-    error = _cuda_call(lambda: torch.cuda.cudart().cudaHostRegister(start, size, _HOST_REGISTER_PORTABLE))
+    error = _cuda_call(device, lambda: torch.cuda.cudart().cudaHostRegister(start, size, _HOST_REGISTER_PORTABLE))
     if error is not None:
         log.warning("Could not page-lock the slots' observations for the GPU (%s, %.0f MiB); the learner stacks "
                     "each batch on the host instead", error, size / 2**20)
@@ -122,23 +122,25 @@ def pin_observations(buffers: Buffers) -> bool:
     return True
 
 
-def unpin_observations(buffers: Buffers) -> None:
+def unpin_observations(buffers: Buffers, device: torch.device) -> None:
     """Undo `pin_observations`, once nothing copies from the slots any more."""
     start = buffers["obs"].untyped_storage().data_ptr()
-    error = _cuda_call(lambda: torch.cuda.cudart().cudaHostUnregister(start))
+    error = _cuda_call(device, lambda: torch.cuda.cudart().cudaHostUnregister(start))
     if error is not None:
         log.warning("Could not release the page-locked slots (%s)", error)
 
 
-def _cuda_call(call: Callable[[], object]) -> str | None:
-    """Run a CUDA runtime call of `torch.cuda.cudart()`; None when it succeeded, else why not. It runs in a thread
-    of its own: a failed call also leaves its error as the thread's last CUDA error, which PyTorch would report
-    at that thread's next kernel launch."""
+def _cuda_call(device: torch.device, call: Callable[[], object]) -> str | None:
+    """Run a CUDA runtime call of `torch.cuda.cudart()` for `device`; None when it succeeded, else why not. It runs
+    in a thread of its own: a failed call also leaves its error as the thread's last CUDA error, which PyTorch would
+    report at that thread's next kernel launch. The thread works on `device`, not on the first GPU, where it would
+    otherwise make a CUDA context of its own (a learner process of torchrun on another GPU)."""
     outcome: list[str | None] = ["no result"]
 
     def run() -> None:
         try:
-            torch.cuda.check_error(call())  # type: ignore[arg-type]
+            with torch.cuda.device(device):
+                torch.cuda.check_error(call())  # type: ignore[arg-type]
             outcome[0] = None
         except (RuntimeError, TypeError) as exc:  # a CudaError, or a binding that takes other arguments
             outcome[0] = str(exc).strip() or type(exc).__name__

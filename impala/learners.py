@@ -58,7 +58,7 @@ class Learners:
     def start(self) -> None:
         """Start the threads; on a GPU, first page-lock the slots' observations for them (`--pin_slots`)."""
         if self.device.type == "cuda" and self.config.pin_slots:
-            self.pinned = pin_observations(self.buffers)
+            self.pinned = pin_observations(self.buffers, self.device)
         for i in range(self.config.num_learner_threads):
             thread = threading.Thread(target=self._thread, name=f"learner-{i}", daemon=True)
             thread.start()
@@ -72,7 +72,7 @@ class Learners:
         for thread in self.threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if self.pinned and not any(thread.is_alive() for thread in self.threads):
-            unpin_observations(self.buffers)
+            unpin_observations(self.buffers, self.device)
             self.pinned = False
 
     def _thread(self) -> None:

@@ -94,7 +94,7 @@ def test_page_locked_observations_go_to_the_gpu_unstacked_and_equal_the_stacked_
     slots = [6, 1, 4, 3]
     stacked.fill(buffers, slots)
     expected, _ = stacked.to(torch.device("cuda"))
-    assert pin_observations(buffers)
+    assert pin_observations(buffers, torch.device("cuda"))
     try:
         assert buffers["obs"].is_pinned() and not buffers["reward"].is_pinned()
         direct = learner.BatchStaging(buffers, config.batch_size, pin=True)
@@ -106,7 +106,7 @@ def test_page_locked_observations_go_to_the_gpu_unstacked_and_equal_the_stacked_
             assert batch[key].device.type == "cuda" and batch[key].is_contiguous()
             assert torch.equal(batch[key], value), key
     finally:
-        unpin_observations(buffers)
+        unpin_observations(buffers, torch.device("cuda"))
     assert not buffers["obs"].is_pinned()
 
 
@@ -117,7 +117,7 @@ def test_slots_copied_straight_to_the_gpu_may_be_reused_once_to_returns():
     buffers = create_buffers(BufferSpec(8, config.unroll_length, (4, 84, 84), torch.uint8, 6))
     for slot in range(8):
         buffers["obs"][slot] = slot
-    assert pin_observations(buffers)
+    assert pin_observations(buffers, torch.device("cuda"))
     try:
         staging = learner.BatchStaging(buffers, config.batch_size, pin=True)
         staging.fill(buffers, [0, 1, 2, 3])
@@ -127,7 +127,7 @@ def test_slots_copied_straight_to_the_gpu_may_be_reused_once_to_returns():
         assert batch["obs"][:, :, 0, 0, 0].cpu().amax(0).tolist() == [0, 1, 2, 3]
         assert batch["obs"][:, :, 0, 0, 0].cpu().amin(0).tolist() == [0, 1, 2, 3]
     finally:
-        unpin_observations(buffers)
+        unpin_observations(buffers, torch.device("cuda"))
 
 
 def test_an_eager_update_waits_for_the_gpu_once_per_batch():

@@ -3,6 +3,7 @@ computed by hand, reward clipping, episode ends, the learning-rate schedule and 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -427,9 +428,10 @@ def test_slots_that_cuda_refuses_to_page_lock_leave_one_warning_and_no_error(mon
             raise RuntimeError("CUDA error: out of memory")
 
     monkeypatch.setattr(torch.cuda, "cudart", RefusingRuntime)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())  # no GPU here to switch to
     buffers = create_buffers(BufferSpec(4, 3, (2, 3, 3), torch.uint8, 3))
     with caplog.at_level("WARNING", logger="impala"):
-        assert not buffers_module.pin_observations(buffers)
+        assert not buffers_module.pin_observations(buffers, torch.device("cuda"))
     assert "Could not page-lock the slots' observations for the GPU (CUDA error: out of memory" in caplog.text
 
 
