@@ -295,6 +295,8 @@ def test_a_short_run_learns_on_the_gpu(tmp_path, inference):
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "device cuda" in result.stdout
+    output = result.stdout + result.stderr
+    assert "Could not page-lock" not in output and "Could not release" not in output  # --pin_slots held
     meta = json.loads((tmp_path / "gpu" / "meta.json").read_text())
     assert meta["end_reason"] == "finished" and meta["final_step"] >= GPU_RUN_STEPS
     with open(tmp_path / "gpu" / "logs.csv", newline="") as f:
