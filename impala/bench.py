@@ -292,9 +292,9 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     ranks = f", {world_size} ranks x B" if world_size > 1 else ""
     graph = ", one CUDA graph per update" if isinstance(update, learner.GraphedUpdate) else ""
-    graph += ", observations copied straight from page-locked slots" if pinned else ""
+    direct = ", observations copied straight from page-locked slots" if pinned else ""
     return {"what": f"{shape.model} update on [T+1={config.unroll_length + 1}, B={config.batch_size}] "
-                    f"({name}{ranks}{graph})",
+                    f"({name}{ranks}{graph}{direct})",
             "batch": config.batch_size, "ranks": world_size, "device": str(device), "threads": threads, "amp": amp,
             "cpu_is_host_only": device.type == "cuda",
             # Medians over every call, the warm-up's included (the median leaves out its compiling and capturing):

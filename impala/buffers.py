@@ -28,6 +28,7 @@ from impala.config import UserError
 log = logging.getLogger("impala")
 
 _POISON = {torch.uint8: 255, torch.bool: True, torch.int64: -1, torch.float32: float("nan")}
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not only the current
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,6 @@ def create_buffers(spec: BufferSpec, shared: bool = True) -> Buffers:
         tensor = torch.full(shape, _POISON[dtype], dtype=dtype)
         buffers[name] = tensor.share_memory_() if shared else tensor
     return buffers
-
-
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every device's context, not only the current
 
 
 def pin_observations(buffers: Buffers, device: torch.device) -> bool:
