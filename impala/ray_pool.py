@@ -37,6 +37,7 @@ from impala.actor import ActorChannels, run_actor
 from impala.actor_pool import ACTOR_NICENESS, RESTART_WINDOW_S, LocalActorPool
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.config import Config, TrainingError, UserError
+from impala.environment import is_atari
 from impala.learner import BATCH_KEYS
 from impala.model import Net
 from impala.seeding import ActorLives, LifeSeeds
@@ -63,6 +64,35 @@ def require_ray() -> Any:
 def shipped_keys(buffers: Buffers) -> tuple[str, ...]:
     """The fields of a slot a remote actor sends: what the learner reads, and the version it was acted with."""
     return (*BATCH_KEYS, "policy_version", *sorted(k for k in buffers if k.startswith("core_state_")))
+
+
+def pack_frames(obs: np.ndarray) -> dict[str, np.ndarray]:
+    """Atari's frame stacks of whole unrolls, [N, T + 1, C, H, W], as the least that rebuilds them exactly: every
+    row's newest frame (`obs_newest`), and the C - 1 older frames (`obs_older`) only of the rows sent whole
+    (`obs_whole`): row 0, and any row whose older frames are not the row before's newer ones (an env's reset).
+    Checked row by row, so it is exact whatever the env did; about a quarter of the bytes. `write_unroll` rebuilds.
+    """
+    unrolls, rows = obs.shape[:2]
+    continues = (obs[:, 1:, :-1] == obs[:, :-1, 1:]).reshape(unrolls, rows - 1, -1).all(axis=-1)
+    whole = np.ones((unrolls, rows), dtype=bool)
+    whole[:, 1:] = ~continues
+    return {"obs_newest": np.ascontiguousarray(obs[:, :, -1]), "obs_whole": whole, "obs_older": obs[:, :, :-1][whole]}
+
+
+def write_unroll(buffers: Buffers, keys: tuple[str, ...], fields: dict[str, np.ndarray], index: int, slot: int) -> None:
+    """Unroll `index` of a remote actor's object into `slot`, its frame stacks rebuilt where they were packed."""
+    for key in keys:
+        target = buffers[key][slot].numpy()
+        if key != "obs" or "obs_newest" not in fields:
+            np.copyto(target, fields[key][index])  # from read-only object store memory
+            continue
+        whole = fields["obs_whole"]
+        first = int(whole[:index].sum())  # rows of the unrolls before this one sent whole
+        mine = whole[index]
+        target[:, -1] = fields["obs_newest"][index]
+        target[mine, :-1] = fields["obs_older"][first:first + int(mine.sum())]
+        for t in np.flatnonzero(~mine):  # in order: row t - 1 is complete by then (row 0 is always whole)
+            target[t, :-1] = target[t - 1, 1:]
 
 
 # ----------------------------------------------------------------------------------------- remote side
@@ -98,6 +128,7 @@ class RemoteActor:
                           num_actions, self.model.core_state_shapes())
         self.buffers = create_buffers(spec, shared=False)
         self.keys = shipped_keys(self.buffers)
+        self.pack_frames = is_atari(config.env)  # frame stacks: a quarter of the bytes on the wire
         free: queue.Queue[int] = queue.Queue()
         for slot in range(slots):
             free.put(slot)
@@ -129,6 +160,8 @@ class RemoteActor:
         slots = [self._next_full_slot() for _ in range(self.per_object)]
         acting_s = time.perf_counter() - start
         fields = {key: self.buffers[key][slots].numpy() for key in self.keys}  # indexing copies
+        if self.pack_frames:
+            fields.update(pack_frames(fields.pop("obs")))
         for slot in slots:
             self.channels.free_queue.put(slot)  # type: ignore[union-attr]
         games = []
@@ -359,8 +392,7 @@ class RayActorPool:
             slot = self._free_slot()
             if slot is None:
                 return
-            for key in self.keys:
-                np.copyto(self.buffers[key][slot].numpy(), fields[key][i])  # from read-only object store memory
+            write_unroll(self.buffers, self.keys, fields, i, slot)
             self.slots.full_queue.put(slot)
             self.stats.unrolls += 1
 

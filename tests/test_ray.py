@@ -26,10 +26,11 @@ import torch
 
 from impala.actor_pool import _ledger
 from impala.bench import _tree
+from impala.buffers import BufferSpec, create_buffers
 from impala.channels import RecordQueue
 from impala.config import Config, UserError, parse_config
 from impala.environment import EnvBatch
-from impala.ray_pool import RemoteActor, shipped_keys
+from impala.ray_pool import RemoteActor, pack_frames, shipped_keys, write_unroll
 from impala.seeding import first_life
 from tests.process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Torchrun, Training
 
@@ -126,6 +127,67 @@ def test_a_remote_actor_ships_whole_unrolls_that_continue_each_other() -> None:
     assert len(continued) == len(obs) - 3  # all but the first unroll of each env follow another
     assert (first["fields"]["policy_version"] == -1).all()
     assert first["pid"] == os.getpid()
+
+
+def _stacks(frames: np.ndarray, resets: set[int], stack: int = 4) -> np.ndarray:
+    """Frame stacks as the Atari wrappers make them: row t holds frames t-3..t of its episode, the episode's first
+    frame repeated where it began less than 4 frames before (`resets`: the rows where an episode begins)."""
+    rows = []
+    start = 0
+    for t in range(len(frames)):
+        start = t if t in resets else start
+        rows.append(np.stack([frames[max(start, t - stack + 1 + k)] for k in range(stack)]))
+    return np.stack(rows)
+
+
+def test_packed_frame_stacks_are_rebuilt_exactly_from_a_quarter_of_the_bytes() -> None:
+    """Three unrolls of T=12: one without a reset, one whose env resets twice, one with a row whose stack follows
+    no rule (sent whole, like row 0). Rebuilt slot by slot, every byte as it was."""
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, size=(3, 13, 6, 5), dtype=np.uint8)
+    obs = np.stack([_stacks(frames[0], {0}), _stacks(frames[1], {0, 4, 11}), _stacks(frames[2], {0})])
+    obs[2, 7, 0] = 0  # its oldest frame no longer the row before's second
+    packed = pack_frames(obs)
+    assert packed["obs_whole"].sum(axis=1).tolist() == [1, 3, 2]  # row 0 of each, the resets, the odd row
+    assert packed["obs_newest"].shape == (3, 13, 6, 5) and packed["obs_older"].shape == (6, 3, 6, 5)
+    assert sum(a.nbytes for a in packed.values()) < 0.4 * obs.nbytes
+    fields = {"done": np.zeros((3, 13), dtype=bool), **packed}
+    buffers = create_buffers(BufferSpec(5, 12, (4, 6, 5), torch.uint8, 2), shared=False)
+    for index, slot in enumerate([3, 0, 4]):
+        write_unroll(buffers, ("obs", "done"), fields, index, slot)
+        assert np.array_equal(buffers["obs"][slot].numpy(), obs[index]), index
+    assert (buffers["obs"][1] == 255).all()  # untouched slots keep their poison
+
+
+def test_a_remote_pong_actor_ships_frames_that_rebuild_its_stacks() -> None:
+    """A remote actor of real Pong envs (called in this process) packs its frame stacks; rebuilt into slots, every
+    row is a stack of 4 frames whose older 3 are the row before's newer 3 (no game ends in 2 x 16 steps), and each
+    env's second unroll begins with the last row of its first."""
+    config = Config(env="PongNoFrameskip-v4", envs_per_actor=2, ray_envs_per_actor=2, unroll_length=8,
+                    ray_steps_per_request=16)
+    probe = EnvBatch(config.env, 1, 0)
+    shape, actions = probe.observation_shape, probe.num_actions
+    probe.close()
+    actor = RemoteActor(0, config, shape, torch.uint8, actions, first_life(0, 0, 2))
+    try:
+        first = actor.unrolls(-1, [None])["fields"]
+        second = actor.unrolls(-1, [None])["fields"]
+    finally:
+        actor.stop()
+    # 9 newest frames of each env and the 3 older ones of its row 0: 24 frames of the 72 in its stacks.
+    assert "obs" not in first and first["obs_newest"].shape == (2, 9, *shape[1:])
+    assert first["obs_whole"][:, 0].all() and not first["obs_whole"][:, 1:].any()
+    assert first["obs_older"].shape == (2, 3, *shape[1:])
+    buffers = create_buffers(BufferSpec(4, 8, shape, torch.uint8, actions), shared=False)
+    keys = shipped_keys(buffers)
+    for index in range(2):
+        write_unroll(buffers, keys, first, index, index)
+        write_unroll(buffers, keys, second, index, 2 + index)
+    obs = buffers["obs"].numpy()
+    assert not (obs == 255).all(axis=(2, 3, 4)).any()  # every row written
+    assert np.array_equal(obs[:, 1:, :-1], obs[:, :-1, 1:])  # stacks slide
+    assert all(any(np.array_equal(obs[j, 0], obs[i, -1]) for i in range(2)) for j in (2, 3))  # unrolls continue
+    assert np.array_equal(buffers["action"][0].numpy(), first["action"][0])
 
 
 # ----------------------------------------------------------------------------------------- a two-node cluster
