@@ -98,6 +98,10 @@ def write_unroll(buffers: Buffers, keys: tuple[str, ...], fields: dict[str, np.n
 # ----------------------------------------------------------------------------------------- remote side
 
 
+class _Stopped(Exception):
+    """A remote actor's `unrolls` was waiting for an unroll when `stop` came."""
+
+
 class _Version:
     """The policy version the acting thread stamps on each unroll (`SharedInt` inside one process)."""
 
@@ -157,7 +161,10 @@ class RemoteActor:
                                                  self.channels, self.seeds))
             self.thread.start()
         start = time.perf_counter()
-        slots = [self._next_full_slot() for _ in range(self.per_object)]
+        try:
+            slots = [self._next_full_slot() for _ in range(self.per_object)]
+        except _Stopped:  # `stop` came while this request waited: an answer, not an error Ray would print
+            return {"stopped": True}
         acting_s = time.perf_counter() - start
         fields = {key: self.buffers[key][slots].numpy() for key in self.keys}  # indexing copies
         if self.pack_frames:
@@ -176,11 +183,11 @@ class RemoteActor:
             try:
                 return self.full.get(timeout=WAIT_S)
             except queue.Empty:
+                if self.channels.stop_event.is_set():  # asked to stop: its acting thread ends too
+                    raise _Stopped from None
                 if self.thread is not None and not self.thread.is_alive():
                     detail = self.errors.get_nowait()[1] if not self.errors.empty() else "the acting thread ended"
                     raise RuntimeError(f"remote actor {self.actor_index} stopped acting:\n{detail}") from None
-                if self.channels.stop_event.is_set():
-                    raise RuntimeError("stopped")
 
     def stop(self) -> None:
         """Stop acting and close the envs (bounded), so the process can be killed cleanly."""
@@ -368,8 +375,8 @@ class RayActorPool:
         except self.ray.exceptions.RayError as exc:  # an actor or node gone (RayActorError), it raised (RayTaskError)
             self._report_dead(remote, _describe(exc))
             return
-        if remote.dead:
-            return  # a result that arrived after its actor was reported: it is being replaced
+        if remote.dead or result.get("stopped"):
+            return  # a result that arrived after its actor was reported (it is being replaced), or stopped
         if remote.last_result is None:
             remote.pid = result["pid"]
             log.info("Remote actor %d acting (pid %d on %s, life %d)", remote.index, remote.pid, result["node"],

@@ -129,6 +129,19 @@ def test_a_remote_actor_ships_whole_unrolls_that_continue_each_other() -> None:
     assert first["pid"] == os.getpid()
 
 
+def test_a_remote_actor_asked_to_stop_answers_a_waiting_request_instead_of_raising() -> None:
+    """A request that waits for unrolls when `stop` comes returns `stopped` (an exception there would be printed by
+    Ray as an unhandled error at the end of every run), even once the acting thread has ended."""
+    config = Config(env="CartPole-v1", envs_per_actor=2, ray_envs_per_actor=2, unroll_length=4, hidden_size=16,
+                    ray_steps_per_request=8)
+    actor = RemoteActor(0, config, (4,), torch.float32, 2, first_life(0, 0, 2))
+    assert "fields" in actor.unrolls(-1, [None])
+    actor.stop()
+    assert actor.thread is not None and not actor.thread.is_alive()
+    answers = [actor.unrolls(-1, [None]) for _ in range(3)]  # unrolls full before the stop come first: 2 at most
+    assert answers[-1] == {"stopped": True}
+
+
 def _stacks(frames: np.ndarray, resets: set[int], stack: int = 4) -> np.ndarray:
     """Frame stacks as the Atari wrappers make them: row t holds frames t-3..t of its episode, the episode's first
     frame repeated where it began less than 4 frames before (`resets`: the rows where an episode begins)."""
