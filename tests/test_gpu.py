@@ -88,7 +88,8 @@ def test_page_locked_observations_go_to_the_gpu_unstacked_and_equal_the_stacked_
     config = Config(unroll_length=20, batch_size=4)
     buffers = create_buffers(BufferSpec(8, config.unroll_length, (4, 84, 84), torch.uint8, 6))
     buffers["obs"].random_(0, 255)
-    buffers["reward"].uniform_(-1, 1)
+    for key in ("reward", "truncation_value", "policy_logits"):  # NaN-poisoned: torch.equal would never hold
+        buffers[key].uniform_(-1, 1)
     stacked = learner.BatchStaging(buffers, config.batch_size, pin=True)
     assert stacked.direct == () and "obs" in stacked.tensors
     slots = [6, 1, 4, 3]
