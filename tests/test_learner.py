@@ -433,6 +433,7 @@ def test_slots_that_cuda_refuses_to_page_lock_leave_one_warning_and_no_error(mon
     with caplog.at_level("WARNING", logger="impala"):
         assert not buffers_module.pin_observations(buffers, torch.device("cuda"))
     assert "Could not page-lock the slots' observations for the GPU (CUDA error: out of memory" in caplog.text
+    assert len(caplog.records) == 1
 
 
 def test_unused_rows_are_never_read() -> None:
