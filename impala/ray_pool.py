@@ -132,7 +132,8 @@ class RemoteActor:
                           num_actions, self.model.core_state_shapes())
         self.buffers = create_buffers(spec, shared=False)
         self.keys = shipped_keys(self.buffers)
-        self.pack_frames = is_atari(config.env)  # frame stacks: a quarter of the bytes on the wire
+        # Atari's frame stacks, [C > 1, H, W]: about a quarter of the bytes on the wire (`pack_frames`).
+        self.pack_frames = is_atari(config.env) and len(observation_shape) == 3 and observation_shape[0] > 1
         free: queue.Queue[int] = queue.Queue()
         for slot in range(slots):
             free.put(slot)
