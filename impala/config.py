@@ -39,8 +39,9 @@ CORES_KEPT = 2  # --num_actors auto leaves a core to the learner and one to the 
 def auto_num_actors(cores: int, local_ranks: int, batch_size: int, envs_per_actor: int, other_actors: int) -> int:
     """--num_actors auto: this process's share of `cores` (one of `local_ranks` learner processes on the
     machine) less CORES_KEPT and less `other_actors` acting on it too (--ray local's), but never fewer
-    than it takes to fill one batch, ceil(batch_size / envs_per_actor)."""
-    return max(cores // local_ranks - CORES_KEPT - other_actors, math.ceil(batch_size / max(envs_per_actor, 1)))
+    than it takes to fill one batch, ceil(batch_size / envs_per_actor), nor fewer than one: an invalid
+    --batch_size is reported for itself, not as a number of actors the user never gave."""
+    return max(cores // local_ranks - CORES_KEPT - other_actors, math.ceil(batch_size / max(envs_per_actor, 1)), 1)
 
 
 def _num_actors_arg(text: str) -> int:

@@ -68,10 +68,19 @@ def test_a_learner_that_keeps_up_gives_every_env_two_unrolls_of_slots(num_actors
     (16, 2, 32, 8, 0, 6),  # two learner ranks on the machine (torchrun): each takes half
     (16, 1, 32, 8, 2, 12),  # --ray local's 2 remote actors are processes of this machine too
     (64, 1, 32, 8, 0, 62),
+    (2, 1, 0, 8, 0, 1),  # an invalid batch size: one actor, and --batch_size is the one problem reported
 ])
 def test_auto_num_actors(cores: int, local_ranks: int, batch_size: int, envs_per_actor: int, other_actors: int,
                          expected: int) -> None:
     assert auto_num_actors(cores, local_ranks, batch_size, envs_per_actor, other_actors) == expected
+
+
+def test_an_invalid_batch_size_on_few_cores_is_reported_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # auto: no core to spare
+    with pytest.raises(UserError) as error:
+        parse_config(["--batch_size", "0", "--num_actors", "auto"])
+    assert "--num_actors" not in str(error.value)
+    assert "--batch_size must be >= 1, got 0" in str(error.value)
 
 
 def test_num_actors_auto_is_resolved_once_from_this_process_share(monkeypatch: pytest.MonkeyPatch) -> None:
