@@ -8,6 +8,7 @@ symlinked directory and listed every run twice. `--xpid latest` reads it (`confi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import subprocess
@@ -26,6 +27,10 @@ from impala.checkpoint import (
     remove_stale_temporaries,
 )
 from impala.config import LATEST_NAME, Config, UserError, plain_name, run_path
+
+log = logging.getLogger("impala")
+META_NAME = "meta.json"
+_JSON_TEMPORARY_GLOB = ".*.json.tmp-*"  # what `_write_json` writes before its rename
 
 
 def run_directory(config: Config) -> tuple[Path, bool]:
@@ -78,6 +83,8 @@ def prepare_run_directory(run_dir: Path) -> None:
         raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
                         "choose another --savedir") from None
     remove_stale_temporaries(run_dir)
+    for tmp in run_dir.glob(_JSON_TEMPORARY_GLOB):
+        tmp.unlink(missing_ok=True)
 
 
 def write_run_files(config: Config, run_dir: Path, resuming: bool, world_size: int = 1) -> int:
@@ -87,13 +94,12 @@ def write_run_files(config: Config, run_dir: Path, resuming: bool, world_size: i
     Returns this session's number: 0 for a new run, then one more for every start recorded in meta.json
     (a resumed session killed before its next checkpoint counts too).
     """
-    (run_dir / "flags.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-    meta_path = run_dir / "meta.json"
-    meta = json.loads(meta_path.read_text()) if resuming and meta_path.exists() else {}
+    _write_json(run_dir / "flags.json", config.to_dict())
+    meta = read_meta(run_dir) if resuming else {}
     meta.setdefault("starts", []).append(datetime.now(UTC).isoformat(timespec="seconds"))
     meta.update(versions(), command=" ".join(sys.argv), git_commit=git_commit(), world_size=world_size,
                 ended=None, end_reason=None)
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    _write_json(run_dir / META_NAME, meta)
     write_latest(run_dir)
     return len(meta["starts"]) - 1
 
@@ -113,23 +119,60 @@ def write_latest(run_dir: Path) -> None:
 
 def finish_run_files(run_dir: Path, reason: str, step: int) -> None:
     """Record in meta.json when and why the run ended (finished, interrupted, terminated, error) and its step."""
-    meta_path = run_dir / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta = read_meta(run_dir)
     ended = datetime.now(UTC)
     meta.update(ended=ended.isoformat(timespec="seconds"), end_reason=reason, final_step=step)
     if meta.get("starts"):  # this session's length; a resumed run has one start per session
         meta["duration_s"] = round((ended - datetime.fromisoformat(meta["starts"][-1])).total_seconds())
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    _write_json(run_dir / META_NAME, meta)
 
 
 def record_best(run_dir: Path, best: dict[str, float | int | str]) -> None:
     """Record the best evaluation so far (step, mean and spread of its returns) in meta.json, atomically."""
-    meta_path = run_dir / "meta.json"
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    meta = read_meta(run_dir)
     meta["best_evaluation"] = best
-    tmp = meta_path.with_name(f".meta.json.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp, meta_path)
+    _write_json(run_dir / META_NAME, meta)
+
+
+def read_meta(run_dir: Path) -> dict[str, Any]:
+    """The run's record in meta.json; {} when it has none yet.
+
+    A record that cannot be read (cut short by a full disk or a kill while an older version wrote it in place)
+    must not stop a run that has a good checkpoint from resuming: it is moved aside, never overwritten, to
+    meta.json.unreadable (-1, -2, ... when that exists), with a warning, and the run keeps a new record. Its
+    earlier starts are lost with it, so sessions count from 0 again (seeding.py: the actor lives, numbered in
+    the checkpoint, still never repeat).
+    """
+    path = run_dir / META_NAME
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError and undecodable bytes
+        problem = f"{type(exc).__name__}: {exc}"
+    else:
+        if isinstance(meta, dict):
+            return meta
+        problem = f"a JSON {type(meta).__name__}, not an object"
+    aside = path.with_name(path.name + ".unreadable")
+    number = 0
+    while aside.exists():
+        number += 1
+        aside = path.with_name(f"{path.name}.unreadable-{number}")
+    os.replace(path, aside)
+    log.warning("%s could not be read (%s); moved to %s, and the run goes on with a new record (its earlier "
+                "starts are lost)", path, problem, aside.name)
+    return {}
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    """`value` as JSON in `path`, atomically: a kill or a full disk while writing leaves the previous file whole."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(value, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def versions() -> dict[str, str]:

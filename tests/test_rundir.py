@@ -1,0 +1,83 @@
+"""The run directory's record files: written atomically, and a record that cannot be read never keeps a run with a
+good checkpoint from resuming."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from process_helpers import SMALL_RUN, run_py
+
+from impala.checkpoint import CHECKPOINT_NAME
+from impala.rundir import finish_run_files, read_meta, record_best
+
+
+def test_a_missing_record_is_empty_and_a_readable_one_is_read(tmp_path: Path) -> None:
+    assert read_meta(tmp_path) == {}
+    (tmp_path / "meta.json").write_text(json.dumps({"starts": ["a", "b"]}))
+    assert read_meta(tmp_path) == {"starts": ["a", "b"]}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]
+
+
+@pytest.mark.parametrize("content", [b"", b'{"starts": ["2026-01-01T00:0', b"\xff\xfe", b"[1, 2]"],
+                         ids=["empty", "cut short", "not text", "not an object"])
+def test_an_unreadable_record_is_moved_aside_whole_with_a_warning(tmp_path: Path, content: bytes,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "meta.json").write_bytes(content)
+    with caplog.at_level(logging.WARNING, logger="impala"):
+        assert read_meta(tmp_path) == {}
+    assert not (tmp_path / "meta.json").exists()
+    assert (tmp_path / "meta.json.unreadable").read_bytes() == content
+    assert "meta.json.unreadable" in caplog.text and "could not be read" in caplog.text
+
+
+def test_a_second_unreadable_record_never_overwrites_the_first(tmp_path: Path) -> None:
+    for number, content in enumerate([b"first", b"second", b"third"]):
+        (tmp_path / "meta.json").write_bytes(content)
+        assert read_meta(tmp_path) == {}
+        assert number == 0 or (tmp_path / f"meta.json.unreadable-{number}").read_bytes() == content
+    assert (tmp_path / "meta.json.unreadable").read_bytes() == b"first"
+
+
+def test_a_write_that_fails_part_way_leaves_the_previous_record_whole(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    before = {"starts": ["2026-01-01T00:00:00+00:00"], "end_reason": None}
+    (tmp_path / "meta.json").write_text(json.dumps(before))
+
+    def full_disk(self: Path, text: str) -> int:  # half the bytes reach the file, then the disk is full
+        with open(self, "w") as f:
+            f.write(text[: len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        finish_run_files(tmp_path, "finished", 1000)
+    with pytest.raises(OSError, match="No space left"):
+        record_best(tmp_path, {"step": 10})
+    monkeypatch.undo()
+    assert json.loads((tmp_path / "meta.json").read_text()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]  # no temporary left behind
+
+
+@pytest.mark.slow
+def test_a_run_whose_record_was_cut_short_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    args = (*SMALL_RUN, "--disable_cuda", "--savedir", str(tmp_path), "--xpid", "cut")
+    first = run_py(*args, "--total_steps", "400")
+    assert first.returncode == 0, first.stderr
+    run_dir = tmp_path / "cut"
+    first_step = torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)["step"]
+    (run_dir / "meta.json").write_text('{"starts": ["2026')  # as a full disk left it under an older version
+
+    resumed = run_py(*args, "--total_steps", "800")
+
+    assert resumed.returncode == 0, resumed.stderr
+    assert "Traceback" not in resumed.stderr
+    assert "could not be read" in resumed.stderr + resumed.stdout
+    assert (run_dir / "meta.json.unreadable").read_text() == '{"starts": ["2026'
+    meta = json.loads((run_dir / "meta.json").read_text())
+    assert len(meta["starts"]) == 1 and meta["end_reason"] == "finished" and meta["final_step"] >= 800
+    assert torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)["step"] >= 800 > first_step
