@@ -43,11 +43,18 @@ STATUS = {"status": True}
 HPARAM_METRICS = ("charts/episodic_return", "charts/mean_return_100", "charts/SPS")
 
 
+def _step_at_most(text: str, limit: int) -> bool:
+    try:
+        return float(text) <= limit
+    except ValueError:  # not a number: a row garbled by a kill
+        return False
+
+
 class RunLog:
     """TensorBoard event files and `logs.csv` in the run directory.
 
-    `purge_step` (when resuming) drops events a killed run wrote after its last checkpoint, so the
-    resumed curve continues the old one instead of overlapping it. Not thread-safe: one thread (the
+    `purge_step` (when resuming) drops events and CSV rows a killed run wrote after its last checkpoint, so
+    the resumed curve continues the old one instead of overlapping it. Not thread-safe: one thread (the
     monitor) writes. A storage error while training (a full disk) is logged once per file and never
     ends the run: the scalars are lost, the training is not.
     """
@@ -59,6 +66,41 @@ class RunLog:
         self._csv_file: Any = None
         self._csv: csv.DictWriter | None = None
         self._failed: set[str] = set()  # files a write failed for, reported once each
+        if purge_step is not None:
+            self._purge_csv(purge_step)
+
+    def _purge_csv(self, purge_step: int) -> None:
+        """Drop the CSV rows after `purge_step` (the step of the checkpoint a resumed run starts from), as
+        TensorBoard drops its events there, and a last row that a kill cut short: after a `kill -9` or a power cut
+        the previous session's rows went on past its last checkpoint, and the resumed rows would start again
+        below them. Replaced atomically, and only when something is dropped; a file that cannot be read or replaced
+        is reported and kept as it is."""
+        try:
+            data = self._csv_path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._report("logs.csv", exc)
+            return
+        complete = data[: data.rfind(b"\n") + 1]  # a last line without its newline was cut short
+        rows = list(csv.reader(io.StringIO(complete.decode(errors="replace"), newline="")))
+        if not rows or "step" not in rows[0]:
+            return
+        header, column = rows[0], rows[0].index("step")
+        kept = [row for row in rows[1:] if len(row) == len(header) and _step_at_most(row[column], purge_step)]
+        if len(kept) == len(rows) - 1 and len(complete) == len(data):
+            return
+        tmp = self._csv_path.with_suffix(".csv.tmp")
+        try:
+            with open(tmp, "w", newline="") as f:
+                csv.writer(f).writerows([header, *kept])
+            os.replace(tmp, self._csv_path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self._report("logs.csv", exc)
+            return
+        log.info("logs.csv: dropped %d rows after step %d, written after the checkpoint this run resumes from",
+                 len(rows) - 1 - len(kept), purge_step)
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Write each `tag: value` at `step` to TensorBoard and one row to the CSV."""

@@ -4,6 +4,7 @@ its run resumes."""
 
 from __future__ import annotations
 
+import csv
 import errno
 import os
 import signal
@@ -205,6 +206,9 @@ def test_a_killed_main_process_leaves_no_actor_and_its_run_resumes(tmp_path: Pat
     finally:
         resumed.close()
     assert checkpoint_step(run.run_dir) >= saved + 2_000
+    with open(run.run_dir / "logs.csv", newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f)]
+    assert steps == sorted(steps), "one curve: no rows of the killed session after its last checkpoint"
 
 
 def _disk_full(*args: object, **kwargs: object) -> None:

@@ -65,6 +65,38 @@ def test_csv_of_a_resumed_run_keeps_its_header_and_appends(tmp_path: Path) -> No
     assert rows == [{"step": "40", "a": "1.0", "b": "2.0"}, {"step": "80", "a": "4.0", "b": "3.0"}]
 
 
+def _write_rows(path: Path, steps: list[int], tail: str = "") -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "charts/SPS", "losses/total_loss"])
+        writer.writerows([[step, 100.0 + step, ""] for step in steps])
+        f.write(tail)
+
+
+def test_a_resumed_run_drops_the_rows_written_after_its_checkpoint_and_a_row_cut_short(tmp_path: Path) -> None:
+    # A session killed at once (kill -9): it logged up to step 500, its last checkpoint was at step 300, and the
+    # kill cut its last line short. Without the purge, the resumed rows (from 300 on) would follow 500.
+    _write_rows(tmp_path / "logs.csv", [100, 200, 300, 400, 500], tail="600,70")
+    runlog = RunLog(tmp_path, purge_step=300)
+    runlog.scalars(340, {"charts/SPS": 7.0})
+    runlog.close()
+    with open(tmp_path / "logs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [row["step"] for row in rows] == ["100", "200", "300", "340"]
+    assert rows[2] == {"step": "300", "charts/SPS": "400.0", "losses/total_loss": ""}
+    assert rows[3] == {"step": "340", "charts/SPS": "7.0", "losses/total_loss": ""}
+    assert not (tmp_path / "logs.csv.tmp").exists()
+
+
+def test_a_resumed_run_leaves_a_whole_csv_of_rows_before_its_checkpoint_untouched(tmp_path: Path) -> None:
+    _write_rows(tmp_path / "logs.csv", [100, 200, 300])
+    before = (tmp_path / "logs.csv").read_bytes()
+    RunLog(tmp_path, purge_step=300).close()
+    assert (tmp_path / "logs.csv").read_bytes() == before
+    RunLog(tmp_path / "new", purge_step=300).close()  # no CSV yet: nothing to purge
+    assert not (tmp_path / "new" / "logs.csv").exists()
+
+
 def test_flags_are_written_as_a_markdown_table_and_as_hparams(tmp_path: Path) -> None:
     runlog = RunLog(tmp_path)
     runlog.flags({"env": "CartPole-v1", "learning_rate": 0.001, "xpid": None, "plot_xpids": ["a|b"]})
