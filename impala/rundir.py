@@ -7,6 +7,7 @@ symlinked directory and listed every run twice. `--xpid latest` reads it (`confi
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -44,12 +45,56 @@ def run_directory(config: Config) -> tuple[Path, bool]:
     return run_dir, resuming
 
 
-def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num_actions: int
-             ) -> tuple[Path, bool, Path | None, dict[str, Any] | None]:
+class DirectoryLock:
+    """A training's hold on its run directory, from before it reads the checkpoint until the run has ended: a
+    second training of the same run (launched twice, or restarted by a process manager while the first still
+    stops) is refused with one line, instead of both writing model.tar, logs.csv and meta.json over each other.
+
+    An exclusive `flock` on the directory itself, so taking it writes nothing; the kernel drops it when the
+    process ends, however it ends (kill -9 included), and no child holds it: the file descriptor is closed
+    across exec, and actors and the evaluator come from the fork server, which was started by one.
+    """
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self._fd: int | None = None
+
+    def hold(self, run_dir: Path) -> None:
+        """Lock `run_dir` (an existing directory); raises UserError when another training holds it."""
+        if self._fd is not None:
+            if self.path != run_dir:
+                raise RuntimeError(f"already holding {self.path}, asked for {run_dir}")
+            return
+        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise UserError(f"run directory {run_dir} is in use by another training (running or still stopping); "
+                            "wait for it to end, or choose another --xpid") from None
+        self.path, self._fd = run_dir, fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor of the lock releases it
+            self.path, self._fd = None, None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num_actions: int,
+             lock: DirectoryLock | None = None) -> tuple[Path, bool, Path | None, dict[str, Any] | None]:
     """(run directory, whether it resumes a run, the checkpoint to start from and its content), refusing a
     checkpoint that does not fit the model (--model `model`, its shapes) or that already reached
-    --total_steps. Writes nothing."""
+    --total_steps, and a run directory that another training holds (`lock` takes it first, where the
+    directory exists). Writes nothing."""
     run_dir, resuming = run_directory(config)
+    if lock is not None and run_dir.is_dir():
+        lock.hold(run_dir)  # before its checkpoint is read: another training may be writing it
     checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
     if checkpoint_path is None:
         return run_dir, resuming, None, None
@@ -72,10 +117,13 @@ def resume_checkpoint(config: Config, run_dir: Path) -> Path | None:
     return find_checkpoint(run_dir, config.checkpoint)
 
 
-def prepare_run_directory(run_dir: Path) -> None:
-    """Create `run_dir`, prove it writable and remove temporaries of a checkpoint write that was killed."""
+def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None) -> None:
+    """Create `run_dir`, take `lock` on it (if `open_run` has not yet), prove it writable and remove temporaries
+    of a checkpoint write that was killed."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
+        if lock is not None:
+            lock.hold(run_dir)
         probe = run_dir / f".write-test-{os.getpid()}"
         probe.write_text("")
         probe.unlink()

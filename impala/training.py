@@ -45,7 +45,7 @@ from impala.learners import Learners
 from impala.metrics import STATUS, IntervalStats, RecentRate, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
 from impala.ray_pool import RayActorPool, require_ray
-from impala.rundir import finish_run_files, open_run, prepare_run_directory, write_run_files
+from impala.rundir import DirectoryLock, finish_run_files, open_run, prepare_run_directory, write_run_files
 from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
 from impala.stopping import StopRequests, stop_requests
 
@@ -125,14 +125,16 @@ def probe_env(config: Config) -> tuple[tuple[int, ...], torch.dtype, int]:
         probe.close()
 
 
-def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequests | None = None) -> Run:
+def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequests | None = None,
+          lock: DirectoryLock | None = None) -> Run:
     """Everything a run needs, with no actor or thread started yet: only the fork server, which `train` stops
     again when the build fails.
 
     Every check a user can fail (env id, model, checkpoint, shared memory, savedir) comes before the
     first file is written, so a refused run leaves an existing run directory exactly as it was; so does
     a Ctrl-C or SIGTERM that came before then (`Stopped`). Under torchrun only rank 0 opens the run
-    directory; the others take its state (`Coordinator.share_state`).
+    directory; the others take its state (`Coordinator.share_state`). `lock` is taken on the run directory
+    before its checkpoint is read (or once it is made), for the caller to release when the run has ended.
     """
     stop = stop if stop is not None else StopRequests()
     if config.ray:
@@ -146,7 +148,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     writes_files = coordinator is None or coordinator.rank == 0
     if writes_files:
         run_dir, resuming, checkpoint_path, checkpoint = open_run(config, model.model, observation_shape,
-                                                                  num_actions)
+                                                                  num_actions, lock)
     else:
         run_dir, resuming, checkpoint_path, checkpoint = distributed.rank_run_dir(config), False, None, None
     ctx = process_context()
@@ -173,7 +175,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     runlog: RunLog
     session, runlog = 0, distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
     if writes_files:
-        prepare_run_directory(run_dir)  # the last check; nothing in the directory changed before it
+        prepare_run_directory(run_dir, lock)  # the last check; nothing in the directory changed before it
         session = write_run_files(config, run_dir, resuming, world_size)
         runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
         runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained
@@ -452,12 +454,13 @@ def train(config: Config) -> Path:
         try:
             config, coordinator = distributed.join(config)  # under torchrun; else (config, None)
             stop.check()
-            try:
-                run = build(config, coordinator, stop)
-            except BaseException:
-                stop_fork_server()  # started during the build; nothing else of the run was
-                raise
-            return _run(run)
+            with DirectoryLock() as lock:  # one training per run directory, until this one has ended
+                try:
+                    run = build(config, coordinator, stop, lock)
+                except BaseException:
+                    stop_fork_server()  # started during the build; nothing else of the run was
+                    raise
+                return _run(run)
         finally:
             if coordinator is not None:  # bounded too: a rank that cannot leave its group must still exit
                 finish_within(END_CLOSE_TIMEOUT_S, functools.partial(distributed.leave, coordinator),

@@ -1,19 +1,21 @@
-"""The run directory's record files: written atomically, and a record that cannot be read never keeps a run with a
-good checkpoint from resuming."""
+"""The run directory: one training at a time holds it; its record files are written atomically, and a record that
+cannot be read never keeps a run with a good checkpoint from resuming."""
 
 from __future__ import annotations
 
 import errno
 import json
 import logging
+import signal
 from pathlib import Path
 
 import pytest
 import torch
-from process_helpers import SMALL_RUN, run_py
+from process_helpers import SMALL_RUN, Training, run_py
 
 from impala.checkpoint import CHECKPOINT_NAME
-from impala.rundir import finish_run_files, read_meta, record_best
+from impala.config import UserError
+from impala.rundir import DirectoryLock, finish_run_files, read_meta, record_best
 
 
 def test_a_missing_record_is_empty_and_a_readable_one_is_read(tmp_path: Path) -> None:
@@ -81,3 +83,44 @@ def test_a_run_whose_record_was_cut_short_resumes_from_its_checkpoint(tmp_path: 
     meta = json.loads((run_dir / "meta.json").read_text())
     assert len(meta["starts"]) == 1 and meta["end_reason"] == "finished" and meta["final_step"] >= 800
     assert torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)["step"] >= 800 > first_step
+
+
+def test_a_run_directory_is_held_by_one_training_at_a_time(tmp_path: Path) -> None:
+    first, second = DirectoryLock(), DirectoryLock()
+    first.hold(tmp_path)
+    first.hold(tmp_path)  # again by its holder: nothing changes
+    with pytest.raises(UserError, match=rf"run directory {tmp_path} is in use by another training"):
+        second.hold(tmp_path)
+    assert second.path is None
+    first.release()
+    with second:
+        second.hold(tmp_path)  # free once the first let go
+        assert second.path == tmp_path
+    assert second.path is None
+    first.hold(tmp_path)  # the context's exit released it
+    first.release()
+    assert list(tmp_path.iterdir()) == []  # taking it wrote nothing
+
+
+@pytest.mark.slow
+def test_a_second_training_of_a_running_run_is_refused_and_the_run_resumes_once_it_has_ended(tmp_path: Path) -> None:
+    running = Training(tmp_path, "busy", "--disable_cuda", "--checkpoint_interval_s", "0.5", total_steps=10_000_000)
+    try:
+        running.wait_for(r"Saved checkpoint at step [1-9]")
+        second = run_py(*SMALL_RUN, "--disable_cuda", "--savedir", str(tmp_path), "--xpid", "busy",
+                        "--total_steps", "20000000")
+        assert second.returncode == 2
+        assert second.stderr == (f"run.py: error: run directory {tmp_path / 'busy'} is in use by another training "
+                                 "(running or still stopping); wait for it to end, or choose another --xpid\n")
+        assert len(read_meta(running.run_dir)["starts"]) == 1  # the second wrote nothing
+        assert len(list(running.run_dir.glob("events.out.tfevents.*"))) == 1
+        running.signal(signal.SIGTERM)
+        assert running.wait(timeout=30) == 143
+    finally:
+        running.close()
+    stopped_at = torch.load(running.run_dir / CHECKPOINT_NAME, weights_only=True)["step"]
+    resumed = run_py(*SMALL_RUN, "--disable_cuda", "--savedir", str(tmp_path), "--xpid", "busy",
+                     "--total_steps", str(stopped_at + 400))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"Resuming from step {stopped_at}" in resumed.stdout + resumed.stderr
+    assert len(read_meta(running.run_dir)["starts"]) == 2
