@@ -3,7 +3,8 @@
 
 Exit codes: 0 done; 1 the run failed (actors dying too often, non-finite updates, a bug: the log says
 why); 2 bad input (a flag, an env id, a path, a checkpoint: one line on stderr, nothing changed);
-130 stopped by Ctrl-C and 143 by SIGTERM, after an orderly shutdown with a final checkpoint.
+130 stopped by Ctrl-C, 143 by SIGTERM and 129 by SIGHUP (the terminal closed), after an orderly shutdown with a
+final checkpoint.
 """
 
 from __future__ import annotations

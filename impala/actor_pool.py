@@ -352,7 +352,7 @@ def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None
 def start_fork_server() -> None:
     """Start the fork server now rather than with the first actor: it imports torch and this package (2-3 s
     here), which then overlaps the rest of the run's build in this process (the optimiser's first parameter
-    group alone imports torch._dynamo, about 2 s) instead of following it. Started with Ctrl-C and SIGTERM
+    group alone imports torch._dynamo, about 2 s) instead of following it. Started with the stop signals
     blocked, as `start_process` would start it (see there). After `process_context`, which names what it
     preloads."""
     if START_METHOD != "forkserver":
@@ -360,14 +360,14 @@ def start_fork_server() -> None:
     from multiprocessing import forkserver, resource_tracker
 
     # The fork server starts the resource tracker first if it is not running, and that start unblocks
-    # Ctrl-C and SIGTERM in this thread on its way out: so the tracker first, then the block.
+    # the stop signals in this thread on its way out: so the tracker first, then the block.
     resource_tracker.ensure_running()
     with stop_signals_blocked():
         forkserver.ensure_running()
 
 
 def start_process(process: BaseProcess) -> None:
-    """Start a child process of the run with Ctrl-C and SIGTERM blocked in this thread meanwhile.
+    """Start a child process of the run with the stop signals (Ctrl-C, SIGTERM, SIGHUP) blocked in this thread meanwhile.
 
     The fork server, started by the first child, inherits the block and keeps it for good, and every
     process it forks starts with it, until `leave_stop_signals_to_main_process` ignores both: so no child
@@ -382,7 +382,7 @@ def start_process(process: BaseProcess) -> None:
 
 @contextlib.contextmanager
 def stop_signals_blocked() -> Iterator[None]:
-    """Block Ctrl-C and SIGTERM in this thread for the block, then restore the mask it had."""
+    """Block the stop signals (Ctrl-C, SIGTERM, SIGHUP) in this thread for the block, then restore the mask it had."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         yield
@@ -391,7 +391,7 @@ def stop_signals_blocked() -> Iterator[None]:
 
 
 def leave_stop_signals_to_main_process() -> None:
-    """In a child process of the run: ignore Ctrl-C and SIGTERM, which reach the whole process group. The
+    """In a child process of the run: ignore Ctrl-C, SIGTERM and SIGHUP, which reach the whole process group. The
     main process stops its children in order; an actor killed mid-unroll would read as a crash and be
     restarted during the stop. (The child started with both blocked: see `start_process`.)"""
     ignore_stop_signals()

@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM during a run: the first one asks for an orderly stop, the ones after it change nothing.
+"""Ctrl-C, SIGTERM and SIGHUP during a run: the first one asks for an orderly stop, the ones after it change nothing.
 
 Signals come in pairs: GNU `timeout`, `docker stop` and job schedulers signal the main process and then its
 whole group, and a user presses Ctrl-C twice. So the handler never raises: an exception raised from a
@@ -6,11 +6,11 @@ handler lands wherever the main thread happens to be (inside a log call, inside 
 short. It records the first signal only; `train` checks it between the stages of a build, the monitor
 reads it on every pass, and each stops in order from where it stands:
 
-    with stop_requests() as stop:    the handler installed: Ctrl-C and SIGTERM are recorded in `stop`
+    with stop_requests() as stop:    the handler installed: Ctrl-C, SIGTERM and SIGHUP are recorded in `stop`
         stop.check()                 raises Stopped once one came (before anything is written or started)
         stop.signum                  what the monitor reads (None: no stop asked for)
 
-The run's children (actors, the evaluator, the fork server) ignore both signals: the main process stops
+The run's children (actors, the evaluator, the fork server) ignore all three: the main process stops
 them (`actor_pool.start_process`). This module creates no process, thread or lock.
 """
 
@@ -21,13 +21,16 @@ import signal
 from collections.abc import Iterator
 from types import FrameType
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_REASONS: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
-_LOG_LINES: dict[int, str] = {signal.SIGINT: "Interrupted: stopping", signal.SIGTERM: "SIGTERM: stopping"}
+# SIGHUP too: the terminal a run was started from closed (an ssh connection that dropped, a closed window), which
+# by default kills the whole process group at once and loses everything since the last periodic checkpoint.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_REASONS: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated", signal.SIGHUP: "hangup"}
+_LOG_LINES: dict[int, str] = {signal.SIGINT: "Interrupted: stopping", signal.SIGTERM: "SIGTERM: stopping",
+                              signal.SIGHUP: "SIGHUP (the terminal closed): stopping"}
 
 
 class Stopped(Exception):
-    """Raised by `train` after an orderly stop on Ctrl-C or SIGTERM; `exit_code` is the shell convention."""
+    """Raised by `train` after an orderly stop on Ctrl-C, SIGTERM or SIGHUP; `exit_code` is the shell convention."""
 
     def __init__(self, reason: str, signum: int) -> None:
         super().__init__(reason)
@@ -36,7 +39,7 @@ class Stopped(Exception):
 
 
 class StopRequests:
-    """The first Ctrl-C or SIGTERM that reached this process while `stop_requests` was active."""
+    """The first Ctrl-C, SIGTERM or SIGHUP that reached this process while `stop_requests` was active."""
 
     def __init__(self) -> None:
         self.signum: int | None = None  # written by the handler, in the main thread, once
@@ -64,7 +67,7 @@ class StopRequests:
 
 
 def ignore_stop_signals() -> None:
-    """Ignore Ctrl-C and SIGTERM from now on: in a child of the run (the main process stops it), or in a
+    """Ignore Ctrl-C, SIGTERM and SIGHUP from now on: in a child of the run (the main process stops it), or in a
     process whose run has ended and that exits next (a late signal of its group must not turn an orderly
     exit into a kill)."""
     for signum in STOP_SIGNALS:
@@ -73,7 +76,7 @@ def ignore_stop_signals() -> None:
 
 @contextlib.contextmanager
 def stop_requests() -> Iterator[StopRequests]:
-    """Record Ctrl-C and SIGTERM inside, then put back the handlers that were there. Main thread only.
+    """Record Ctrl-C, SIGTERM and SIGHUP inside, then put back the handlers that were there. Main thread only.
 
     Installed even where this process started with SIGINT ignored (a shell's background job), so that
     Ctrl-C stops a run in order however it was started.

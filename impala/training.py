@@ -6,7 +6,7 @@
     learner threads: take batch_size full slots, update, publish weights through the actor pool
     evaluation process (--eval_interval_s, evaluator.py): full games with a weights snapshot
 
-Ctrl-C and SIGTERM are recorded (`stopping.py`), never raised: `train` and the monitor read them and stop
+Ctrl-C, SIGTERM and SIGHUP are recorded (`stopping.py`), never raised: `train` and the monitor read them and stop
 in order through `shutdown`; children ignore them (`actor_pool.start_process`). Under torchrun every rank
 runs all of this, in lockstep with the others (`distributed.py`); rank 0 alone writes the run directory.
 """

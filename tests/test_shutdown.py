@@ -3,11 +3,14 @@ and a final checkpoint. (SIGTERM and resume: test_resume.py; actor failures: tes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import pty
 import random
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -191,6 +194,37 @@ def test_gnu_timeout_expiring_stops_the_run_in_order(tmp_path: Path) -> None:
     finally:
         for run in runs:
             run.close()
+
+
+def test_a_closed_terminal_stops_the_run_in_order_with_a_final_checkpoint(tmp_path: Path) -> None:
+    # run.py on a pseudo-terminal of its own, as a shell over ssh runs it; closing the terminal's other end is the
+    # dropped connection: the kernel sends SIGHUP to run.py and its process group, and writes to it fail after.
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: run.py, session leader on the terminal
+        os.chdir(REPO_ROOT)
+        os.execv(sys.executable, [sys.executable, "run.py", *SMALL_RUN, "--disable_cuda", "--savedir", str(tmp_path),
+                                  "--xpid", "hangup", "--total_steps", "10000000"])
+    run_dir, output = tmp_path / "hangup", b""
+    try:
+        deadline = time.monotonic() + 90
+        while len(re.findall(rb"step [\d,]+/", output)) < 3 and time.monotonic() < deadline:
+            if select.select([terminal], [], [], 1.0)[0]:
+                output += os.read(terminal, 65536)
+        assert len(re.findall(rb"step [\d,]+/", output)) >= 3, output.decode(errors="replace")
+        logged = (run_dir / "out.log").read_text()
+        os.close(terminal)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)  # only if the test failed before the run ended
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGHUP
+    assert wait_until_gone(pid) == []
+    text = (run_dir / "out.log").read_text()
+    assert "SIGHUP (the terminal closed): stopping" in text and "Traceback" not in text
+    last_logged = max(int(s.replace(",", "")) for s in re.findall(r"step ([\d,]+)/", logged))
+    assert checkpoint_step(run_dir) >= last_logged > 0  # the final checkpoint, not only a periodic one
+    assert json.loads((run_dir / "meta.json").read_text())["end_reason"] == "hangup"
+    assert "crashed" not in text  # the actors left the hangup to the main process, as SIGTERM
 
 
 def test_children_leave_sigterm_to_the_main_process(tmp_path: Path) -> None:
