@@ -72,10 +72,10 @@ from impala.actor_pool import keep_freed_memory
 from impala.buffers import BufferSpec, pin_observations, unpin_observations
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import Config, UserError, add_flags, to_flags
-from impala.environment import EnvBatch
+from impala.environment import EnvBatch, probe_env
+from impala.learners import learner_threads, select_device
 from impala.model import CastTorso, Net, sample_actions, use_amp
 from impala.seeding import first_life
-from impala.training import learner_threads, probe_env, select_device
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPONENTS = ("env", "inference", "learner", "actor", "actors", "e2e")
@@ -187,8 +187,8 @@ class EnvShape:
 
 
 def env_shape(config: Config) -> EnvShape:
-    """The env's shapes as the trainer probes them (`training.probe_env`), and the model `--model` names."""
-    observation_shape, dtype, num_actions = probe_env(config)
+    """The env's shapes as the trainer probes them (`environment.probe_env`), and the model `--model` names."""
+    observation_shape, dtype, num_actions = probe_env(config.env, config.seed)
     model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
     return EnvShape(observation_shape, dtype, num_actions, model.model)
 

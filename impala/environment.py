@@ -26,6 +26,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import torch
 
 from impala.config import UserError
 from impala.seeding import env_seeds
@@ -292,3 +293,14 @@ class _OneVectorEnvEach:
     def close(self) -> None:
         for env in self._envs:
             env.close()
+
+
+def probe_env(env_id: str, seed: int) -> tuple[tuple[int, ...], torch.dtype, int]:
+    """(observation shape, observation dtype in the slots, number of actions) of `env_id`; an early
+    error for a bad env id."""
+    probe = EnvBatch(env_id, 1, seed)
+    try:
+        dtype = torch.uint8 if probe.observation_dtype.kind == "u" else torch.float32
+        return probe.observation_shape, dtype, probe.num_actions
+    finally:
+        probe.close()

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -23,6 +24,23 @@ if TYPE_CHECKING:
     from impala.distributed import Coordinator
 
 log = logging.getLogger("impala")
+
+
+def select_device(config: Config) -> torch.device:
+    if not config.disable_cuda and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def learner_threads(config: Config, device: torch.device, local_ranks: int = 1) -> int:
+    """Torch threads of the learner's process: the cores the actors leave (of this process's share when
+    `local_ranks` learner processes share the machine). Extra torch threads on busy cores cost more CPU per
+    update than they save (measured in BENCHMARKS.md). With a GPU too: there the process's CPU work is
+    stacking slots into staging, and with torch's default of one thread per core an H100 machine's learner
+    alone kept 3.7 of its 16 cores busy at 7,500 agent steps/s, cores that its actors need."""
+    # --ray local: the remote actors are processes of this machine too.
+    actors_here = config.num_actors + (config.ray_actors if config.ray == "local" else 0)
+    return max(1, len(os.sched_getaffinity(0)) // local_ranks - actors_here)
 
 
 class Learners:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,11 +36,11 @@ from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, keep_step_copy, save_checkpoint
 from impala.config import Config, TrainingError, UserError
 from impala.distributed import Coordinator
-from impala.environment import EnvBatch, is_atari
+from impala.environment import is_atari, probe_env
 from impala.evaluator import Evaluator, check_evaluator, make_evaluator, start_evaluator, stop_evaluator
 from impala.inference import InferenceServer
 from impala.learner import LearnerState
-from impala.learners import Learners
+from impala.learners import Learners, learner_threads, select_device
 from impala.metrics import STATUS, IntervalStats, RecentRate, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
 from impala.ray_pool import RayActorPool, require_ray
@@ -97,34 +96,6 @@ class Run:
 # ----------------------------------------------------------------------------------------- build
 
 
-def select_device(config: Config) -> torch.device:
-    if not config.disable_cuda and torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
-def learner_threads(config: Config, device: torch.device, local_ranks: int = 1) -> int:
-    """Torch threads of the learner's process: the cores the actors leave (of this process's share when
-    `local_ranks` learner processes share the machine). Extra torch threads on busy cores cost more CPU per
-    update than they save (measured in BENCHMARKS.md). With a GPU too: there the process's CPU work is
-    stacking slots into staging, and with torch's default of one thread per core an H100 machine's learner
-    alone kept 3.7 of its 16 cores busy at 7,500 agent steps/s, cores that its actors need."""
-    # --ray local: the remote actors are processes of this machine too.
-    actors_here = config.num_actors + (config.ray_actors if config.ray == "local" else 0)
-    return max(1, len(os.sched_getaffinity(0)) // local_ranks - actors_here)
-
-
-def probe_env(config: Config) -> tuple[tuple[int, ...], torch.dtype, int]:
-    """(observation shape, observation dtype in the slots, number of actions) of `config.env`; an early
-    error for a bad env id."""
-    probe = EnvBatch(config.env, 1, config.seed)
-    try:
-        dtype = torch.uint8 if probe.observation_dtype.kind == "u" else torch.float32
-        return probe.observation_shape, dtype, probe.num_actions
-    finally:
-        probe.close()
-
-
 def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequests | None = None,
           lock: DirectoryLock | None = None) -> Run:
     """Everything a run needs, with no actor or thread started yet: only the fork server, which `train` stops
@@ -139,7 +110,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     stop = stop if stop is not None else StopRequests()
     if config.ray:
         require_ray()  # before anything is written
-    observation_shape, observation_dtype, num_actions = probe_env(config)
+    observation_shape, observation_dtype, num_actions = probe_env(config.env, config.seed)
     torch.manual_seed(config.seed)
     try:
         model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)

@@ -98,7 +98,7 @@ def test_a_rank_that_cannot_leave_its_process_group_still_ends(monkeypatch: pyte
     monkeypatch.setattr(distributed, "join", lambda config: (config, object()))  # as if under torchrun
     monkeypatch.setattr(distributed, "leave", lambda coordinator: release.wait(60))
 
-    def build(config: Config, coordinator: object, stop: object) -> None:
+    def build(config: Config, coordinator: object, stop: object, lock: object) -> None:
         raise UserError("the build refused the run")
 
     monkeypatch.setattr(training, "build", build)
