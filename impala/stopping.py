@@ -79,10 +79,12 @@ def stop_requests() -> Iterator[StopRequests]:
     """Record Ctrl-C, SIGTERM and SIGHUP inside, then put back the handlers that were there. Main thread only.
 
     Installed even where this process started with SIGINT ignored (a shell's background job), so that
-    Ctrl-C stops a run in order however it was started.
+    Ctrl-C stops a run in order however it was started. Not for a SIGHUP that this process started ignoring:
+    that is `nohup` (or a process manager) asking for the run to outlive its terminal.
     """
     requests = StopRequests()
-    previous = {signum: signal.signal(signum, requests.record) for signum in STOP_SIGNALS}
+    signums = [s for s in STOP_SIGNALS if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN]
+    previous = {signum: signal.signal(signum, requests.record) for signum in signums}
     try:
         yield requests
     finally:

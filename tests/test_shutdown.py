@@ -196,22 +196,36 @@ def test_gnu_timeout_expiring_stops_the_run_in_order(tmp_path: Path) -> None:
             run.close()
 
 
-def test_a_closed_terminal_stops_the_run_in_order_with_a_final_checkpoint(tmp_path: Path) -> None:
-    # run.py on a pseudo-terminal of its own, as a shell over ssh runs it; closing the terminal's other end is the
-    # dropped connection: the kernel sends SIGHUP to run.py and its process group, and writes to it fail after.
+def _on_a_terminal(run_dir: Path, nohup: bool = False) -> tuple[int, int]:
+    """run.py on a pseudo-terminal of its own, as a shell over ssh runs it (under `nohup`: SIGHUP ignored), until
+    it has printed three progress lines; (its pid, the terminal's other end). Closing that end is the dropped
+    connection: the kernel sends SIGHUP to run.py and its process group, and writes to the terminal fail after."""
     pid, terminal = pty.fork()
     if pid == 0:  # the child: run.py, session leader on the terminal
+        if nohup:
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
         os.chdir(REPO_ROOT)
-        os.execv(sys.executable, [sys.executable, "run.py", *SMALL_RUN, "--disable_cuda", "--savedir", str(tmp_path),
-                                  "--xpid", "hangup", "--total_steps", "10000000"])
-    run_dir, output = tmp_path / "hangup", b""
+        os.execv(sys.executable, [sys.executable, "run.py", *SMALL_RUN, "--disable_cuda", "--savedir",
+                                  str(run_dir.parent), "--xpid", run_dir.name, "--total_steps", "10000000"])
+    output, deadline = b"", time.monotonic() + 90
+    while len(re.findall(rb"step [\d,]+/", output)) < 3 and time.monotonic() < deadline:
+        if select.select([terminal], [], [], 1.0)[0]:
+            output += os.read(terminal, 65536)
+    if len(re.findall(rb"step [\d,]+/", output)) < 3:
+        os.killpg(pid, signal.SIGKILL)
+        raise AssertionError(output.decode(errors="replace"))
+    return pid, terminal
+
+
+def _logged_steps(run_dir: Path) -> list[int]:
+    return [int(s.replace(",", "")) for s in re.findall(r"step ([\d,]+)/", (run_dir / "out.log").read_text())]
+
+
+def test_a_closed_terminal_stops_the_run_in_order_with_a_final_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "hangup"
+    pid, terminal = _on_a_terminal(run_dir)
     try:
-        deadline = time.monotonic() + 90
-        while len(re.findall(rb"step [\d,]+/", output)) < 3 and time.monotonic() < deadline:
-            if select.select([terminal], [], [], 1.0)[0]:
-                output += os.read(terminal, 65536)
-        assert len(re.findall(rb"step [\d,]+/", output)) >= 3, output.decode(errors="replace")
-        logged = (run_dir / "out.log").read_text()
+        last_logged = max(_logged_steps(run_dir))
         os.close(terminal)
         _, status = os.waitpid(pid, 0)
     finally:
@@ -221,10 +235,29 @@ def test_a_closed_terminal_stops_the_run_in_order_with_a_final_checkpoint(tmp_pa
     assert wait_until_gone(pid) == []
     text = (run_dir / "out.log").read_text()
     assert "SIGHUP (the terminal closed): stopping" in text and "Traceback" not in text
-    last_logged = max(int(s.replace(",", "")) for s in re.findall(r"step ([\d,]+)/", logged))
     assert checkpoint_step(run_dir) >= last_logged > 0  # the final checkpoint, not only a periodic one
     assert json.loads((run_dir / "meta.json").read_text())["end_reason"] == "hangup"
     assert "crashed" not in text  # the actors left the hangup to the main process, as SIGTERM
+
+
+def test_a_run_under_nohup_outlives_its_terminal(tmp_path: Path) -> None:
+    run_dir = tmp_path / "nohup"
+    pid, terminal = _on_a_terminal(run_dir, nohup=True)
+    try:
+        os.close(terminal)
+        at_hangup, deadline = max(_logged_steps(run_dir)), time.monotonic() + 60
+        while max(_logged_steps(run_dir)) < at_hangup + 2_000 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert max(_logged_steps(run_dir)) >= at_hangup + 2_000, "it trains on, writing its log to out.log"
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+    assert os.waitstatus_to_exitcode(status) == 128 + signal.SIGTERM
+    assert wait_until_gone(pid) == []
+    assert "Traceback" not in (run_dir / "out.log").read_text()
+    assert json.loads((run_dir / "meta.json").read_text())["end_reason"] == "terminated"
 
 
 def test_children_leave_sigterm_to_the_main_process(tmp_path: Path) -> None:

@@ -34,6 +34,26 @@ def test_the_first_signal_is_recorded_and_the_ones_after_it_change_nothing() -> 
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
+def test_a_hangup_is_a_stop_unless_the_process_started_with_it_ignored() -> None:
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        with stop_requests() as stop:
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert (stop.reason, stop.log_line) == ("hangup", "SIGHUP (the terminal closed): stopping")
+            with pytest.raises(Stopped) as stopped:
+                stop.check()
+            assert stopped.value.exit_code == 129
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # put back
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as `nohup` starts a process
+        with stop_requests() as stop:
+            assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN  # left to nohup
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert stop.reason is None
+            stop.check()  # no exception: the run goes on
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
 def _config(savedir: Path, total_steps: int) -> Config:
     return Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=5, batch_size=4,
                   num_learner_threads=1, hidden_size=16, total_steps=total_steps, log_interval_s=0.2,
