@@ -166,7 +166,7 @@ def write_latest(run_dir: Path) -> None:
 
 
 def finish_run_files(run_dir: Path, reason: str, step: int) -> None:
-    """Record in meta.json when and why the run ended (finished, interrupted, terminated, error) and its step."""
+    """Record in meta.json when and why the run ended (finished, interrupted, terminated, hangup, error) and its step."""
     meta = read_meta(run_dir)
     ended = datetime.now(UTC)
     meta.update(ended=ended.isoformat(timespec="seconds"), end_reason=reason, final_step=step)
