@@ -140,14 +140,19 @@ def write_run_files(config: Config, run_dir: Path, resuming: bool, world_size: i
     else 1) and the `latest` file beside the run.
 
     Returns this session's number: 0 for a new run, then one more for every start recorded in meta.json
-    (a resumed session killed before its next checkpoint counts too).
+    (a resumed session killed before its next checkpoint counts too). A directory that takes no more bytes (a
+    full disk, a quota) is a UserError: nothing of the run can be kept there, and nothing in it has changed.
     """
-    _write_json(run_dir / "flags.json", config.to_dict())
     meta = read_meta(run_dir) if resuming else {}
     meta.setdefault("starts", []).append(datetime.now(UTC).isoformat(timespec="seconds"))
     meta.update(versions(), command=" ".join(sys.argv), git_commit=git_commit(), world_size=world_size,
                 ended=None, end_reason=None)
-    _write_json(run_dir / META_NAME, meta)
+    try:
+        _write_json(run_dir / "flags.json", config.to_dict())
+        _write_json(run_dir / META_NAME, meta)
+    except OSError as exc:
+        raise UserError(f"cannot write the run files in {run_dir}: {exc.strerror or exc}; free space there or "
+                        "choose another --savedir") from None
     write_latest(run_dir)
     return len(meta["starts"]) - 1
 

@@ -3,6 +3,7 @@ that was saved."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -114,6 +115,24 @@ def test_existing_run_with_another_env_is_refused_before_anything_is_overwritten
     _fails_with(capsys, [*QUICK, "--hidden_size", "64", "--savedir", str(tmp_path), "--xpid", "cartpole"],
                 r"hidden_size 32 vs 64")
     assert _snapshot(run_dir) == before  # flags.json, meta.json and the checkpoint untouched
+
+
+@pytest.mark.parametrize("resuming", [False, True])
+def test_a_full_disk_is_refused_in_one_line_before_anything_is_changed(
+        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resuming: bool) -> None:
+    run_dir = _saved_run(tmp_path, "full") if resuming else tmp_path / "full"
+    before = _snapshot(run_dir) if resuming else {}
+    write_text = Path.write_text
+
+    def no_space(path: Path, text: str, *args: object, **kwargs: object) -> int:
+        if path.parent == run_dir and text:  # no byte more there (an empty file takes none); elsewhere, space
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(path, text, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", no_space)
+    _fails_with(capsys, [*QUICK, "--optimizer", "rmsprop", "--savedir", str(tmp_path), "--xpid", "full"],
+                rf"cannot write the run files in {run_dir}: No space left on device; free space there or choose")
+    assert _snapshot(run_dir) == before
 
 
 def test_a_finished_run_is_not_resumed_silently(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
