@@ -18,6 +18,7 @@ anywhere else (a pipe, a file, CI, `docker logs`); `out.log` always gets plain l
 from __future__ import annotations
 
 import collections
+import contextlib
 import csv
 import io
 import logging
@@ -25,7 +26,8 @@ import math
 import os
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,8 @@ log = logging.getLogger("impala")
 
 # Pass as `extra=STATUS` to log a progress line: a terminal redraws it in place instead of scrolling.
 STATUS = {"status": True}
+
+TENSORBOARD_RETRY_S = 60.0  # after a failed TensorBoard write (a full disk), how long until a new writer is tried
 
 # The scalar tags the HPARAMS tab shows beside each run's flags (TensorBoard reads their values from
 # the scalars of the same run, so nothing extra is written for them).
@@ -56,7 +60,9 @@ class RunLog:
     `purge_step` (when resuming) drops events and CSV rows a killed run wrote after its last checkpoint, so
     the resumed curve continues the old one instead of overlapping it. Not thread-safe: one thread (the
     monitor) writes. A storage error while training (a full disk) is logged once per file and never
-    ends the run: the scalars are lost, the training is not.
+    ends the run: the scalars are lost, the training is not. TensorBoard comes back by itself once there is
+    space again: a writer that failed is set aside and a new one (a new event file) tried every
+    TENSORBOARD_RETRY_S.
     """
 
     def __init__(self, run_dir: str | os.PathLike, purge_step: int | None = None) -> None:
@@ -66,6 +72,7 @@ class RunLog:
         self._csv_file: Any = None
         self._csv: csv.DictWriter | None = None
         self._failed: set[str] = set()  # files a write failed for, reported once each
+        self._tensorboard_failed_at: float | None = None  # when the writer last failed (monotonic s)
         if purge_step is not None:
             self._purge_csv(purge_step)
 
@@ -113,10 +120,27 @@ class RunLog:
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         """One TensorBoard scalar, not in the CSV (e.g. one per finished episode)."""
+        self._tensorboard(lambda writer: writer.add_scalar(tag, value, step))
+
+    def _tensorboard(self, write: Callable[[SummaryWriter], object]) -> None:
+        """`write(writer)`, unless the writer failed and it is not yet time to try a new one.
+
+        A failed write leaves a SummaryWriter broken for good (its thread has died on the error, and every later
+        call raises that same exception again, its traceback a few frames longer each time: memory a run of days
+        on a full disk would not give back). So the writer is set aside, and a new one tried later.
+        """
+        if self._tensorboard_failed_at is not None:
+            if time.monotonic() - self._tensorboard_failed_at < TENSORBOARD_RETRY_S:
+                return
+            self._tensorboard_failed_at = None
+            self.writer = SummaryWriter(log_dir=str(self.run_dir))
         try:
-            self.writer.add_scalar(tag, value, step)
+            write(self.writer)
         except OSError as exc:
             self._report("the TensorBoard event file", exc)
+            self._tensorboard_failed_at = time.monotonic()
+            with contextlib.suppress(OSError):
+                self.writer.close()  # raises the same error; what matters is that its file is closed
 
     def _report(self, what: str, exc: OSError) -> None:
         if what not in self._failed:
@@ -125,7 +149,7 @@ class RunLog:
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Markdown text in TensorBoard's TEXT tab."""
-        self.writer.add_text(tag, text, step)
+        self._tensorboard(lambda writer: writer.add_text(tag, text, step))
 
     def flags(self, flags: Mapping[str, Any], step: int = 0) -> None:
         """The run's flags as a markdown table (tag `flags`) and as hparams, at the start of a run.
@@ -135,9 +159,13 @@ class RunLog:
         """
         self.text("flags", flags_markdown(flags), step)
         clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flags.items()}
-        file_writer = self.writer._get_file_writer()
-        for summary in hparams(clean, {tag: 0.0 for tag in HPARAM_METRICS}):
-            file_writer.add_summary(summary, step)
+        summaries = hparams(clean, {tag: 0.0 for tag in HPARAM_METRICS})
+
+        def write(writer: SummaryWriter) -> None:
+            for summary in summaries:
+                writer._get_file_writer().add_summary(summary, step)
+
+        self._tensorboard(write)
 
     def video(self, tag: str, frames: np.ndarray, step: int, fps: float) -> None:
         """An animated GIF of `frames` ([T, H, W, 3] or [T, H, W] uint8) in TensorBoard's IMAGES tab.
@@ -145,7 +173,8 @@ class RunLog:
         This is what `SummaryWriter.add_video` writes, encoded with Pillow (already installed with
         matplotlib) because add_video needs moviepy, a dependency we would add for this one call.
         """
-        self.writer._get_file_writer().add_summary(video_summary(tag, frames, fps), step)
+        summary = video_summary(tag, frames, fps)
+        self._tensorboard(lambda writer: writer._get_file_writer().add_summary(summary, step))
 
     def _write_csv(self, row: dict[str, float]) -> None:
         if self._csv is None:
@@ -183,12 +212,19 @@ class RunLog:
         self._open_csv(fieldnames, append=True)
 
     def flush(self) -> None:
-        self.writer.flush()
+        self._tensorboard(lambda writer: writer.flush())
 
     def close(self) -> None:
-        self.writer.close()
+        if self._tensorboard_failed_at is None:
+            try:
+                self.writer.close()
+            except OSError as exc:
+                self._report("the TensorBoard event file", exc)
         if self._csv_file is not None:
-            self._csv_file.close()
+            try:
+                self._csv_file.close()  # its last flush may find the disk full
+            except OSError as exc:
+                self._report("logs.csv", exc)
             self._csv_file = self._csv = None
 
 
@@ -328,7 +364,44 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-class ConsoleHandler(logging.Handler):
+class _ReportsFailuresOnce:
+    """For a log handler whose stream stops taking lines (a full disk under out.log, a closed pipe or terminal
+    under stdout): one line on stderr the first time, instead of logging's traceback for every line after it,
+    and the next records are still tried, so they land again once the stream takes them."""
+
+    _failed_once = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self._failed_once:
+            return
+        self._failed_once = True
+        error = sys.exc_info()[1]
+        with contextlib.suppress(Exception):  # stderr may be gone as well
+            sys.stderr.write(f"impala: could not write the log to {self._destination()}: {error}; training goes "
+                             "on (reported once)\n")
+            sys.stderr.flush()
+
+    def _destination(self) -> str:
+        return "stdout"
+
+
+class LogFile(_ReportsFailuresOnce, logging.FileHandler):
+    """out.log: every record as a plain line, appended."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path, mode="a")
+
+    def _destination(self) -> str:
+        return self.baseFilename
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # its last flush, on a full disk: reported already, or not worth a traceback at the end
+            pass
+
+
+class ConsoleHandler(_ReportsFailuresOnce, logging.Handler):
     """Writes records to the current `sys.stdout` (looked up per record, so a redirected stdout is honoured).
 
     On a terminal a record logged with `extra=STATUS` replaces the previous status line in place
@@ -387,7 +460,7 @@ def setup_console(log_file: str | os.PathLike | None = None) -> None:
         console.setFormatter(formatter)
         log.addHandler(console)
     if log_file is not None:
-        file_handler = logging.FileHandler(log_file, mode="a")
+        file_handler = LogFile(log_file)
         file_handler.setFormatter(formatter)
         log.addHandler(file_handler)
 

@@ -4,6 +4,7 @@ video summary, the progress line, and the console on a terminal versus a pipe.""
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import logging
 import math
@@ -236,3 +237,97 @@ def test_console_on_a_terminal_still_writes_plain_lines_to_the_log_file(
     lines = (tmp_path / "out.log").read_text().splitlines()
     assert [line.split("] ", 1)[1] for line in lines] == ["step 1", "step 2"]
     assert "\r" not in (tmp_path / "out.log").read_text()
+
+
+class _Refusing(io.StringIO):
+    """A stream that takes no more bytes: a full disk, or a pipe whose reader has gone."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__()
+        self.error = error
+
+    def write(self, text: str) -> int:
+        raise self.error
+
+    def flush(self) -> None:
+        raise self.error
+
+    def close(self) -> None:  # as a file's close, which flushes first
+        raise self.error
+
+
+def test_a_log_file_on_a_full_disk_is_reported_once_and_takes_lines_again_once_it_can(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    handler = metrics.LogFile(tmp_path / "out.log")
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = _logger_with(handler)
+    logger.info("before")
+    working = handler.stream
+    handler.stream = _Refusing(OSError(errno.ENOSPC, "No space left on device"))
+    for i in range(5):
+        logger.info("lost %d", i)
+    handler.stream = working  # space again
+    logger.info("after")
+    handler.stream = _Refusing(OSError(errno.ENOSPC, "No space left on device"))
+    handler.close()  # its last flush fails too: no exception at the end of a run
+    assert (tmp_path / "out.log").read_text() == "before\nafter\n"
+    err = capsys.readouterr().err
+    assert err == (f"impala: could not write the log to {tmp_path / 'out.log'}: [Errno 28] No space left on device; "
+                   "training goes on (reported once)\n")
+
+
+def test_a_console_whose_reader_went_away_is_reported_once(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    logger = _logger_with(ConsoleHandler())
+    monkeypatch.setattr("sys.stdout", _Refusing(BrokenPipeError(errno.EPIPE, "Broken pipe")))
+    for i in range(5):
+        logger.info("step %d", i)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "could not write the log to stdout: [Errno 32] Broken pipe" in err
+    assert "Logging error" not in err and "Traceback" not in err
+
+
+class _BrokenWriter:
+    """A SummaryWriter whose thread died on a full disk: every call raises (the same error, in TensorBoard)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def add_scalar(self, *args: object) -> None:
+        self.calls += 1
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def close(self) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_tensorboard_after_a_full_disk_is_set_aside_then_tried_anew(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    runlog = RunLog(tmp_path)
+    runlog.scalar("charts/SPS", 1.0, 10)
+    runlog.writer.close()
+    broken = runlog.writer = _BrokenWriter()  # type: ignore[assignment]
+    with caplog.at_level(logging.ERROR, logger="impala"):
+        for step in range(20, 100, 10):
+            runlog.scalars(step, {"charts/SPS": float(step)})
+        assert broken.calls == 1  # set aside after its first error, not called (and re-raising) at every scalar
+        now[0] += metrics.TENSORBOARD_RETRY_S
+        runlog.scalars(200, {"charts/SPS": 200.0})  # space again: a new writer, a new event file
+        runlog.close()
+    assert caplog.text.count("Could not write the TensorBoard event file") == 1
+    assert [(e.step, e.value) for e in _read(tmp_path).Scalars("charts/SPS")] == [(10, 1.0), (200, 200.0)]
+    with open(tmp_path / "logs.csv", newline="") as f:  # the CSV had space all along
+        assert [row["step"] for row in csv.DictReader(f)] == [str(step) for step in (*range(20, 100, 10), 200)]
+
+
+def test_closing_the_logs_on_a_full_disk_reports_instead_of_raising(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    runlog = RunLog(tmp_path)
+    runlog.scalars(10, {"charts/SPS": 1.0})
+    runlog._csv_file.close()
+    runlog._csv_file = _Refusing(OSError(errno.ENOSPC, "No space left on device"))  # its last flush fails
+    with caplog.at_level(logging.ERROR, logger="impala"):
+        runlog.close()  # the end of a run: no traceback, the run's exit code stays its own
+    assert "Could not write logs.csv" in caplog.text and "No space left on device" in caplog.text
