@@ -97,13 +97,9 @@ class RunLog:
         kept = [row for row in rows[1:] if len(row) == len(header) and _step_at_most(row[column], purge_step)]
         if len(kept) == len(rows) - 1 and len(complete) == len(data):
             return
-        tmp = self._csv_path.with_suffix(".csv.tmp")
         try:
-            with open(tmp, "w", newline="") as f:
-                csv.writer(f).writerows([header, *kept])
-            os.replace(tmp, self._csv_path)
+            self._replace_csv(header, kept)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
             self._report("logs.csv", exc)
             return
         log.info("logs.csv: dropped %d rows after step %d, written after the checkpoint this run resumes from",
@@ -203,13 +199,18 @@ class RunLog:
         self._csv_file.close()
         with open(self._csv_path, newline="") as f:
             rows = list(csv.DictReader(f))
-        tmp = self._csv_path.with_suffix(".csv.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, self._csv_path)
+        self._replace_csv(fieldnames, [[row.get(key) or "" for key in fieldnames] for row in rows])
         self._open_csv(fieldnames, append=True)
+
+    def _replace_csv(self, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+        """logs.csv replaced by `header` and `rows`, atomically: a failure leaves the old file whole."""
+        tmp = self._csv_path.with_suffix(".csv.tmp")
+        try:
+            with open(tmp, "w", newline="") as f:
+                csv.writer(f).writerows([header, *rows])
+            os.replace(tmp, self._csv_path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def flush(self) -> None:
         self._tensorboard(lambda writer: writer.flush())
