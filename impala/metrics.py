@@ -378,12 +378,10 @@ class _ReportsFailuresOnce:
         self._failed_once = True
         error = sys.exc_info()[1]
         with contextlib.suppress(Exception):  # stderr may be gone as well
-            sys.stderr.write(f"impala: could not write the log to {self._destination()}: {error}; training goes "
+            destination = getattr(self, "baseFilename", "stdout")  # a FileHandler's path, else the console
+            sys.stderr.write(f"impala: could not write the log to {destination}: {error}; training goes "
                              "on (reported once)\n")
             sys.stderr.flush()
-
-    def _destination(self) -> str:
-        return "stdout"
 
 
 class LogFile(_ReportsFailuresOnce, logging.FileHandler):
@@ -391,9 +389,6 @@ class LogFile(_ReportsFailuresOnce, logging.FileHandler):
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path, mode="a")
-
-    def _destination(self) -> str:
-        return self.baseFilename
 
     def close(self) -> None:
         try:
