@@ -29,8 +29,8 @@ class InferenceServer:
 
     It acts with a snapshot of the learner's weights, not with the weights the learner is changing: a forward
     never mixes two versions. `load_weights` (the learner's publish) fills a second copy, which the server
-    takes at its next batch. On a GPU it runs on a CUDA stream of its own, so its small forwards do not queue
-    behind the learner's kernels.
+    takes at its next batch. On a GPU it runs on a CUDA stream of its own, of high priority, so its small forwards
+    do not queue behind the learner's kernels.
     """
 
     def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
@@ -43,7 +43,9 @@ class InferenceServer:
                 snapshot.torso.to(torch.bfloat16)
         self._next_ready: torch.cuda.Event | None = None  # recorded after they were copied, on CUDA
         self._has_next = False
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # A high-priority stream: the GPU's scheduler starts its small forwards' blocks ahead of the learner's queued
+        # ones, so that an actor waiting for actions does not wait out a whole update replaying on the other stream.
+        self._stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.buffers = buffers
         self.positions = positions  # [clients, envs per client + 1]: slots..., row
         # client (actor index x env_splits + split) -> the main process's end of its pipe

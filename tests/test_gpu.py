@@ -321,6 +321,7 @@ def test_central_inference_on_the_gpu_serves_the_models_outputs_from_pinned_stag
     positions = torch.tensor([[4, 1, 3, 2]])  # slots 4, 1, 3 at row 2
     server = InferenceServer(model, buffers, positions, device, amp=False, wait_s=0.0, seed=0)
     assert all(t.is_pinned() for t in server._staging.values())
+    assert server._stream is not None and server._stream.priority < 0  # ahead of the learner's default stream
     main_end, actor_end = Pipe()
     server.connect(0, main_end)
     actor_end.send_bytes(b"a")
