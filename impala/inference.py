@@ -67,6 +67,8 @@ class InferenceServer:
         self._replaced: list[Connection] = []  # pipes of dead actors, for the serving thread to close
         self.batches = 0  # forwards run
         self.served = 0  # client requests answered
+        self.busy_s = 0.0  # spent serving: from a batch's first request read to its last answer sent
+        self._taken = (time.monotonic(), 0, 0, 0.0)  # (time, batches, served, busy_s) at the last `take_stats`
 
     def connect(self, client: int, connection: Connection) -> None:
         """Serve `client` (one env split of one actor) on `connection`. A restarted actor gets new pipes: a
@@ -122,10 +124,12 @@ class InferenceServer:
             return 0
         index_of = {id(c): i for i, c in connections.items()}
         pending: list[int] = []
-        self._receive(wait(list(connections.values()), timeout_s), index_of, pending, connections)
+        ready = wait(list(connections.values()), timeout_s)
+        start = time.monotonic()
+        self._receive(ready, index_of, pending, connections)
         if not pending:
             return 0
-        deadline = time.monotonic() + self.wait_s
+        deadline = start + self.wait_s
         while len(pending) < len(connections):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -133,14 +137,33 @@ class InferenceServer:
             others = [c for i, c in connections.items() if i not in pending]
             self._receive(wait(others, remaining), index_of, pending, connections)
         self._act(pending)
-        self.batches += 1
-        self.served += len(pending)
         for client in pending:
             try:
                 connections[client].send_bytes(b"a")
             except OSError:
                 pass  # the actor died; the monitor restarts it with a new pipe
+        with self._lock:  # one consistent set for `take_stats`
+            self.batches += 1
+            self.served += len(pending)
+            self.busy_s += time.monotonic() - start
         return len(pending)
+
+    def take_stats(self) -> dict[str, float]:
+        """Since the last call (or the start): actors (env splits) served per forward, ms per batch (from its first
+        request read to its last answer sent, the wait for a fuller batch included), and the share of the time spent
+        serving. Near 1, the server is what the actors wait for; well below, its batches' latency is (the GPU's
+        queue, a small batch's fixed cost). Empty when no batch was served."""
+        now = time.monotonic()
+        with self._lock:
+            then, batches, served, busy_s = self._taken
+            self._taken = (now, self.batches, self.served, self.busy_s)
+            batches, served, busy_s = self.batches - batches, self.served - served, self.busy_s - busy_s
+        if not batches:
+            return {}
+        # A batch counts where it ended, so a share over a short interval can pass 1 by part of one batch.
+        share = min(1.0, busy_s / (now - then)) if now > then else 0.0
+        return {"stats/inference_actors_per_batch": served / batches, "timing/inference_batch_ms": 1000 * busy_s / batches,
+                "stats/inference_busy_share": share}
 
     def _receive(self, ready: list, index_of: dict[int, int], pending: list[int],
                  connections: dict[int, Connection]) -> None:

@@ -295,10 +295,8 @@ def _log_progress(run: Run, interval_s: float, last_step: int, elapsed_s: float,
     scalars["stats/skipped_updates"] = run.state.skipped_updates
     scalars["stats/full_queue_size"] = run.pool.slots.full_size()  # slots waiting for a learner
     scalars["stats/free_queue_size"] = run.pool.slots.free_size()  # and for an actor: which is the bottleneck
-    server = run.inference.server if run.inference is not None else None
-    if server is not None and server.batches:
-        # Actors (env splits, with --env_splits) served per forward: 1 means no batching across them.
-        scalars["stats/inference_actors_per_batch"] = server.served / server.batches
+    if run.inference is not None:  # actors served per forward (1: no batching across them), its ms, its busy share
+        scalars.update(run.inference.server.take_stats())
     scalars.update(timing_scalars)
     scalars.update(run.pool.scalars())
     run.runlog.scalars(step, scalars)

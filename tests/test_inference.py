@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import csv
+import io
 import json
 import subprocess
 import sys
 import threading
+import time
 import types
 from multiprocessing import Pipe
 from pathlib import Path
@@ -115,6 +118,24 @@ def test_a_wait_gathers_late_actors_into_one_batch():
     assert server.batches == 1 and server.served == 2
 
 
+def test_the_servers_stats_are_those_of_the_batches_since_they_were_last_taken():
+    server, buffers, positions, _, ends = make_server(num_actors=2, wait_s=0.3)
+    request(buffers, positions, 0, ends[0], t=0)
+    assert server.serve_once(timeout_s=1.0) == 1  # waited 0.3 s for the other actor, in vain: that was serving
+    request(buffers, positions, 0, ends[0], t=1)
+    request(buffers, positions, 1, ends[1], t=1)
+    assert server.serve_once(timeout_s=1.0) == 2  # both there: no wait
+    time.sleep(0.2)  # the thread idle
+    stats = server.take_stats()
+    assert stats["stats/inference_actors_per_batch"] == 1.5
+    assert 150 <= stats["timing/inference_batch_ms"] < 450  # (0.3 s + two forwards) / 2
+    assert 0.4 < stats["stats/inference_busy_share"] < 0.95
+    assert server.take_stats() == {}  # nothing served since
+    request(buffers, positions, 1, ends[1], t=2)
+    server.serve_once(timeout_s=1.0)
+    assert server.take_stats()["stats/inference_actors_per_batch"] == 1.0
+
+
 def test_remote_policy_returns_the_actions_the_server_wrote():
     server, buffers, positions, _, ends = make_server(num_actors=1, wait_s=0.0)
     stop = threading.Event()
@@ -147,6 +168,12 @@ def test_training_with_central_inference_learns_cartpole(tmp_path):
     column = header.index("charts/mean_return_100")
     returns = [float(row.split(",")[column]) for row in lines[1:] if row.split(",")[column]]
     assert returns and returns[-1] > 60, returns  # random play averages about 22
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
+    served = [row for row in rows if row["stats/inference_actors_per_batch"]]  # intervals with a batch served
+    assert len(served) >= len(rows) - 2  # all but those before the actors had started, or after they stopped
+    assert all(1 <= float(row["stats/inference_actors_per_batch"]) <= 2 for row in served)  # 2 actors, 1 split each
+    assert all(0 < float(row["stats/inference_busy_share"]) <= 1 for row in served)
+    assert all(float(row["timing/inference_batch_ms"]) > 0 for row in served)
 
 
 def test_an_actor_with_two_splits_is_served_as_two_clients():
