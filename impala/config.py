@@ -313,6 +313,16 @@ class Config:
             problems.append("--use_lstm is not supported with --inference central; use --inference actor")
         if not self.savedir:
             problems.append("--savedir must not be empty")
+        # NaN passes every comparison above that is written as `value < bound`: one message for it instead. Infinity
+        # means something for the intervals, the actor timeout and the clipping (never, no bound), not for these.
+        floats = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), float)]
+        not_numbers = {name for name in floats if math.isnan(getattr(self, name))}
+        problems = [p for p in problems if p.split(" ", 1)[0].removeprefix("--") not in not_numbers]
+        problems[:0] = [f"--{name} must be a number, got nan" for name in floats if name in not_numbers]
+        for name in ("learning_rate", "epsilon", "entropy_cost", "baseline_cost", "momentum", "inference_wait_ms",
+                     "ppo_dual_clip"):
+            if math.isinf(getattr(self, name)):
+                problems.append(f"--{name} must be finite, got {getattr(self, name)}")
         return problems
 
     def to_dict(self) -> dict[str, Any]:

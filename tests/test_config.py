@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -168,6 +169,24 @@ def test_validate_reports_ranges() -> None:
     assert "--discounting must be in [0, 1], got 1.5" in text
     assert "--alpha must be in [0, 1), got 1.0" in text
     assert "--entropy_cost must be >= 0, got -0.1" in text
+
+
+FLOAT_FLAGS = [f.name for f in dataclasses.fields(Config) if isinstance(getattr(Config(), f.name), float)]
+
+
+@pytest.mark.parametrize("name", FLOAT_FLAGS)
+def test_validate_rejects_nan_for_every_number_in_one_message(name: str) -> None:
+    """NaN passes every `value < bound` check; it is reported once, as what it is."""
+    assert Config(**{name: math.nan}).validate() == [f"--{name} must be a number, got nan"]
+
+
+def test_validate_rejects_infinity_where_it_means_nothing_and_keeps_it_where_it_means_never() -> None:
+    text = "\n".join(Config(learning_rate=math.inf, entropy_cost=math.inf, inference_wait_ms=math.inf).validate())
+    assert "--learning_rate must be finite, got inf" in text  # it turned every weight to NaN after one update
+    assert "--entropy_cost must be finite, got inf" in text
+    assert "--inference_wait_ms must be finite, got inf" in text  # the inference thread failed at its first batch
+    assert Config(checkpoint_interval_s=math.inf, actor_timeout_s=math.inf, eval_interval_s=math.inf,
+                  grad_norm_clipping=math.inf, log_interval_s=math.inf).validate() == []
 
 
 def test_validate_reports_too_few_buffers_with_the_arithmetic() -> None:
