@@ -346,7 +346,12 @@ def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None
     with contextlib.suppress(OSError):
         os.nice(ACTOR_NICENESS)
     keep_freed_memory()
-    run_actor(*actor_args, **actor_kwargs)
+    # run_actor sends the traceback of whatever kills it to the main process, which logs it with the death. Printed
+    # here too (multiprocessing's default for an exception), every death would show it twice on the console.
+    try:
+        run_actor(*actor_args, **actor_kwargs)
+    except Exception:  # noqa: BLE001 - reported by run_actor, see above
+        sys.exit(1)
 
 
 def start_fork_server() -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import csv
 import errno
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import time
 import types
 from pathlib import Path
 
+import crashing_env
 import pytest
 import torch
 from process_helpers import (
@@ -169,6 +172,23 @@ def test_a_hung_actor_is_killed_and_replaced(tmp_path: Path) -> None:
         assert wait_until_gone(run.pgid, timeout=30) == []
     finally:
         run.close()
+
+
+def test_an_actor_whose_env_raises_is_reported_once_with_its_traceback_and_replaced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The actor's traceback reaches the console once, with its death, not also from the dying process itself."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "tests"))  # for the env's module, in every process of the run
+    result = subprocess.run([sys.executable, "run.py", *SMALL_RUN, "--env", "crashing_env:CrashingCartPole-v1",
+                             "--savedir", str(tmp_path), "--xpid", "crash", "--total_steps", "3000"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    console = result.stdout + result.stderr
+    assert console.count(f"RuntimeError: {crashing_env.MESSAGE}") == 1, console
+    assert console.count("Traceback (most recent call last)") == 1, console
+    assert re.search(r"Actor 0 \(pid \d+\) died: exit code 1", result.stdout)
+    assert "Restarted actor 0" in result.stdout
+    assert (tmp_path / "crash" / "out.log").read_text().count(crashing_env.MESSAGE) == 1
+    assert json.loads((tmp_path / "crash" / "meta.json").read_text())["end_reason"] == "finished"
 
 
 def test_actors_that_keep_dying_stop_the_run(tmp_path: Path) -> None:

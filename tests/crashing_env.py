@@ -1,0 +1,33 @@
+"""CartPole that raises at its 30th step when it was reset with seed 0: in a run, the first env of actor 0's first
+life, and no other (every life gets env seeds of its own), so one actor dies once and its replacement acts on.
+
+    PYTHONPATH=tests python run.py --env crashing_env:CrashingCartPole-v1 ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+from gymnasium.envs.classic_control import CartPoleEnv
+
+MESSAGE = "this env crashes on purpose"
+
+
+class CrashingCartPole(CartPoleEnv):
+    crashes = False
+    steps = 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
+        if seed is not None:
+            self.crashes = seed == 0
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: Any) -> Any:
+        self.steps += 1
+        if self.crashes and self.steps == 30:
+            raise RuntimeError(MESSAGE)
+        return super().step(action)
+
+
+gym.register("CrashingCartPole-v1", entry_point=CrashingCartPole, max_episode_steps=500)
