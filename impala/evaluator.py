@@ -11,6 +11,7 @@ import faulthandler
 import logging
 import os
 import statistics
+import sys
 import threading
 import time
 import traceback
@@ -119,10 +120,15 @@ def _evaluator_process(main_pid: int, config: Config, model: Net, connection: Co
         os.nice(EVALUATOR_NICENESS)
     try:
         serve_evaluations(model, config, connection)
-    except Exception:
-        with contextlib.suppress(OSError):
-            connection.send(("error", traceback.format_exc()))  # for the report of its death
-        raise
+    except Exception:  # noqa: BLE001 - reported below
+        # For the report of its death, which shows it. Printed here too (multiprocessing's default for an exception),
+        # the traceback would show twice on the console; here only when it cannot reach the main process.
+        text = traceback.format_exc()
+        try:
+            connection.send(("error", text))
+        except OSError:
+            sys.stderr.write(text)
+        sys.exit(1)
 
 
 def check_evaluator(run: EvaluatedRun) -> None:

@@ -1,17 +1,20 @@
-"""CartPole that raises at its 30th step when it was reset with seed 0: in a run, the first env of actor 0's first
-life, and no other (every life gets env seeds of its own), so one actor dies once and its replacement acts on.
+"""CartPole that raises at its 5th step when it was reset with seed CRASHING_ENV_SEED (default 0): in a run, with
+seed 0 the first env of actor 0's first life and no other (every life gets env seeds of its own), so one actor dies
+once and its replacement acts on; with the seed of an evaluation's first game, that evaluator.
 
     PYTHONPATH=tests python run.py --env crashing_env:CrashingCartPole-v1 ...
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import gymnasium as gym
 from gymnasium.envs.classic_control import CartPoleEnv
 
 MESSAGE = "this env crashes on purpose"
+CRASH_SEED = int(os.environ.get("CRASHING_ENV_SEED", "0"))
 
 
 class CrashingCartPole(CartPoleEnv):
@@ -20,12 +23,12 @@ class CrashingCartPole(CartPoleEnv):
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
         if seed is not None:
-            self.crashes = seed == 0
+            self.crashes = seed == CRASH_SEED
         return super().reset(seed=seed, options=options)
 
     def step(self, action: Any) -> Any:
         self.steps += 1
-        if self.crashes and self.steps == 30:
+        if self.crashes and self.steps == 5:
             raise RuntimeError(MESSAGE)
         return super().step(action)
 
