@@ -10,8 +10,6 @@ import logging
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 import types
@@ -22,7 +20,7 @@ import crashing_env
 import gymnasium as gym
 import pytest
 import torch
-from process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Training, checkpoint_step, run_py, wait_until_gone
+from process_helpers import IMPALA_RULE, REPO_ROOT, Training, checkpoint_step, run_py, wait_until_gone
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import run
@@ -294,14 +292,8 @@ def test_an_evaluator_whose_game_raises_is_reported_once_with_its_traceback_and_
     """The evaluator's traceback reaches the console once, with its death, not also from the dying process."""
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "tests"))  # for the env's module, in every process of the run
     monkeypatch.setenv("CRASHING_ENV_SEED", str(EVAL_SEED_OFFSET + 1))  # the first game of the first evaluation
-    result = subprocess.run([sys.executable, "run.py", *SMALL_RUN, "--env", "crashing_env:CrashingCartPole-v1",
-                             "--eval_interval_s", "1", "--eval_episodes", "2", "--savedir", str(tmp_path),
-                             "--xpid", "crash", "--total_steps", "5000"],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
-    console = result.stdout + result.stderr
-    assert console.count(f"RuntimeError: {crashing_env.MESSAGE}") == 1, console
-    assert console.count("Traceback (most recent call last)") == 1, console
+    result = crashing_env.train_through_one_crash(tmp_path, "--eval_interval_s", "1", "--eval_episodes", "2",
+                                                  "--total_steps", "5000")
     assert re.search(r"Evaluator \(pid \d+\) died: exit code 1; the evaluation of step \d+ is lost", result.stdout)
     assert len(re.findall(r"Evaluator started", result.stdout)) >= 2  # and replaced
     assert "New best evaluation" in result.stdout  # the replacement plays the next evaluations' games
