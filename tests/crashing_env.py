@@ -8,13 +8,10 @@ once and its replacement acts on; with the seed of an evaluation's first game, t
 from __future__ import annotations
 
 import os
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 from gymnasium.envs.classic_control import CartPoleEnv
-from process_helpers import SMALL_RUN, run_py
 
 MESSAGE = "this env crashes on purpose"
 CRASH_SEED = int(os.environ.get("CRASHING_ENV_SEED", "0"))
@@ -38,14 +35,3 @@ class CrashingCartPole(CartPoleEnv):
 
 gym.register("CrashingCartPole-v1", entry_point=CrashingCartPole, max_episode_steps=500)
 ENV = "crashing_env:CrashingCartPole-v1"
-
-
-def train_through_one_crash(savedir: Path, *flags: str) -> subprocess.CompletedProcess:
-    """A small run of this env to its end (PYTHONPATH must name tests/, as `ENV` lives here), in `savedir`/crash;
-    asserts that it finished and that the crash's traceback reached the console once."""
-    result = run_py(*SMALL_RUN, "--env", ENV, "--savedir", str(savedir), "--xpid", "crash", *flags)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
-    console = result.stdout + result.stderr
-    assert console.count(f"RuntimeError: {MESSAGE}") == 1, console
-    assert console.count("Traceback (most recent call last)") == 1, console
-    return result

@@ -49,6 +49,19 @@ def run_py(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           timeout=timeout, check=False)
 
 
+def train_through_one_crash(savedir: Path, *flags: str) -> subprocess.CompletedProcess:
+    """A small run of crashing_env's env to its end, in `savedir`/crash (PYTHONPATH must name tests/, where that
+    module lives); asserts that it finished and that the crash's traceback reached the console once."""
+    from crashing_env import ENV, MESSAGE  # registers the env here too; the run's processes import it by its id
+
+    result = run_py(*SMALL_RUN, "--env", ENV, "--savedir", str(savedir), "--xpid", "crash", *flags)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr
+    console = result.stdout + result.stderr
+    assert console.count(f"RuntimeError: {MESSAGE}") == 1, console
+    assert console.count("Traceback (most recent call last)") == 1, console
+    return result
+
+
 class Training:
     """A `run.py` training in the background, in its own session; `close()` kills whatever is left."""
 

@@ -16,11 +16,18 @@ import types
 from multiprocessing import Pipe
 from pathlib import Path
 
-import crashing_env
 import gymnasium as gym
 import pytest
 import torch
-from process_helpers import IMPALA_RULE, REPO_ROOT, Training, checkpoint_step, run_py, wait_until_gone
+from process_helpers import (
+    IMPALA_RULE,
+    REPO_ROOT,
+    Training,
+    checkpoint_step,
+    run_py,
+    train_through_one_crash,
+    wait_until_gone,
+)
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import run
@@ -292,7 +299,7 @@ def test_an_evaluator_whose_game_raises_is_reported_once_with_its_traceback_and_
     """The evaluator's traceback reaches the console once, with its death, not also from the dying process."""
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "tests"))  # for the env's module, in every process of the run
     monkeypatch.setenv("CRASHING_ENV_SEED", str(EVAL_SEED_OFFSET + 1))  # the first game of the first evaluation
-    result = crashing_env.train_through_one_crash(tmp_path, "--eval_interval_s", "1", "--eval_episodes", "2",
+    result = train_through_one_crash(tmp_path, "--eval_interval_s", "1", "--eval_episodes", "2",
                                                   "--total_steps", "5000")
     assert re.search(r"Evaluator \(pid \d+\) died: exit code 1; the evaluation of step \d+ is lost", result.stdout)
     assert len(re.findall(r"Evaluator started", result.stdout)) >= 2  # and replaced

@@ -26,6 +26,7 @@ from process_helpers import (
     Training,
     checkpoint_step,
     group_processes,
+    train_through_one_crash,
     wait_until_gone,
 )
 
@@ -178,7 +179,7 @@ def test_an_actor_whose_env_raises_is_reported_once_with_its_traceback_and_repla
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The actor's traceback reaches the console once, with its death, not also from the dying process itself."""
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "tests"))  # for the env's module, in every process of the run
-    result = crashing_env.train_through_one_crash(tmp_path, "--total_steps", "3000")
+    result = train_through_one_crash(tmp_path, "--total_steps", "3000")
     assert re.search(r"Actor 0 \(pid \d+\) died: exit code 1", result.stdout)
     assert "Restarted actor 0" in result.stdout
     assert (tmp_path / "crash" / "out.log").read_text().count(crashing_env.MESSAGE) == 1
