@@ -429,11 +429,18 @@ def plain_name(text: str) -> str:
 
 
 def run_path(savedir: str | Path, xpid: str) -> Path:
-    """SAVEDIR/XPID, where XPID `latest` means the run named in the file SAVEDIR/latest (when it is a file)."""
+    """SAVEDIR/XPID, where XPID `latest` means the run named in the file SAVEDIR/latest (when it is a file; a
+    directory there, a run of that name or an older version's symlink, keeps its name). UserError when
+    SAVEDIR has no latest run: training would otherwise start a run called latest, which no later run could
+    then be named in."""
     savedir = Path(savedir).expanduser()
+    if xpid != LATEST_NAME:
+        return savedir / xpid
     latest = savedir / LATEST_NAME
-    if xpid == LATEST_NAME and latest.is_file() and not latest.is_symlink():
-        name = latest.read_text().strip()
-        if name:
-            return savedir / name
-    return savedir / xpid
+    if latest.is_dir():
+        return latest
+    name = latest.read_text().strip() if latest.is_file() else ""
+    if not name:
+        raise UserError(f"--xpid latest: no run in {savedir} yet (the file {latest} names the newest run); "
+                        "train one first, or pass a run's name")
+    return savedir / name

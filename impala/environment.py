@@ -51,6 +51,8 @@ def env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
     """
     _register()
     module, _, name = env_id.rpartition(":")
+    if not name:
+        raise UserError(f"env {env_id!r} names no env id; pass ID, or MODULE:ID for an env that MODULE registers")
     if module:
         try:
             importlib.import_module(module)

@@ -263,3 +263,11 @@ def test_xpid_latest_is_the_run_named_in_the_latest_file(tmp_path: Path) -> None
     (tmp_path / "latest").unlink()
     (tmp_path / "latest").mkdir()  # a run that is itself called latest keeps its name
     assert run_path(tmp_path, "latest") == tmp_path / "latest"
+
+
+def test_xpid_latest_without_a_latest_run_is_a_user_error(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match="--xpid latest: no run in"):
+        run_path(tmp_path, "latest")
+    (tmp_path / "latest").write_text("\n")
+    with pytest.raises(UserError, match="--xpid latest: no run in"):
+        run_path(tmp_path, "latest")
