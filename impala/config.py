@@ -180,7 +180,7 @@ class Config:
     actor_timeout_s: float = _flag(300.0, "an actor that makes no progress for this long (no env step, no wait "
                                           "for a slot or an action: a hung env) is killed and replaced; 0: never")
     max_bad_updates: int = _flag(20, "a run stops after this many consecutive non-finite updates")
-    plot_out: str | None = _flag(None, "plot mode: PNG path (default: SAVEDIR/returns.png)")
+    plot_out: str | None = _flag(None, "plot mode: the file to write, its format from its extension (.png, .svg, .pdf, ...; default: SAVEDIR/returns.png)")
     plot_xpids: tuple[str, ...] = _flag((), "plot mode: runs to plot (default: XPID, or every run in SAVEDIR)",
                                         nargs="*", metavar="XPID")
     video: bool = _flag(False, "test mode: also write the first episode to TensorBoard in SAVEDIR/XPID as an "

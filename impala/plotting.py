@@ -80,6 +80,12 @@ def plot(config: Config) -> Path:
                             "plot them with --plot_x steps")
     out = Path(config.plot_out).expanduser() if config.plot_out else savedir / "returns.png"
     figure = returns_figure(curves, x=config.plot_x)
+    formats = figure.canvas.get_supported_filetypes()
+    if out.is_dir():
+        raise UserError(f"--plot_out {out} is a directory; pass a file path such as {out / 'returns.png'}")
+    if out.suffix[1:].lower() not in formats:  # matplotlib would append .png, or refuse with a traceback
+        raise UserError(f"--plot_out {out}: the file's extension gives the plot's format; use one of "
+                        f"{', '.join('.' + f for f in sorted(formats))}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(out, dpi=120)

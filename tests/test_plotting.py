@@ -92,6 +92,20 @@ def test_plot_mode_defaults_to_every_run_and_savedir_returns_png(savedir: Path) 
     assert (savedir / "returns.png").is_file()
 
 
+@pytest.mark.parametrize(("name", "pattern"), [
+    ("cmp.txt", r"the file's extension gives the plot's format; use one of .*\.png"),
+    ("cmp", r"the file's extension gives the plot's format"),  # matplotlib would write cmp.png instead
+    ("a_dir", r"is a directory; pass a file path such as .*a_dir/returns.png"),
+])
+def test_a_plot_path_that_names_no_format_is_refused_and_nothing_written(
+        savedir: Path, tmp_path: Path, name: str, pattern: str) -> None:
+    outdir = tmp_path / "plots"
+    (outdir / "a_dir").mkdir(parents=True)
+    with pytest.raises(UserError, match=pattern):
+        plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--plot_out", str(outdir / name)]))
+    assert [p.name for p in outdir.iterdir()] == ["a_dir"] and not any((outdir / "a_dir").iterdir())
+
+
 def test_a_missing_run_names_the_runs_that_exist(savedir: Path) -> None:
     with pytest.raises(UserError, match=r"no run 'nope' .*runs there: csv-only, fast, slow"):
         plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--xpid", "fast", "nope"]))
