@@ -474,6 +474,11 @@ def main() -> int:
                              "committed): a game kept as finished is not trained again, and the table and figure "
                              "take it from there where its run directory is not on this machine")
     args, run_flags = parser.parse_known_args()
+    for name in ("seeds", "test_episodes"):  # no seed would overwrite the figure with an empty one
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.minutes is not None and not args.minutes > 0:
+        parser.error(f"--minutes must be > 0, got {args.minutes}")
     if args.games:
         by_name = {g.env_id.removesuffix("NoFrameskip-v4").lower(): g.env_id for g in atari5.GAMES}
         unknown = [g for g in args.games if g.removesuffix("NoFrameskip-v4").lower() not in by_name]

@@ -222,6 +222,21 @@ def test_games_picks_which_games_train(tmp_path: Path, monkeypatch: pytest.Monke
         sys.argv = argv
 
 
+@pytest.mark.parametrize("flags", [["--seeds", "0"], ["--test_episodes", "0"], ["--minutes", "0"], ["--minutes", "nan"]])
+def test_counts_below_one_are_refused_before_anything_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, flags: list[str]) -> None:
+    monkeypatch.setattr(results, "ROOT", tmp_path)  # where the figure would go
+    argv = sys.argv
+    try:
+        sys.argv = ["results.py", "cartpole", "--savedir", str(tmp_path / "runs"), *flags]
+        with pytest.raises(SystemExit) as exit_info:
+            results.main()
+    finally:
+        sys.argv = argv
+    assert exit_info.value.code == 2 and f"{flags[0]} must be" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 # ------------------------------------------------------------------ kept records (--keep): runs of other machines
 
 
