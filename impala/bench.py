@@ -797,6 +797,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
     unknown = sorted(set(only) - set(COMPONENTS))
     if unknown:
         raise UserError(f"--only {args.only!r}: unknown {', '.join(unknown)}; choose from {','.join(COMPONENTS)}")
+    if not args.seconds > 0:
+        raise UserError(f"--seconds must be > 0, got {args.seconds}")
+    for name, text in [("--extra", args.extra)] + [("--variants", v) for v in args.variants or []]:
+        try:
+            shlex.split(text)
+        except ValueError as exc:
+            raise UserError(f"{name} {text!r}: {exc}") from None
+    if args.json and not os.access(Path(args.json).expanduser().resolve().parent, os.W_OK):
+        raise UserError(f"--json {args.json}: its directory does not exist or cannot be written")
     config = Config(**{name: getattr(args, name) for name in CONFIG_FLAGS})
     if problems := config.validate():
         raise UserError("; ".join(problems))
@@ -852,7 +861,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = json.dumps(results, indent=2)
     print(text)
     if args.json:
-        Path(args.json).write_text(text + "\n")
+        try:
+            Path(args.json).expanduser().write_text(text + "\n")
+        except OSError as exc:
+            print(f"bench: error: cannot write {args.json}: {exc.strerror or exc} (the results are above)", file=sys.stderr)
+            return 1
     return 0 if all(row["returncode"] == 0 for row in results["end_to_end"]) else 1
 
 

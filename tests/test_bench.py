@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import textwrap
 import time
@@ -176,6 +177,21 @@ def test_num_actors_auto_reaches_the_bench_as_the_trainer_resolves_it(monkeypatc
 def test_unknown_component_is_a_user_error(capsys: pytest.CaptureFixture) -> None:
     assert bench.main(["--only", "env,gpu"]) == 2
     assert "gpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "pattern"), [
+    (["--seconds", "0"], r"--seconds must be > 0, got 0.0"),
+    (["--seconds", "nan"], r"--seconds must be > 0, got nan"),
+    (["--extra", "--xpid 'a"], r"--extra \"--xpid 'a\": No closing quotation"),
+    (["--variants", "", "--seed '3"], r"--variants \"--seed '3\": No closing quotation"),
+    (["--json", "/nonexistent-dir/b.json"], r"--json /nonexistent-dir/b.json: its directory does not exist"),
+])
+def test_bad_bench_flags_are_one_line_before_anything_runs(
+        capsys: pytest.CaptureFixture, flags: list[str], pattern: str) -> None:
+    assert bench.main(["--only", "e2e", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bench: error: ") and err.count("\n") == 1, err
+    assert re.search(pattern, err), err
 
 
 def test_process_tree_cpu_counts_a_grandchild(tmp_path: Path) -> None:
