@@ -298,6 +298,13 @@ def make_schedule(optimizer: torch.optim.Optimizer, config: Config, start_step: 
     """
     for group in optimizer.param_groups:  # a loaded optimizer state brings the previous session's settings
         group["lr"] = group["initial_lr"] = config.learning_rate
+        group["eps"] = config.epsilon
+        if isinstance(optimizer, torch.optim.RMSprop):
+            group["alpha"], group["momentum"] = config.alpha, config.momentum
+            for param in group["params"]:  # momentum turned on by a resume: a buffer, as RMSprop's first step makes
+                state = optimizer.state.get(param, {})
+                if state and config.momentum > 0 and "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         if isinstance(optimizer, torch.optim.Adam):  # a checkpoint from before fused Adam: its steps on the CPU
             group["fused"], group["foreach"] = True, None
             group["capturable"] = False  # a checkpoint of a --cuda_graph run: set again where it is captured
@@ -590,6 +597,7 @@ class LearnerState:
     episodes: int = 0  # full games finished by the actors
     bad_updates_in_a_row: int = 0  # the current streak of skipped updates; not saved
     world_size: int = 1  # learner processes of the run (torchrun); not saved: a run resumes on any number
+    optimizer_trained_with: str = ""  # a checkpoint's other --optimizer, whose state was left: not saved
 
     def state_dict(self) -> dict[str, Any]:
         """Model and optimiser state copied to the CPU, the counters and the lives."""
@@ -602,10 +610,14 @@ class LearnerState:
 
     def load_state_dict(self, state: dict[str, Any], config: Config, path: Path) -> None:
         """Continue from checkpoint `state` (read from `path`): weights, optimiser state when it has one
-        (model_best.tar has none: the optimiser starts afresh), the schedule at its step, the counters.
+        of this run's --optimizer (model_best.tar has none: the optimiser starts afresh, as it does after a
+        change of --optimizer), the schedule at its step, the counters.
         A state that does not fit this model is the checkpoint's fault: a UserError naming it."""
         _load(self.model, state["model_state_dict"], path)
-        if "optimizer_state_dict" in state:
+        trained_with = state.get("flags", {}).get("optimizer", config.optimizer)
+        if "optimizer_state_dict" in state and trained_with != config.optimizer:
+            self.optimizer_trained_with = trained_with
+        elif "optimizer_state_dict" in state:
             _load(self.optimizer, state["optimizer_state_dict"], path)
         for name in self.COUNTERS:
             setattr(self, name, int(state.get(name, 0)))

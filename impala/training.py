@@ -370,6 +370,9 @@ def _log_start(run: Run) -> None:
     if run.resumed_from is not None and run.resumed_from.name != CHECKPOINT_NAME:
         log.info("Resumed from %s%s", run.resumed_from, "" if run.state.optimizer.state else
                  " (it holds no optimiser state: the optimiser starts afresh)")
+    if run.state.optimizer_trained_with:
+        log.warning("The checkpoint was trained with --optimizer %s, this run uses %s: the optimiser starts afresh",
+                    run.state.optimizer_trained_with, config.optimizer)
     if run.evaluator is not None and run.evaluator.best is not None:
         log.info("Best evaluation so far: mean return %.2f at step %d (%s); only a better one replaces it",
                  *run.evaluator.best, BEST_CHECKPOINT_NAME)

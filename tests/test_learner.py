@@ -825,6 +825,46 @@ def test_a_checkpoint_of_a_graphed_gpu_run_resumes_with_a_float_learning_rate_an
         assert torch.equal(a, b)
 
 
+def _resumed(saved_config: Config, config: Config) -> LearnerState:
+    """A learner of `config` resumed from the checkpoint of one update under `saved_config`."""
+    model = _model()
+    optimizer, scheduler = learner.make_optimizer(model, saved_config)
+    learner.update(model, optimizer, scheduler, _batch_for_update(model), (), saved_config)
+    saved = {**LearnerState(model, optimizer, scheduler, ActorLives(0, 0), step=6, updates=1).state_dict(),
+             "flags": saved_config.to_dict()}
+    resumed_model = _model()
+    resumed_optimizer, resumed_scheduler = learner.make_optimizer(resumed_model, config)
+    resumed = LearnerState(resumed_model, resumed_optimizer, resumed_scheduler, ActorLives(0, 1))
+    resumed.load_state_dict(saved, config, Path("model.tar"))
+    return resumed
+
+
+def test_a_resume_with_another_optimizer_starts_it_afresh() -> None:
+    """An Adam run resumed with --optimizer rmsprop: Adam's moments fit no RMSprop (its first step failed with
+    KeyError 'square_avg'), so the optimiser starts afresh, with a warning, and the weights are the run's."""
+    config = _config(optimizer="rmsprop", batch_size=2)
+    resumed = _resumed(_config(optimizer="adam", epsilon=1e-5, batch_size=2), config)
+    assert resumed.optimizer_trained_with == "adam"  # the run's start says so
+    assert resumed.optimizer.state_dict()["state"] == {} and resumed.step == 6
+    stats = learner.update(resumed.model, resumed.optimizer, resumed.scheduler, _batch_for_update(resumed.model),
+                           (), config)
+    assert stats["skipped"] == 0.0
+    assert all(float(state["step"]) == 1 for state in resumed.optimizer.state.values())
+
+
+def test_a_resume_takes_the_optimizers_settings_from_the_flags_given_now() -> None:
+    """Epsilon, alpha and momentum are the new flags', not the checkpoint's (which loading an optimiser state
+    brings back), and momentum turned on at a resume gets its buffer as RMSprop's first step would."""
+    config = _config(optimizer="rmsprop", batch_size=2, epsilon=0.1, alpha=0.9, momentum=0.5)
+    resumed = _resumed(_config(optimizer="rmsprop", batch_size=2, epsilon=0.01, alpha=0.99, momentum=0.0), config)
+    group = resumed.optimizer.param_groups[0]
+    assert (group["eps"], group["alpha"], group["momentum"]) == (0.1, 0.9, 0.5)
+    stats = learner.update(resumed.model, resumed.optimizer, resumed.scheduler, _batch_for_update(resumed.model),
+                           (), config)
+    assert stats["skipped"] == 0.0
+    assert all(state["momentum_buffer"].abs().sum() > 0 for state in resumed.optimizer.state.values())
+
+
 @pytest.mark.parametrize(("use_lstm", "advantage_norm", "minibatch_mode"),
                          [(False, "minibatch", "unrolls"), (True, "batch", "unrolls"), (False, "minibatch", "samples")])
 def test_the_compiled_step_equals_the_eager_step(use_lstm: bool, advantage_norm: str, minibatch_mode: str) -> None:
