@@ -49,6 +49,7 @@ import platform
 import queue
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -386,8 +387,9 @@ def bench_actors(config: Config, shape: EnvShape, seconds: float) -> dict[str, A
     results = ctx.Queue()
     processes = [ctx.Process(target=_actor_process, args=(config, shape, seconds, index, start, results),
                              daemon=True) for index in range(config.num_actors)]
-    for process in processes:
-        process.start()
+    with ctrl_c_left_to_this_process():
+        for process in processes:
+            process.start()
     rows: list[dict[str, Any]] = []
     try:
         while len(rows) < len(processes):
@@ -397,6 +399,10 @@ def bench_actors(config: Config, shape: EnvShape, seconds: float) -> dict[str, A
                 if dead := [p.exitcode for p in processes if p.exitcode not in (None, 0)]:  # killed, no row
                     start.abort()  # the others stop waiting for it
                     raise RuntimeError(f"an actor process of the actors component exited with {dead[0]}") from None
+    except KeyboardInterrupt:
+        for process in processes:
+            process.kill()
+        raise
     finally:
         for process in processes:
             process.join(timeout=10)
@@ -425,6 +431,21 @@ def _actor_process(config: Config, shape: EnvShape, seconds: float, index: int, 
     except Exception:  # noqa: BLE001 - reported by the parent, with its traceback
         start.abort()  # the others stop waiting
         results.put({"error": traceback.format_exc()})
+
+
+@contextlib.contextmanager
+def ctrl_c_left_to_this_process() -> Iterator[None]:
+    """Processes started inside ignore SIGINT from their first instruction on (a spawned Python keeps an ignored
+    SIGINT ignored), so that Ctrl-C, which the terminal sends to the whole process group, interrupts this process
+    alone, which stops them, instead of printing a traceback from each, wherever it lands in their start-up."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _synthetic_slots(config: Config, shape: EnvShape, model: Net) -> dict[str, torch.Tensor]:
@@ -855,6 +876,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the results so far went to stderr as they came
+        print("bench: interrupted", file=sys.stderr)
+        return 130
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun rank 0 reports for all
     print(format_table(results))

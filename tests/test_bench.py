@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import textwrap
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from process_helpers import REPO_ROOT, children, wait_until_gone
 
 from impala import bench
 
@@ -113,6 +116,28 @@ def test_an_actor_that_fails_in_the_actors_component_fails_it_with_its_traceback
     shape = bench.EnvShape((3,), torch.float32, 2, "mlp")
     with pytest.raises(RuntimeError, match="an actor of the actors component failed:\n.*Traceback"):
         bench.bench_actors(config, shape, 0.2)
+
+
+def test_ctrl_c_while_the_actors_component_runs_ends_the_bench_in_one_line(tmp_path: Path) -> None:
+    """Ctrl-C reaches the bench and its actor processes (one process group): exit code 130, one line, no
+    traceback from any of them, and no process left."""
+    bench_run = subprocess.Popen(
+        [sys.executable, "-m", "impala.bench", "--env", "CartPole-v1", "--only", "actors", "--num_actors", "2",
+         "--seconds", "60"],
+        cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(children(bench_run.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # the actors build their nets and step
+        os.killpg(bench_run.pid, signal.SIGINT)
+        _, err = bench_run.communicate(timeout=60)
+    finally:
+        if bench_run.poll() is None:
+            os.killpg(bench_run.pid, signal.SIGKILL)
+    assert bench_run.returncode == 130, err
+    assert err.strip() == "bench: interrupted", err
+    assert wait_until_gone(bench_run.pid) == []
 
 
 def test_physical_cores_count_the_hyperthreads_of_one_core_once(tmp_path: Path) -> None:
