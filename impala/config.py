@@ -419,6 +419,31 @@ def config_from_dict(values: dict[str, Any]) -> Config:
     return Config(**kept)
 
 
+# Flags that name what a session does rather than the run it continues: expected to differ at a resume.
+SESSION_FLAGS = frozenset({"mode", "xpid", "resume", "checkpoint", "savedir", "total_steps", "plot_out",
+                           "plot_xpids", "plot_x", "video", "test_episodes"})
+
+
+def changed_flags(saved: dict[str, Any], config: Config) -> list[str]:
+    """`--NAME NEW (was OLD)` for each flag of `config` that differs from the `saved` flags of the run it resumes
+    (a flag not given takes its default, not the run's value), session flags and flags `saved` lacks aside."""
+    now = config.to_dict()
+    changed = []
+    for name, value in now.items():
+        if name in SESSION_FLAGS or name not in saved:
+            continue
+        was = saved[name]
+        if (list(was) if isinstance(was, (list, tuple)) else was) != value:
+            changed.append(f"--{name} {_shown(value)} (was {_shown(was)})")
+    return changed
+
+
+def _shown(value: Any) -> str:
+    if value is None:  # the flags whose default is None: auto (--amp) or off (--ray)
+        return "default"
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
 LATEST_NAME = "latest"
 
 

@@ -34,7 +34,7 @@ from impala.actor_pool import (
 )
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, keep_step_copy, save_checkpoint
-from impala.config import Config, TrainingError, UserError
+from impala.config import Config, TrainingError, UserError, changed_flags
 from impala.distributed import Coordinator
 from impala.environment import is_atari, probe_env
 from impala.evaluator import Evaluator, check_evaluator, make_evaluator, start_evaluator, stop_evaluator
@@ -81,6 +81,7 @@ class Run:
     inference: InferenceThread | None = None  # --inference central
     evaluator: Evaluator | None = None  # --eval_interval_s > 0; the monitor's alone
     resumed_from: Path | None = None  # the checkpoint this session started from
+    changed_flags: tuple[str, ...] = ()  # flags of this session other than those of the checkpoint it resumes
     saved_step: int | None = None  # the step of the newest checkpoint on disk; written by whoever saves
     stats: IntervalStats = field(default_factory=IntervalStats)  # learners add under `update_lock`
     update_lock: threading.Lock = field(default_factory=threading.Lock)  # one update, or one copy of the weights
@@ -162,7 +163,8 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     learners = Learners(config, state, buffers, pool, device, amp, stats, update_lock, coordinator)
     run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
               resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None, stats=stats,
-              update_lock=update_lock, coordinator=coordinator, stop=stop)
+              update_lock=update_lock, coordinator=coordinator, stop=stop,
+              changed_flags=tuple(changed_flags(checkpoint["flags"], config)) if checkpoint is not None else ())
     if config.inference == "central":
         positions = run.pool.channels.inference_positions
         assert positions is not None, "made by the pool for --inference central"
@@ -370,6 +372,9 @@ def _log_start(run: Run) -> None:
     if run.resumed_from is not None and run.resumed_from.name != CHECKPOINT_NAME:
         log.info("Resumed from %s%s", run.resumed_from, "" if run.state.optimizer.state else
                  " (it holds no optimiser state: the optimiser starts afresh)")
+    if run.changed_flags:
+        log.warning("Flags other than the checkpoint's (a flag not given takes its default, not the run's value): %s",
+                    ", ".join(run.changed_flags))
     if run.state.optimizer_trained_with:
         log.warning("The checkpoint was trained with --optimizer %s, this run uses %s: the optimiser starts afresh",
                     run.state.optimizer_trained_with, config.optimizer)

@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from impala.config import Config, UserError, auto_num_actors, build_parser, config_from_dict, parse_config, run_path
+from impala.config import (
+    Config,
+    UserError,
+    auto_num_actors,
+    build_parser,
+    changed_flags,
+    config_from_dict,
+    parse_config,
+    run_path,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -263,6 +272,16 @@ def test_xpid_latest_is_the_run_named_in_the_latest_file(tmp_path: Path) -> None
     (tmp_path / "latest").unlink()
     (tmp_path / "latest").mkdir()  # a run that is itself called latest keeps its name
     assert run_path(tmp_path, "latest") == tmp_path / "latest"
+
+
+def test_changed_flags_name_each_difference_but_the_sessions_own() -> None:
+    config = parse_config(["--env", "CartPole-v1", "--num_actors", "2", "--total_steps", "900", "--xpid", "a",
+                           "--plot_xpids", "a", "b"])
+    saved = {**config.to_dict(), "total_steps": 500, "xpid": "b", "plot_xpids": [], "num_actors": 4,
+             "amp": True, "world_size": 2}
+    saved.pop("seed")  # a flag the run's version did not have
+    assert changed_flags(saved, config) == ["--num_actors 2 (was 4)", "--amp default (was True)"]
+    assert changed_flags(config.to_dict(), config) == []
 
 
 def test_xpid_latest_without_a_latest_run_is_a_user_error(tmp_path: Path) -> None:

@@ -122,6 +122,24 @@ def test_a_resumed_run_starts_with_the_checkpoints_weights_in_the_learner_and_th
         training.shutdown(run, save=False)
 
 
+def test_a_resume_names_the_flags_that_differ_from_the_checkpoints(tmp_path: Path) -> None:
+    """A resume given fewer flags than the run had takes the defaults of the others: the start says which."""
+    first = dataclasses.replace(_cartpole(tmp_path, 400), policy_loss="impala", optimizer="rmsprop", epsilon=0.01)
+    training.train(first)
+    run = training.build(dataclasses.replace(_cartpole(tmp_path, 800), resume=True))  # --total_steps 800, no others
+    try:
+        assert run.changed_flags == ("--policy_loss ppo (was impala)", "--optimizer adam (was rmsprop)",
+                                     "--epsilon 1e-05 (was 0.01)")
+        assert run.state.optimizer_trained_with == "rmsprop" and run.state.step == 400
+    finally:
+        training.shutdown(run, save=False)
+    run = training.build(dataclasses.replace(first, total_steps=800, resume=True))  # the run's own flags
+    try:
+        assert run.changed_flags == () and run.state.optimizer_trained_with == ""
+    finally:
+        training.shutdown(run, save=False)
+
+
 def _test_mode_mean(savedir: Path, xpid: str) -> float:
     result = run_py("--mode", "test", "--env", "CartPole-v1", "--savedir", str(savedir), "--xpid", xpid,
                     "--test_episodes", "10")
@@ -141,5 +159,6 @@ def test_a_resumed_cartpole_agent_plays_as_well_as_before_it_stopped(readme_cart
                      "--xpid", "cartpole", timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"Resuming from step {README_CARTPOLE_STEPS} (" in resumed.stdout
+    assert "Flags other than the checkpoint's" not in resumed.stdout  # the same command: the same flags
     assert checkpoint_step(tmp_path / "cartpole") == README_CARTPOLE_STEPS + 4_000
     assert _test_mode_mean(tmp_path, "cartpole") >= 450
