@@ -28,6 +28,7 @@ import math
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -47,6 +48,22 @@ TENSORBOARD_RETRY_S = 60.0  # after a failed TensorBoard write (a full disk), ho
 # The scalar tags the HPARAMS tab shows beside each run's flags (TensorBoard reads their values from
 # the scalars of the same run, so nothing extra is written for them).
 HPARAM_METRICS = ("charts/episodic_return", "charts/mean_return_100", "charts/SPS")
+
+
+def _quiet_event_writer_threads() -> None:
+    """No traceback on the console from TensorBoard's writer thread when its write fails (a full disk): the thread
+    dies, keeps the error and raises it again at the writer's next call, where `RunLog` reports it in one line.
+    Every other thread's uncaught exception goes to the hook as before."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_event_writers", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not (isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread"):
+            previous(args)
+
+    hook.quiets_event_writers = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def _step_at_most(text: str, limit: int) -> bool:
@@ -69,6 +86,7 @@ class RunLog:
 
     def __init__(self, run_dir: str | os.PathLike, purge_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
+        _quiet_event_writer_threads()
         self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge_step)
         self._csv_path = self.run_dir / "logs.csv"
         self._csv_file: Any = None
@@ -130,8 +148,16 @@ class RunLog:
         if self._tensorboard_failed_at is not None:
             if time.monotonic() - self._tensorboard_failed_at < TENSORBOARD_RETRY_S:
                 return
+            try:
+                self.writer = SummaryWriter(log_dir=str(self.run_dir))
+            except OSError:  # still no space: the new file's first record failed in the constructor
+                self._tensorboard_failed_at = time.monotonic()
+                for empty in self.run_dir.glob(f"events.out.tfevents.*.{os.getpid()}.*"):  # that file, left empty
+                    with contextlib.suppress(OSError):
+                        if empty.stat().st_size == 0:
+                            empty.unlink()
+                return
             self._tensorboard_failed_at = None
-            self.writer = SummaryWriter(log_dir=str(self.run_dir))
         try:
             write(self.writer)
         except OSError as exc:

@@ -322,6 +322,48 @@ def test_tensorboard_after_a_full_disk_is_set_aside_then_tried_anew(tmp_path: Pa
         assert [row["step"] for row in csv.DictReader(f)] == [str(step) for step in (*range(20, 100, 10), 200)]
 
 
+def test_tensorboard_on_a_disk_that_stays_full_is_tried_anew_without_a_traceback_and_comes_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        capfd: pytest.CaptureFixture) -> None:
+    """TensorBoard's own writer on a full disk (its file writes fail, as the file system would fail them): the
+    writer thread dies without a traceback on the console, a new writer tried while the disk is still full fails
+    in its constructor and is tried again later (it ended the run before), and once there is space the curve
+    goes on in a new event file; the empty files of the failed tries are not left behind."""
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    full, real_write = [False], gfile.LocalFileSystem._write
+
+    def write(self: object, filename: str, content: bytes, mode: str) -> None:
+        if full[0]:
+            open(filename, mode).close()  # the file is made, its content is not written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, filename, content, mode)
+
+    monkeypatch.setattr(gfile.LocalFileSystem, "_write", write)
+    now = [1000.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    with caplog.at_level(logging.ERROR, logger="impala"):
+        runlog = RunLog(tmp_path)
+        runlog.scalar("charts/SPS", 1.0, 10)
+        runlog.writer.flush()  # on disk before it fills
+        full[0] = True
+        runlog.scalar("charts/SPS", 2.0, 20)
+        runlog._tensorboard(lambda writer: writer.flush())  # the thread fails on its write; the error comes here
+        for retry in range(3):  # the disk stays full: each new writer fails as it starts
+            now[0] += metrics.TENSORBOARD_RETRY_S
+            runlog.scalars(30 + retry, {"charts/SPS": 3.0})
+        full[0] = False
+        now[0] += metrics.TENSORBOARD_RETRY_S
+        runlog.scalars(200, {"charts/SPS": 200.0})
+        runlog.close()
+    assert caplog.text.count("Could not write the TensorBoard event file") == 1
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+    assert [(e.step, e.value) for e in _read(tmp_path).Scalars("charts/SPS")] == [(10, 1.0), (200, 200.0)]
+    event_files = sorted(tmp_path.glob("events.out.tfevents.*"))
+    assert len(event_files) == 2 and all(f.stat().st_size > 0 for f in event_files)  # the first and the one after
+
+
 def test_closing_the_logs_on_a_full_disk_reports_instead_of_raising(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     runlog = RunLog(tmp_path)
