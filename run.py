@@ -46,7 +46,9 @@ def main(argv: list[str] | None = None) -> int:
 
             plotting.plot(config)
     except UserError as exc:
-        print(f"run.py: error: {' '.join(str(exc).splitlines())}", file=sys.stderr)  # one line, always
+        rank = os.environ.get("RANK", "0") if "LOCAL_RANK" in os.environ else "0"  # a torchrun rank, or alone
+        where = "" if rank == "0" else f" (rank {rank})"  # which machine, where only another rank's failed
+        print(f"run.py: error{where}: {' '.join(str(exc).splitlines())}", file=sys.stderr)  # one line, always
         return 2
     except KeyboardInterrupt:
         return 130

@@ -21,10 +21,10 @@ QUICK = ["--env", "CartPole-v1", "--num_actors", "1", "--envs_per_actor", "2", "
          "--batch_size", "4", "--hidden_size", "32", "--total_steps", "1000"]
 
 
-def _fails_with(capsys: pytest.CaptureFixture, argv: list[str], pattern: str) -> str:
+def _fails_with(capsys: pytest.CaptureFixture, argv: list[str], pattern: str, prefix: str = "run.py: error: ") -> str:
     assert run.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("run.py: error: ") and err.count("\n") == 1, err
+    assert err.startswith(prefix) and err.count("\n") == 1, err
     assert re.search(pattern, err), err
     return err
 
@@ -152,3 +152,15 @@ def test_from_the_command_line_no_traceback(tmp_path: Path) -> None:
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("run.py: error: ") and result.stderr.count("\n") == 1, result.stderr
         assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_under_torchrun_another_ranks_error_names_its_rank(capsys: pytest.CaptureFixture,
+                                                           monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every rank checks its own flags and env (a module missing on one machine fails there alone): a rank other
+    than 0 says which it is, in the same one line."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "9")
+    _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--env", "CartPol-v1"], "unknown env id 'CartPol-v1'",
+                prefix="run.py: error (rank 9): ")
+    monkeypatch.setenv("RANK", "0")
+    _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--env", "CartPol-v1"], "unknown env id 'CartPol-v1'")
