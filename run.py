@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import NoReturn
 
-from impala.config import UserError, parse_config
+from impala.config import UserError, given_flags, parse_config
 from impala.stopping import ignore_stop_signals
 
 # How long the interpreter's own exit may take once the run has ended (its final checkpoint and logs
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         elif config.mode == "test":
             from impala import evaluate
 
-            evaluate.test(config)
+            evaluate.test(config, env_from_checkpoint="env" not in given_flags(argv))
         else:
             from impala import plotting
 

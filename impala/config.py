@@ -412,6 +412,16 @@ def parse_config(argv: Sequence[str] | None = None) -> Config:
     return config
 
 
+def given_flags(argv: Sequence[str] | None = None) -> frozenset[str]:
+    """The names of the flags `argv` gives (abbreviated or not), whatever their values; those left out are not in
+    it. For `argv` that `parse_config` accepts."""
+    parser = build_parser()
+    parser.__class__ = _ErrorRaisingParser
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return frozenset(vars(parser.parse_args(argv)))
+
+
 def config_from_dict(values: dict[str, Any]) -> Config:
     """Rebuild a Config from `Config.to_dict()` output (e.g. stored in a checkpoint), ignoring unknown keys."""
     names = {f.name for f in dataclasses.fields(Config)}

@@ -3,6 +3,7 @@ newest weights, played in the evaluation process that `training` starts). Both g
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -22,12 +23,13 @@ from impala.model import Net
 log = logging.getLogger("impala")
 
 
-def load_agent(config: Config) -> tuple[Net, dict]:
-    """The model `--checkpoint` names (latest or best of SAVEDIR/XPID, or a path), checked against the env."""
+def load_agent(config: Config, env_from_checkpoint: bool = False) -> tuple[Net, dict]:
+    """The model `--checkpoint` names (latest or best of SAVEDIR/XPID, or a path), checked against the env (unless
+    the env is to be the checkpoint's own)."""
     path = find_checkpoint(_run_dir(config), config.checkpoint)
     state = load_checkpoint(path)
     flags = state["flags"]
-    if flags.get("env") != config.env:
+    if not env_from_checkpoint and flags.get("env") != config.env:
         config_env = config.env
         raise UserError(f"checkpoint {path} was trained on {flags.get('env')!r}, not {config_env!r}; "
                         f"pass --env {flags.get('env')}")
@@ -102,10 +104,14 @@ def _run_dir(config: Config) -> Path | None:
     return run_path(config.savedir, config.xpid) if config.xpid else None
 
 
-def test(config: Config) -> float:
-    """Play `config.test_episodes` games (greedy unless --eval_actions sampled) and print their mean return."""
+def test(config: Config, env_from_checkpoint: bool = False) -> float:
+    """Play `config.test_episodes` games (greedy unless --eval_actions sampled) and print their mean return; on
+    the checkpoint's own env where `env_from_checkpoint` (no --env given)."""
     torch.set_num_threads(1)
-    model, state = load_agent(config)
+    model, state = load_agent(config, env_from_checkpoint)
+    if env_from_checkpoint and state["flags"].get("env") != config.env:
+        config = dataclasses.replace(config, env=str(state["flags"]["env"]))
+        print(f"Playing {config.env}, the env of the checkpoint")
     recorder = EpisodeRecorder() if config.video else None
     games = play(model, config.env, config.test_episodes, config.seed + 12345,
                  greedy=config.eval_actions == "greedy", on_step=recorder.add if recorder is not None else None,

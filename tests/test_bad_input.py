@@ -89,6 +89,16 @@ def test_test_mode_without_a_checkpoint(capsys: pytest.CaptureFixture, tmp_path:
     _fails_with(capsys, ["--mode", "test", "--env", "CartPole-v1"], r"--mode test needs --xpid")
 
 
+def test_test_mode_plays_the_checkpoints_env_unless_another_is_given(capsys: pytest.CaptureFixture,
+                                                                      tmp_path: Path) -> None:
+    _saved_run(tmp_path, "cartpole")
+    assert run.main(["--mode", "test", "--savedir", str(tmp_path), "--xpid", "cartpole", "--test_episodes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Playing CartPole-v1, the env of the checkpoint\n") and "Mean return over 2 episodes" in out
+    _fails_with(capsys, ["--mode", "test", "--env", "Acrobot-v1", "--savedir", str(tmp_path), "--xpid", "cartpole"],
+                r"was trained on 'CartPole-v1', not 'Acrobot-v1'; pass --env CartPole-v1")
+
+
 def test_resume_without_a_checkpoint(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "new", "--resume"],
                 r"--resume: no checkpoint at")

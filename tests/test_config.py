@@ -18,6 +18,7 @@ from impala.config import (
     build_parser,
     changed_flags,
     config_from_dict,
+    given_flags,
     parse_config,
     run_path,
 )
@@ -272,6 +273,12 @@ def test_xpid_latest_is_the_run_named_in_the_latest_file(tmp_path: Path) -> None
     (tmp_path / "latest").unlink()
     (tmp_path / "latest").mkdir()  # a run that is itself called latest keeps its name
     assert run_path(tmp_path, "latest") == tmp_path / "latest"
+
+
+def test_given_flags_are_the_ones_on_the_command_line_abbreviated_or_not() -> None:
+    assert given_flags(["--env", "CartPole-v1", "--num_act", "3", "--no-amp", "--xpid", "a"]) == {
+        "env", "num_actors", "amp", "xpid"}
+    assert given_flags([]) == set()
 
 
 def test_changed_flags_name_each_difference_but_the_sessions_own() -> None:
