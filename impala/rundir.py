@@ -7,6 +7,7 @@ symlinked directory and listed every run twice. `--xpid latest` reads it (`confi
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -166,8 +167,9 @@ def write_latest(run_dir: Path) -> None:
     try:
         tmp.write_text(run_dir.name + "\n")
         os.replace(tmp, latest)  # atomic: a reader sees the old name or the new one
-    except OSError:
-        pass  # the file is a convenience only
+    except OSError:  # the file is a convenience only; a full disk leaves no temporary file behind
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def finish_run_files(run_dir: Path, reason: str, step: int) -> None:

@@ -15,7 +15,7 @@ from process_helpers import SMALL_RUN, Training, run_py
 
 from impala.checkpoint import CHECKPOINT_NAME
 from impala.config import UserError
-from impala.rundir import DirectoryLock, finish_run_files, read_meta, record_best
+from impala.rundir import DirectoryLock, finish_run_files, read_meta, record_best, write_latest
 
 
 def test_a_missing_record_is_empty_and_a_readable_one_is_read(tmp_path: Path) -> None:
@@ -60,6 +60,7 @@ def test_a_write_that_fails_part_way_leaves_the_previous_record_whole(tmp_path: 
         finish_run_files(tmp_path, "finished", 1000)
     with pytest.raises(OSError, match="No space left"):
         record_best(tmp_path, {"step": 10})
+    write_latest(tmp_path / "run")  # a convenience: never raises
     monkeypatch.undo()
     assert json.loads((tmp_path / "meta.json").read_text()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]  # no temporary left behind
