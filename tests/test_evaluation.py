@@ -10,6 +10,9 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import types
@@ -339,3 +342,26 @@ def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path
     assert f"Resuming from step {first_best['step']}" in branch.text()
     assert f"Resumed from {best_path} (it holds no optimiser state" in branch.text()
     assert checkpoint_step(branch.run_dir) == first_best["step"] + 2_000
+
+
+def test_an_evaluator_that_cannot_reach_the_main_process_prints_its_traceback_itself() -> None:
+    """Its traceback goes to the main process, which shows it with the death; where the pipe is gone (the main
+    process is shutting down), the evaluator writes it to stderr itself, once, and exits with 1."""
+    script = textwrap.dedent("""
+        import os
+        from multiprocessing import Pipe
+        from impala.config import Config
+        from impala.evaluator import _evaluator_process
+        from impala.model import Net
+        main_end, process_end = Pipe()
+        main_end.send((0, 0))  # evaluation 0, of the weights of step 0
+        main_end.close()  # and no one left to answer to
+        config = Config(env="crashing_env:CrashingCartPole-v1", eval_episodes=1, hidden_size=16, num_actors=1)
+        _evaluator_process(os.getpid(), config, Net((4,), 2, "mlp", False, 16), process_end)
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")]),
+           "CRASHING_ENV_SEED": str(EVAL_SEED_OFFSET)}  # evaluation 0's first game
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120,
+                            check=False)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("Traceback") == 1 and "RuntimeError: this env crashes on purpose" in result.stderr
