@@ -3,6 +3,7 @@ newest weights, played in the evaluation process that `training` starts). Both g
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -13,11 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.tensorboard import SummaryWriter
 
 from impala.checkpoint import find_checkpoint, load_checkpoint
 from impala.config import Config, UserError, run_path
 from impala.environment import EnvBatch, is_atari
-from impala.metrics import RunLog
+from impala.metrics import quiet_event_writer_threads, video_summary
 from impala.model import Net
 
 log = logging.getLogger("impala")
@@ -217,9 +219,15 @@ def _bar_frames(values: np.ndarray, height: int = 96, bar_width: int = 24, gap: 
 
 def write_evaluation(run_dir: Path, step: int, returns: list[float], frames: np.ndarray, fps: float) -> None:
     """The test returns (eval/episodic_return_mean) and one episode's video (eval/video) at the checkpoint's step."""
-    runlog = RunLog(run_dir)
-    try:
-        runlog.scalar("eval/episodic_return_mean", float(np.mean(returns)), step)
-        runlog.video("eval/video", frames, step, fps)
-    finally:
-        runlog.close()
+    quiet_event_writer_threads()
+    before = set(run_dir.glob("events.out.tfevents.*"))
+    try:  # not a RunLog, which reports a failed write and goes on: here it is the command's whole work
+        with SummaryWriter(log_dir=str(run_dir)) as writer:
+            writer.add_scalar("eval/episodic_return_mean", float(np.mean(returns)), step)
+            writer._get_file_writer().add_summary(video_summary("eval/video", frames, fps), step)
+    except OSError as exc:
+        for new in set(run_dir.glob("events.out.tfevents.*")) - before:  # the event file it began, if empty
+            with contextlib.suppress(OSError):
+                if new.stat().st_size == 0:
+                    new.unlink()
+        raise UserError(f"cannot write the video to TensorBoard in {run_dir}: {exc.strerror or exc}") from None

@@ -50,7 +50,7 @@ TENSORBOARD_RETRY_S = 60.0  # after a failed TensorBoard write (a full disk), ho
 HPARAM_METRICS = ("charts/episodic_return", "charts/mean_return_100", "charts/SPS")
 
 
-def _quiet_event_writer_threads() -> None:
+def quiet_event_writer_threads() -> None:
     """No traceback on the console from TensorBoard's writer thread when its write fails (a full disk): the thread
     dies, keeps the error and raises it again at the writer's next call, where `RunLog` reports it in one line.
     Every other thread's uncaught exception goes to the hook as before."""
@@ -86,7 +86,7 @@ class RunLog:
 
     def __init__(self, run_dir: str | os.PathLike, purge_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
-        _quiet_event_writer_threads()
+        quiet_event_writer_threads()
         self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge_step)
         self._csv_path = self.run_dir / "logs.csv"
         self._csv_file: Any = None

@@ -99,6 +99,25 @@ def test_test_mode_plays_the_checkpoints_env_unless_another_is_given(capsys: pyt
                 r"was trained on 'CartPole-v1', not 'Acrobot-v1'; pass --env CartPole-v1")
 
 
+def test_test_mode_video_on_a_full_disk_is_one_line_after_the_results(
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    def full_disk(self: object, filename: str, content: bytes, mode: str) -> None:
+        open(filename, mode).close()  # the file is made, its content is not written
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    run_dir = _saved_run(tmp_path, "cartpole")
+    before = _snapshot(run_dir)
+    monkeypatch.setattr(gfile.LocalFileSystem, "_write", full_disk)
+    argv = ["--mode", "test", "--savedir", str(tmp_path), "--xpid", "cartpole", "--test_episodes", "2", "--video"]
+    assert run.main(argv) == 2
+    captured = capsys.readouterr()
+    assert "Mean return over 2 episodes" in captured.out  # the games' results came first
+    assert captured.err == f"run.py: error: cannot write the video to TensorBoard in {run_dir}: No space left on device\n"
+    assert _snapshot(run_dir) == before  # no event file begun and left empty
+
+
 def test_resume_without_a_checkpoint(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "new", "--resume"],
                 r"--resume: no checkpoint at")
