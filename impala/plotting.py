@@ -13,9 +13,11 @@ same colour, dashed with a marker per evaluation.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -86,11 +88,16 @@ def plot(config: Config) -> Path:
     if out.suffix[1:].lower() not in formats:  # matplotlib would append .png, or refuse with a traceback
         raise UserError(f"--plot_out {out}: the file's extension gives the plot's format; use one of "
                         f"{', '.join('.' + f for f in sorted(formats))}")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(out, dpi=120)
+        figure.savefig(tmp, dpi=120, format=out.suffix[1:].lower())
+        os.replace(tmp, out)  # a full disk leaves the previous plot whole
     except OSError as exc:
         raise UserError(f"cannot write the plot {out}: {exc.strerror or exc}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     print(f"Wrote {out}: episodic return of {', '.join(names)} against "
           f"{'agent steps' if config.plot_x == 'steps' else 'wall-clock time'}")
     return out

@@ -4,6 +4,7 @@ back, smoothed, drawn with the run names in the legend, and saved as a PNG from 
 from __future__ import annotations
 
 import csv
+import errno
 import json
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from matplotlib.figure import Figure
 from matplotlib.image import imread
 from torch.utils.tensorboard import SummaryWriter
 
@@ -104,6 +106,23 @@ def test_a_plot_path_that_names_no_format_is_refused_and_nothing_written(
     with pytest.raises(UserError, match=pattern):
         plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--plot_out", str(outdir / name)]))
     assert [p.name for p in outdir.iterdir()] == ["a_dir"] and not any((outdir / "a_dir").iterdir())
+
+
+def test_a_plot_that_cannot_be_written_leaves_the_previous_one_whole(savedir: Path, monkeypatch: pytest.MonkeyPatch
+                                                                      ) -> None:
+    out = savedir / "cmp.png"
+    config = parse_config(["--mode", "plot", "--savedir", str(savedir), "--plot_out", str(out)])
+    plotting.plot(config)
+    before = out.read_bytes()
+
+    def full_disk(self: Figure, fname: object, **kwargs: object) -> None:
+        Path(str(fname)).write_bytes(b"\x89PNG half")  # part of the file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", full_disk)
+    with pytest.raises(UserError, match=r"cannot write the plot .*cmp.png: No space left on device"):
+        plotting.plot(config)
+    assert out.read_bytes() == before and not list(savedir.glob(".cmp.png.tmp-*"))
 
 
 def test_a_missing_run_names_the_runs_that_exist(savedir: Path) -> None:
