@@ -3,7 +3,6 @@ newest weights, played in the evaluation process that `training` starts). Both g
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -19,7 +18,7 @@ from torch.utils.tensorboard import SummaryWriter
 from impala.checkpoint import find_checkpoint, load_checkpoint
 from impala.config import Config, UserError, run_path
 from impala.environment import EnvBatch, is_atari
-from impala.metrics import quiet_event_writer_threads, video_summary
+from impala.metrics import quiet_event_writer_threads, remove_empty_files, video_summary
 from impala.model import Net
 
 log = logging.getLogger("impala")
@@ -226,8 +225,5 @@ def write_evaluation(run_dir: Path, step: int, returns: list[float], frames: np.
             writer.add_scalar("eval/episodic_return_mean", float(np.mean(returns)), step)
             writer._get_file_writer().add_summary(video_summary("eval/video", frames, fps), step)
     except OSError as exc:
-        for new in set(run_dir.glob("events.out.tfevents.*")) - before:  # the event file it began, if empty
-            with contextlib.suppress(OSError):
-                if new.stat().st_size == 0:
-                    new.unlink()
+        remove_empty_files(set(run_dir.glob("events.out.tfevents.*")) - before)  # the event file it began
         raise UserError(f"cannot write the video to TensorBoard in {run_dir}: {exc.strerror or exc}") from None

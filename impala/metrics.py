@@ -30,7 +30,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,14 @@ def quiet_event_writer_threads() -> None:
 
     hook.quiets_event_writers = True  # type: ignore[attr-defined]
     threading.excepthook = hook
+
+
+def remove_empty_files(paths: Iterable[Path]) -> None:
+    """Delete those of `paths` that are empty: event files a writer began on a full disk and could put nothing in."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if path.stat().st_size == 0:
+                path.unlink()
 
 
 def _step_at_most(text: str, limit: int) -> bool:
@@ -152,10 +160,7 @@ class RunLog:
                 self.writer = SummaryWriter(log_dir=str(self.run_dir))
             except OSError:  # still no space: the new file's first record failed in the constructor
                 self._tensorboard_failed_at = time.monotonic()
-                for empty in self.run_dir.glob(f"events.out.tfevents.*.{os.getpid()}.*"):  # that file, left empty
-                    with contextlib.suppress(OSError):
-                        if empty.stat().st_size == 0:
-                            empty.unlink()
+                remove_empty_files(self.run_dir.glob(f"events.out.tfevents.*.{os.getpid()}.*"))  # that file
                 return
             self._tensorboard_failed_at = None
         try:

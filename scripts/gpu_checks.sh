@@ -19,7 +19,6 @@ steps=${2:-1000000}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; lscpu; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$out/machine.txt" 2>&1
-# The default settings in four parts, each within one 10-minute device call.
 # The GPU targets in one call of under 10 minutes (a session's device time is 15 minutes, start included),
 # the most telling first: the correctness tests of the paths never run on a GPU before (page-locked slots, the
 # graphed update against the eager one, central inference); the learner alone, the actors alone together and the
@@ -48,6 +47,7 @@ print(f'median agent steps/s per interval {statistics.median(sps[2:] or sps):,.0
   cat "$out/pong.txt"
   exit 0
 fi
+# The default settings in four parts, each within one 10-minute device call.
 if [ "$what" = tests ]; then
   timeout 400 python3 -m pytest -m gpu -q -p no:cacheprovider > "$out/pytest_gpu.txt" 2>&1; echo "pytest rc $?" >> "$out/pytest_gpu.txt"
   tail -n 8 "$out/pytest_gpu.txt"
