@@ -113,7 +113,8 @@ class Config:
     num_learner_threads: int = _flag(1, "learner threads; updates are serialised, extra threads prepare batches "
                                      "(each adds about one update of policy lag when the learner is the bottleneck)")
     model: str = _flag("auto", "network: shallow (IMPALA/TorchBeast Atari net), resnet (deep IMPALA ResNet), "
-                       "mlp (vector observations) or auto (shallow for images, mlp for vectors)",
+                       "mlp (vector observations) or auto (shallow for images of 36x36 pixels or more, mlp "
+                       "otherwise)",
                        choices=("auto", "shallow", "resnet", "mlp"))
     use_lstm: bool = _flag(False, "add an LSTM core, reset at episode ends")
     hidden_size: int = _flag(256, "width of the MLP layers and of the LSTM core")

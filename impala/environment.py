@@ -90,7 +90,11 @@ class Step:
 
 
 class EnvBatch:
-    """N envs stepped together. Observations are [N, ...]; actions are int64 [N]."""
+    """N envs stepped together. Observations are [N, ...]; actions are int64 [N], the policy's indices 0..n-1.
+
+    An image laid out [H, W, C] (`channels_last`) comes out [C, H, W]; a `Discrete` space that starts at
+    another number than 0 gets the indices shifted to its actions.
+    """
 
     num_envs: int
     observation_shape: tuple[int, ...]
@@ -119,9 +123,12 @@ class EnvBatch:
         else:
             self._env = self._make_gym(env_id, num_envs)
         space = self._env.single_observation_space
-        self.observation_shape = tuple(space.shape)
+        shape = tuple(space.shape)
+        self._channels_last = not self._atari and channels_last(shape)
+        self.observation_shape = (shape[2], shape[0], shape[1]) if self._channels_last else shape
         self.observation_dtype = np.dtype(np.uint8) if space.dtype == np.uint8 else np.dtype(np.float32)
         self.num_actions = int(self._env.single_action_space.n)
+        self._first_action = int(self._env.single_action_space.start)  # the env's action of the policy's index 0
         self._return = np.zeros(num_envs, np.float64)
         self._length = np.zeros(num_envs, np.int64)
 
@@ -139,6 +146,8 @@ class EnvBatch:
         return env
 
     def _convert(self, obs: np.ndarray) -> np.ndarray:
+        if self._channels_last:
+            return np.ascontiguousarray(obs.transpose(0, 3, 1, 2), dtype=self.observation_dtype)
         return obs if obs.dtype == self.observation_dtype else obs.astype(self.observation_dtype)
 
     def reset(self) -> np.ndarray:
@@ -158,7 +167,7 @@ class EnvBatch:
         if self._atari:
             self._env.send(actions)
         else:
-            self._actions = actions
+            self._actions = actions + self._first_action if self._first_action else actions
 
     def recv(self) -> Step:
         """The result of the last `send` (waits for it)."""
@@ -210,6 +219,12 @@ class EnvBatch:
 
     def close(self) -> None:
         self._env.close()
+
+
+def channels_last(shape: tuple[int, ...]) -> bool:
+    """Whether a 3-D observation is an image laid out [H, W, C] (gymnasium's usual layout for images: its smallest
+    dimension last), which `EnvBatch` hands on as [C, H, W], the layout of Atari's frames and of the conv torsos."""
+    return len(shape) == 3 and shape[2] < shape[0] and shape[2] < shape[1]
 
 
 def _final_obs(obs: np.ndarray, truncated: np.ndarray, info: dict[str, Any]) -> np.ndarray:

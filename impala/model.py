@@ -23,14 +23,22 @@ class AgentOutput(NamedTuple):
 
 
 class ShallowTorso(nn.Module):
-    """The IMPALA/TorchBeast Atari net: three convolutions and a 512-unit layer."""
+    """The IMPALA/TorchBeast Atari net: three convolutions and a 512-unit layer (its input 64 x 7 x 7 on
+    Atari's 84 x 84 frames). Images need at least `MIN_SIZE` pixels a side."""
 
-    def __init__(self, in_channels: int) -> None:
+    MIN_SIZE = 36  # the smallest side that leaves conv3 one pixel
+
+    def __init__(self, in_channels: int, height: int = 84, width: int = 84) -> None:
         super().__init__()
+        if min(height, width) < self.MIN_SIZE:
+            raise ValueError(f"--model shallow needs images of at least {self.MIN_SIZE}x{self.MIN_SIZE} pixels, "
+                             f"got {height}x{width}; use --model resnet or --model mlp")
         self.conv1 = nn.Conv2d(in_channels, 32, kernel_size=8, stride=4)
         self.conv2 = nn.Conv2d(32, 64, kernel_size=4, stride=2)
         self.conv3 = nn.Conv2d(64, 64, kernel_size=3, stride=1)
-        self.fc = nn.Linear(64 * 7 * 7, 512)
+        for kernel, stride in ((8, 4), (4, 2), (3, 1)):
+            height, width = (height - kernel) // stride + 1, (width - kernel) // stride + 1
+        self.fc = nn.Linear(64 * height * width, 512)
         self.out_size = 512
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,13 +107,14 @@ class Net(nn.Module):
         super().__init__()
         self.observation_shape = tuple(observation_shape)
         self.num_actions = num_actions
-        if model == "auto":
-            model = "shallow" if len(observation_shape) == 3 else "mlp"
+        if model == "auto":  # the Atari net for images it fits, an MLP on the flattened observation otherwise
+            model = ("shallow" if len(observation_shape) == 3 and min(observation_shape[1:]) >= ShallowTorso.MIN_SIZE
+                     else "mlp")
         if model in ("shallow", "resnet") and len(observation_shape) != 3:
             raise ValueError(f"--model {model} needs image observations [C, H, W], got shape {observation_shape}")
         self.torso: ShallowTorso | ResNetTorso | MLPTorso
         if model == "shallow":
-            self.torso = ShallowTorso(observation_shape[0])
+            self.torso = ShallowTorso(*observation_shape)
         elif model == "resnet":
             self.torso = ResNetTorso(*observation_shape)
         else:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from impala.config import UserError
-from impala.environment import EnvBatch, is_atari
+from impala.environment import EnvBatch, channels_last, is_atari
 
 
 def test_cartpole_shapes_and_dtypes() -> None:
@@ -321,3 +321,48 @@ def test_an_atari_frame_cap_is_a_truncation_with_the_final_frames(game: str) -> 
         assert truncations >= 2
     finally:
         env.close()
+
+
+def test_an_action_space_that_starts_elsewhere_gets_the_policys_indices_shifted_to_its_actions() -> None:
+    import odd_spaces_env  # noqa: F401  (registers the env)
+
+    env = EnvBatch("ShiftedActions-v0", 3, seed=0)
+    try:
+        assert env.num_actions == 3
+        env.reset()
+        step = env.step(np.array([0, 1, 2], np.int64))  # the env raises on an action outside {-1, 0, 1}
+        np.testing.assert_array_equal(step.obs[:, 0], [-1, 0, 1])  # the env's observation is its last action
+        np.testing.assert_array_equal(step.reward, [0, 0, 1])
+    finally:
+        env.close()
+
+
+def test_images_laid_out_hwc_come_out_chw_with_the_same_pixels() -> None:
+    import odd_spaces_env
+
+    height, width, channels = odd_spaces_env.ColourImage.observation_space.shape
+    env = EnvBatch("ColourImage-v0", 2, seed=0)
+    reference = gym.make("ColourImage-v0")
+    try:
+        assert env.observation_shape == (channels, height, width) and env.observation_dtype == np.uint8
+        obs = env.reset()
+        raw, _ = reference.reset(seed=0)  # the batch's first env has seed 0
+        assert obs.shape == (2, channels, height, width) and obs.flags.c_contiguous
+        np.testing.assert_array_equal(obs[0], raw.transpose(2, 0, 1))
+        for _ in range(odd_spaces_env.LENGTH):
+            step = env.step(np.zeros(2, np.int64))
+            raw = reference.step(0)[0]
+            assert step.obs.shape == step.final_obs.shape == (2, channels, height, width)
+        assert step.done.all()  # the last step ended the episode and reset: a new image
+        np.testing.assert_array_equal(step.obs[0], reference.reset()[0].transpose(2, 0, 1))
+    finally:
+        env.close()
+        reference.close()
+
+
+@pytest.mark.parametrize(("shape", "expected"), [((84, 84, 4), True), ((4, 84, 84), False), ((64, 64, 3), True),
+                                                 ((3, 64, 64), False), ((7, 7, 3), True), ((3, 3, 3), False),
+                                                 ((5, 6), False), ((4,), False)])
+def test_channels_last_tells_hwc_images_by_their_smallest_dimension_last(shape: tuple[int, ...],
+                                                                         expected: bool) -> None:
+    assert channels_last(shape) is expected

@@ -19,7 +19,8 @@ def _obs(shape: tuple[int, ...], T: int, B: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("use_lstm", [False, True])
-@pytest.mark.parametrize(("model", "shape"), [("shallow", ATARI_SHAPE), ("resnet", ATARI_SHAPE), ("mlp", (4,))])
+@pytest.mark.parametrize(("model", "shape"), [("shallow", ATARI_SHAPE), ("resnet", ATARI_SHAPE), ("mlp", (4,)),
+                                             ("shallow", (3, 48, 40)), ("shallow", (1, 36, 36)), ("resnet", (3, 7, 7))])
 @pytest.mark.parametrize("T", [1, 3])
 def test_output_shapes(model: str, shape: tuple[int, ...], use_lstm: bool, T: int) -> None:
     torch.manual_seed(0)
@@ -40,7 +41,17 @@ def test_output_shapes(model: str, shape: tuple[int, ...], use_lstm: bool, T: in
 
 def test_auto_model_picks_by_observation_shape() -> None:
     assert Net(ATARI_SHAPE, NUM_ACTIONS).model == "shallow"
+    assert Net((3, 36, 64), 2).model == "shallow"
     assert Net((4,), 2).model == "mlp"
+    assert Net((3, 7, 7), 2).model == "mlp"  # too small for the Atari net's convolutions
+    assert Net((3, 35, 64), 2).model == "mlp"
+
+
+def test_the_atari_nets_first_linear_layer_takes_what_its_convolutions_leave() -> None:
+    assert Net(ATARI_SHAPE, NUM_ACTIONS).torso.fc.in_features == 64 * 7 * 7  # the checkpoints of every Atari run
+    assert Net((3, 48, 40), NUM_ACTIONS, model="shallow").torso.fc.in_features == 64 * 2 * 1
+    with pytest.raises(ValueError, match="at least 36x36 pixels, got 35x84"):
+        Net((4, 35, 84), NUM_ACTIONS, model="shallow")
 
 
 def test_image_models_refuse_vector_observations() -> None:

@@ -1,0 +1,61 @@
+"""Envs whose spaces Atari and CartPole do not have, registered for tests and runs:
+
+- `ShiftedActions-v0`: actions `Discrete(3, start=-1)`; the reward is 1 for action 1 and 0 for the others, and the
+  env raises on an action outside its space. Its observation is the last action, so a policy can learn it.
+- `ColourImage-v0`: RGB images laid out [H, W, C] (48 x 40 x 3, uint8), gymnasium's usual layout; the reward is 1
+  when the action names the channel that is lit (pixel (h, w, c) = (10 * h + w + c) % 250 in the others, for tests of the
+  layout), so a policy must read the channels.
+
+    PYTHONPATH=tests python run.py --env odd_spaces_env:ColourImage-v0 ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+LENGTH = 10  # steps per episode (a termination)
+
+
+class ShiftedActions(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    action_space = gym.spaces.Discrete(3, start=-1)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action: Any) -> Any:
+        if not self.action_space.contains(action):
+            raise ValueError(f"action {action!r} is not in {self.action_space}")
+        self.t += 1
+        return np.array([action], np.float32), float(action == 1), self.t >= LENGTH, False, {}
+
+
+class ColourImage(gym.Env):
+    observation_space = gym.spaces.Box(0, 255, (48, 40, 3), np.uint8)
+    action_space = gym.spaces.Discrete(3)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
+        super().reset(seed=seed)
+        self.t = 0
+        return self._image(), {}
+
+    def step(self, action: Any) -> Any:
+        reward = float(action == self.lit)
+        self.t += 1
+        return self._image(), reward, self.t >= LENGTH, False, {}
+
+    def _image(self) -> np.ndarray:
+        self.lit = int(self.np_random.integers(3))
+        h, w, c = np.indices(self.observation_space.shape)
+        image = ((10 * h + w + c) % 250).astype(np.uint8)
+        image[:, :, self.lit] = 255
+        return image
+
+
+gym.register("ShiftedActions-v0", entry_point=ShiftedActions)
+gym.register("ColourImage-v0", entry_point=ColourImage)
