@@ -92,8 +92,9 @@ class Step:
 class EnvBatch:
     """N envs stepped together. Observations are [N, ...]; actions are int64 [N], the policy's indices 0..n-1.
 
-    An image laid out [H, W, C] (`channels_last`) comes out [C, H, W]; a `Discrete` space that starts at
-    another number than 0 gets the indices shifted to its actions.
+    An image laid out [H, W, C] (`channels_last`) comes out [C, H, W]; an observation space that is not a Box
+    comes out flattened into one vector; a `Discrete` action space that starts at another number than 0 gets the
+    indices shifted to its actions.
     """
 
     num_envs: int
@@ -133,16 +134,26 @@ class EnvBatch:
         self._length = np.zeros(num_envs, np.int64)
 
     @staticmethod
-    def _make_gym(env_id: str, num_envs: int) -> gym.vector.VectorEnv:
-        env = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
-                           vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP})
+    def _make_gym(env_id: str, num_envs: int, flatten: bool = False) -> gym.vector.VectorEnv:
+        """gymnasium's vector env of `env_id`; an observation space other than a Box (Discrete, Tuple, Dict, ...)
+        flattened into one vector by gymnasium's `FlattenObservation` in each env (a Discrete one-hot)."""
+        try:
+            env = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
+                               vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
+                               wrappers=[gym.wrappers.FlattenObservation] if flatten else None)
+        except gym.error.DependencyNotInstalled as exc:
+            raise UserError(f"env {env_id!r} needs a package that is not installed: {exc}") from None
         if not isinstance(env.single_action_space, gym.spaces.Discrete):
             env.close()
             raise UserError(f"env {env_id!r} has action space {env.single_action_space}; only Discrete is supported")
-        if not isinstance(env.single_observation_space, gym.spaces.Box):
+        space = env.single_observation_space
+        if not isinstance(space, gym.spaces.Box):
             env.close()
-            raise UserError(f"env {env_id!r} has observation space {env.single_observation_space}; "
-                            "only Box is supported")
+            if flatten or not space.is_np_flattenable:
+                raise UserError(f"env {env_id!r} has observation space {space}, which gymnasium cannot flatten into "
+                                "one vector; Box, Discrete, MultiDiscrete, MultiBinary, and Tuple and Dict of them "
+                                "are supported")
+            return EnvBatch._make_gym(env_id, num_envs, flatten=True)
         return env
 
     def _convert(self, obs: np.ndarray) -> np.ndarray:

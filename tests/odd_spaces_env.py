@@ -59,3 +59,5 @@ class ColourImage(gym.Env):
 
 gym.register("ShiftedActions-v0", entry_point=ShiftedActions)
 gym.register("ColourImage-v0", entry_point=ColourImage)
+gym.register("FrozenLakeNotSlippery-v1", entry_point="gymnasium.envs.toy_text.frozen_lake:FrozenLakeEnv",
+             kwargs={"map_name": "4x4", "is_slippery": False}, max_episode_steps=20)

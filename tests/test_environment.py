@@ -366,3 +366,44 @@ def test_images_laid_out_hwc_come_out_chw_with_the_same_pixels() -> None:
 def test_channels_last_tells_hwc_images_by_their_smallest_dimension_last(shape: tuple[int, ...],
                                                                          expected: bool) -> None:
     assert channels_last(shape) is expected
+
+
+def test_a_discrete_observation_comes_out_one_hot_and_so_does_the_final_one_of_a_truncation() -> None:
+    import odd_spaces_env  # noqa: F401  (registers the env)
+
+    env = EnvBatch("FrozenLakeNotSlippery-v1", 2, seed=0)
+    try:
+        assert env.observation_shape == (16,) and env.observation_dtype == np.float32
+        np.testing.assert_array_equal(env.reset(), np.eye(16)[[0, 0]])  # both on the start square
+        right, down, left = 2, 1, 0
+        step = env.step(np.array([right, down]))
+        np.testing.assert_array_equal(step.obs, np.eye(16)[[1, 4]])
+        for t in range(2, 21):  # pressing left into the wall keeps the first env on square 0 until the time limit
+            step = env.step(np.array([left, left]))
+        assert step.truncated.all() and t == 20
+        np.testing.assert_array_equal(step.final_obs, np.eye(16)[[0, 4]])  # where each was cut
+        np.testing.assert_array_equal(step.obs, np.eye(16)[[0, 0]])  # the next games' start
+    finally:
+        env.close()
+
+
+def test_a_missing_dependency_of_an_env_is_a_user_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(*args: object, **kwargs: object) -> None:
+        raise gym.error.DependencyNotInstalled('Box2D is not installed, run `pip install "gymnasium[box2d]"`')
+
+    monkeypatch.setattr(gym, "make_vec", missing)
+    with pytest.raises(UserError, match=r"env 'LunarLander-v3' needs a package that is not installed: Box2D is not"):
+        EnvBatch("LunarLander-v3", 1, seed=0)
+
+
+def test_an_observation_space_gymnasium_cannot_flatten_is_a_user_error() -> None:
+    class Graph(gym.Env):
+        observation_space = gym.spaces.Graph(gym.spaces.Box(0, 1, (2,)), None)
+        action_space = gym.spaces.Discrete(2)
+
+    gym.register("TestGraphObservation-v0", entry_point=Graph)
+    try:
+        with pytest.raises(UserError, match="cannot flatten into one vector"):
+            EnvBatch("TestGraphObservation-v0", 1, seed=0)
+    finally:
+        del gym.registry["TestGraphObservation-v0"]

@@ -142,6 +142,17 @@ def test_an_image_env_laid_out_hwc_learns_with_the_atari_net_and_plays_in_test_m
     assert returns is not None and float(returns.group(1)) > 5.0, result.stdout
 
 
+def test_an_env_with_discrete_observations_learns_from_them_one_hot(tmp_path: Path) -> None:
+    """FrozenLake without slipping, cut at 20 steps: its square is all a policy sees. Random play rarely reaches the
+    goal (mean return 0.05 at 5,520 steps in one run); two seeds of this run held 0.99-1.0 from 12,640 steps on."""
+    result = _run_odd_spaces_env("FrozenLakeNotSlippery-v1", "--savedir", str(tmp_path), "--xpid", "lake",
+                                 "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "10",
+                                 "--batch_size", "8", "--total_steps", "16000")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    mean_return = _csv_column(tmp_path / "lake" / "logs.csv", "charts/mean_return_100")[-1]
+    assert mean_return >= 0.9, mean_return
+
+
 def test_an_action_space_that_starts_at_minus_one_trains_without_an_action_outside_it(tmp_path: Path) -> None:
     """ShiftedActions raises on any action outside {-1, 0, 1}: before the shift, every actor died at its first step."""
     result = _run_odd_spaces_env("ShiftedActions-v0", "--savedir", str(tmp_path), "--xpid", "shifted",
