@@ -168,9 +168,9 @@ class EpisodeRecorder:
     """Keeps env 0's observations until its first game ends, and turns them into video frames.
 
     Frames show what the agent sees, so no renderer is needed (gymnasium's classic-control renderer
-    needs pygame): for image observations [C, H, W] the newest frame of the stack, in grey; for vector
-    observations [D] one bar per dimension (up: positive, down: negative, each scaled to its largest
-    magnitude in the episode).
+    needs pygame): for image observations [C, H, W] with 3 channels the colour image, with any other number
+    the newest frame of the stack (Atari's 4), in grey; for vector observations [D] one bar per dimension (up:
+    positive, down: negative, each scaled to its largest magnitude in the episode).
     """
 
     def __init__(self, max_frames: int = VIDEO_MAX_FRAMES) -> None:
@@ -191,16 +191,19 @@ class EpisodeRecorder:
         if not self.observations:
             raise ValueError("no observation recorded")
         stacked = np.stack(self.observations)
-        if stacked.ndim == 4:  # [T, C, H, W] image stacks
-            grey = stacked[:, -1].astype(np.uint8)
-            grey = grey.repeat(VIDEO_SCALE, axis=1).repeat(VIDEO_SCALE, axis=2)
-            return np.repeat(grey[..., None], 3, axis=-1)
+        if stacked.ndim == 4:  # [T, C, H, W] images
+            image = stacked.transpose(0, 2, 3, 1) if stacked.shape[1] == 3 else stacked[:, -1, :, :, None]
+            image = image.astype(np.uint8).repeat(VIDEO_SCALE, axis=1).repeat(VIDEO_SCALE, axis=2)
+            return np.repeat(image, 3 // image.shape[-1], axis=-1)
         return _bar_frames(stacked.reshape(len(stacked), -1).astype(np.float64))
 
 
-def _bar_frames(values: np.ndarray, height: int = 96, bar_width: int = 24, gap: int = 8) -> np.ndarray:
-    """[T, D] values -> [T, height, D * (bar_width + gap) + gap, 3] uint8 bar charts around a zero line."""
+def _bar_frames(values: np.ndarray, height: int = 96, max_width: int = 1024) -> np.ndarray:
+    """[T, D] values -> [T, height, D * (bar_width + gap) + gap, 3] uint8 bar charts around a zero line, bars 24
+    pixels wide with 8 between them, narrower where D is large (at least 2 and 1), to keep near `max_width`."""
     steps, dims = values.shape
+    bar_width = max(2, min(24, max_width * 3 // (4 * dims + 1)))
+    gap = max(1, bar_width // 3)
     scale = np.abs(values).max(axis=0)
     scale[scale == 0] = 1.0
     heights = np.rint(values / scale * (height // 2 - 4)).astype(np.int64)  # [T, D], 4 px margin

@@ -20,6 +20,7 @@ from multiprocessing import Pipe
 from pathlib import Path
 
 import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 from process_helpers import (
@@ -44,7 +45,7 @@ from impala.checkpoint import (
     save_checkpoint,
 )
 from impala.config import Config, UserError, parse_config
-from impala.evaluate import EVAL_SEED_OFFSET, Games, play, serve_evaluations
+from impala.evaluate import EVAL_SEED_OFFSET, EpisodeRecorder, Games, play, serve_evaluations
 from impala.evaluator import Evaluator, check_evaluator, finish_evaluation, replace_evaluator
 from impala.metrics import RunLog
 from impala.model import Net
@@ -365,3 +366,32 @@ def test_an_evaluator_that_cannot_reach_the_main_process_prints_its_traceback_it
                             check=False)
     assert result.returncode == 1, result.stderr
     assert result.stderr.count("Traceback") == 1 and "RuntimeError: this env crashes on purpose" in result.stderr
+
+
+def _recorded(observations: np.ndarray) -> np.ndarray:
+    recorder = EpisodeRecorder()
+    for t, obs in enumerate(observations):
+        recorder.add(obs[None], np.array([t == len(observations) - 1]))
+    return recorder.frames()
+
+
+def test_the_video_of_three_channel_images_is_in_colour_and_of_atari_stacks_their_newest_frame_in_grey() -> None:
+    rng = np.random.default_rng(0)
+    rgb = rng.integers(0, 256, (5, 3, 6, 4), dtype=np.uint8)  # [T, C, H, W] as EnvBatch hands them on
+    frames = _recorded(rgb)
+    assert frames.shape == (5, 12, 8, 3) and frames.dtype == np.uint8  # each pixel shown 2x2
+    np.testing.assert_array_equal(frames[:, ::2, ::2], rgb.transpose(0, 2, 3, 1))
+    stacks = rng.integers(0, 256, (5, 4, 6, 4), dtype=np.uint8)
+    frames = _recorded(stacks)
+    assert frames.shape == (5, 12, 8, 3)
+    for channel in range(3):
+        np.testing.assert_array_equal(frames[:, ::2, ::2, channel], stacks[:, -1])
+
+
+def test_the_video_of_a_long_vector_keeps_one_bar_per_dimension_in_about_a_thousand_pixels() -> None:
+    assert _recorded(np.eye(4)[[0, 1]]).shape == (2, 96, 4 * 32 + 8, 3)  # CartPole's bars as they were
+    one_hot = np.eye(500)[[3, 7]]  # Taxi's squares
+    frames = _recorded(one_hot)
+    assert frames.shape == (2, 96, 500 * 3 + 1, 3)  # bars of 2 pixels, 1 between them
+    blue = (frames[:, 40] == (40, 120, 200)).all(axis=-1)  # a row above the zero line
+    assert [sorted(set(np.flatnonzero(row) // 3)) for row in blue] == [[3], [7]]
