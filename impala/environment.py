@@ -136,7 +136,8 @@ class EnvBatch:
     @staticmethod
     def _make_gym(env_id: str, num_envs: int, flatten: bool = False) -> gym.vector.VectorEnv:
         """gymnasium's vector env of `env_id`; an observation space other than a Box (Discrete, Tuple, Dict, ...)
-        flattened into one vector by gymnasium's `FlattenObservation` in each env (a Discrete one-hot)."""
+        or a Box of one number flattened into one vector by gymnasium's `FlattenObservation` in each env (a
+        Discrete one-hot)."""
         try:
             env = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
                                vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
@@ -147,7 +148,7 @@ class EnvBatch:
             env.close()
             raise UserError(f"env {env_id!r} has action space {env.single_action_space}; only Discrete is supported")
         space = env.single_observation_space
-        if not isinstance(space, gym.spaces.Box):
+        if not isinstance(space, gym.spaces.Box) or space.shape == ():  # a scalar Box too, to shape (1,)
             env.close()
             if flatten or not space.is_np_flattenable:
                 raise UserError(f"env {env_id!r} has observation space {space}, which gymnasium cannot flatten into "

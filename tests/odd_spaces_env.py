@@ -1,7 +1,7 @@
 """Envs whose spaces Atari and CartPole do not have, registered for tests and runs:
 
 - `ShiftedActions-v0`: actions `Discrete(3, start=-1)`; the reward is 1 for action 1 and 0 for the others, and the
-  env raises on an action outside its space. Its observation is the last action, so a policy can learn it.
+  env raises on an action outside its space. Its observation is the last action, a Box of shape () (one number).
 - `ColourImage-v0`: RGB images laid out [H, W, C] (48 x 40 x 3, uint8), gymnasium's usual layout; the reward is 1
   when the action names the channel that is lit (pixel (h, w, c) = (10 * h + w + c) % 250 in the others, for tests of the
   layout), so a policy must read the channels.
@@ -20,19 +20,19 @@ LENGTH = 10  # steps per episode (a termination)
 
 
 class ShiftedActions(gym.Env):
-    observation_space = gym.spaces.Box(-1.0, 1.0, (1,), np.float32)
+    observation_space = gym.spaces.Box(-1.0, 1.0, (), np.float32)
     action_space = gym.spaces.Discrete(3, start=-1)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
         super().reset(seed=seed)
         self.t = 0
-        return np.zeros(1, np.float32), {}
+        return np.array(0, np.float32), {}
 
     def step(self, action: Any) -> Any:
         if not self.action_space.contains(action):
             raise ValueError(f"action {action!r} is not in {self.action_space}")
         self.t += 1
-        return np.array([action], np.float32), float(action == 1), self.t >= LENGTH, False, {}
+        return np.array(action, np.float32), float(action == 1), self.t >= LENGTH, False, {}
 
 
 class ColourImage(gym.Env):

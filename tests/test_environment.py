@@ -323,12 +323,14 @@ def test_an_atari_frame_cap_is_a_truncation_with_the_final_frames(game: str) -> 
         env.close()
 
 
-def test_an_action_space_that_starts_elsewhere_gets_the_policys_indices_shifted_to_its_actions() -> None:
+def test_an_action_space_that_starts_elsewhere_gets_the_policys_indices_shifted_to_its_actions_and_a_scalar_box_is_1d(
+) -> None:
     import odd_spaces_env  # noqa: F401  (registers the env)
 
     env = EnvBatch("ShiftedActions-v0", 3, seed=0)
     try:
         assert env.num_actions == 3
+        assert env.observation_shape == (1,)  # its Box of shape (), one number
         env.reset()
         step = env.step(np.array([0, 1, 2], np.int64))  # the env raises on an action outside {-1, 0, 1}
         np.testing.assert_array_equal(step.obs[:, 0], [-1, 0, 1])  # the env's observation is its last action

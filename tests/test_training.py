@@ -154,7 +154,8 @@ def test_an_env_with_discrete_observations_learns_from_them_one_hot(tmp_path: Pa
 
 
 def test_an_action_space_that_starts_at_minus_one_trains_without_an_action_outside_it(tmp_path: Path) -> None:
-    """ShiftedActions raises on any action outside {-1, 0, 1}: before the shift, every actor died at its first step."""
+    """ShiftedActions raises on any action outside {-1, 0, 1}: before the shift, every actor died at its first step
+    (and at its first forward, before its Box of shape () was made (1,))."""
     result = _run_odd_spaces_env("ShiftedActions-v0", "--savedir", str(tmp_path), "--xpid", "shifted",
                                  "--num_actors", "1", "--envs_per_actor", "4", "--unroll_length", "10",
                                  "--batch_size", "4", "--total_steps", "2000")
