@@ -57,10 +57,19 @@ class Games:
                 f"{cut} of {len(self.cut)} cut by the time limit")
 
 
+class PlayInterrupted(KeyboardInterrupt):
+    """Ctrl-C while `play` played: `games` holds the games that had ended by then."""
+
+    def __init__(self, games: Games) -> None:
+        super().__init__()
+        self.games = games
+
+
 def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True,
          on_step: Callable[[np.ndarray, np.ndarray], None] | None = None, fire_on_life_loss: bool = True
          ) -> Games:
-    """The full games of `episodes` parallel envs, the first game of each.
+    """The full games of `episodes` parallel envs, the first game of each; on Ctrl-C, `PlayInterrupted` with the
+    games that had ended.
 
     `on_step(obs, game_over)`, when given, sees every observation the agent acts on ([episodes, ...]) and
     which games ended on that action ([episodes] bool): `EpisodeRecorder.add` keeps env 0's frames.
@@ -87,12 +96,20 @@ def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True,
                 on_step(obs.numpy(), step.game_over)
             for i in np.flatnonzero(step.game_over):
                 if returns[i] is None:
-                    returns[i] = float(step.episode_return[i])
                     lengths[i], cut[i] = int(step.episode_step[i]), bool(step.truncated[i])
+                    returns[i] = float(step.episode_return[i])  # last: a game counts once all three are set
             obs, done = torch.from_numpy(step.obs), torch.from_numpy(step.done)
+    except KeyboardInterrupt:
+        raise PlayInterrupted(_ended(returns, lengths, cut)) from None
     finally:
         env.close()
-    return Games([float(r) for r in returns if r is not None], lengths, cut)  # every return is set by now
+    return _ended(returns, lengths, cut)  # every game, by now
+
+
+def _ended(returns: list[float | None], lengths: list[int], cut: list[bool]) -> Games:
+    """The games that have ended: those with a return."""
+    ended = [(r, n, c) for r, n, c in zip(returns, lengths, cut, strict=True) if r is not None]
+    return Games([r for r, _, _ in ended], [n for _, n, _ in ended], [c for _, _, c in ended])
 
 
 def check_compatible_env(model: Net, env: EnvBatch) -> None:
@@ -114,9 +131,27 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
         config = dataclasses.replace(config, env=str(state["flags"]["env"]))
         print(f"Playing {config.env}, the env of the checkpoint")
     recorder = EpisodeRecorder() if config.video else None
-    games = play(model, config.env, config.test_episodes, config.seed + 12345,
-                 greedy=config.eval_actions == "greedy", on_step=recorder.add if recorder is not None else None,
-                 fire_on_life_loss=config.fire_on_life_loss)
+    try:
+        games = play(model, config.env, config.test_episodes, config.seed + 12345,
+                     greedy=config.eval_actions == "greedy", on_step=recorder.add if recorder is not None else None,
+                     fire_on_life_loss=config.fire_on_life_loss)
+    except PlayInterrupted as stopped:  # what had been played, then exit code 130 (no video: a game unfinished)
+        print(f"Stopped by Ctrl-C with {len(stopped.games.returns)} of {config.test_episodes} games ended")
+        if stopped.games.returns:
+            _print_results(stopped.games, state)
+        raise
+    mean = _print_results(games, state)
+    if recorder is not None:
+        run_dir = _run_dir(config) or find_checkpoint(None, config.checkpoint).parent
+        write_evaluation(run_dir, int(state["step"]), games.returns, recorder.frames(), VIDEO_FPS_ATARI
+                         if is_atari(config.env) else VIDEO_FPS_OTHER)
+        print(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {run_dir} "
+              "(IMAGES tab, eval/video)")
+    return mean
+
+
+def _print_results(games: Games, state: dict) -> float:
+    """Print the games' mean return and lengths; return the mean."""
     returns = games.returns
     mean = float(np.mean(returns))
     best = (f"; its evaluation while training: {state['eval_return_mean']:.2f}" if "eval_return_mean" in state
@@ -124,12 +159,6 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
     print(f"Mean return over {len(returns)} episodes: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
           f"checkpoint at step {state['step']}{best})")
     print(games.summary())
-    if recorder is not None:
-        run_dir = _run_dir(config) or find_checkpoint(None, config.checkpoint).parent
-        write_evaluation(run_dir, int(state["step"]), returns, recorder.frames(), VIDEO_FPS_ATARI
-                         if is_atari(config.env) else VIDEO_FPS_OTHER)
-        print(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {run_dir} "
-              "(IMAGES tab, eval/video)")
     return mean
 
 

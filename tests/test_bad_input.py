@@ -118,6 +118,32 @@ def test_test_mode_video_on_a_full_disk_is_one_line_after_the_results(
     assert _snapshot(run_dir) == before  # no event file begun and left empty
 
 
+@pytest.mark.parametrize("ended", [0, 2])
+def test_ctrl_c_in_test_mode_prints_the_games_that_had_ended_and_exits_130(
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ended: int) -> None:
+    import impala.evaluate
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise impala.evaluate.PlayInterrupted(impala.evaluate.Games([3.0, 5.0][:ended], [3, 5][:ended],
+                                                                    [False, True][:ended]))
+
+    run_dir = _saved_run(tmp_path, "cartpole")
+    before = _snapshot(run_dir)
+    monkeypatch.setattr(impala.evaluate, "play", interrupted)
+    argv = ["--mode", "test", "--savedir", str(tmp_path), "--xpid", "cartpole", "--test_episodes", "4", "--video"]
+    assert run.main(argv) == 130
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()[1:]  # after "Playing CartPole-v1, ..."
+    assert lines[0] == f"Stopped by Ctrl-C with {ended} of 4 games ended"
+    if ended:
+        assert lines[1:] == ["Mean return over 2 episodes: 4.00 (min 3.00, max 5.00; checkpoint at step 40)",
+                             "Games lasted 3-5 agent steps (mean 4); 1 of 2 cut by the time limit"]
+    else:
+        assert lines[1:] == []
+    assert captured.err == ""
+    assert _snapshot(run_dir) == before  # no video of a game cut short
+
+
 def test_resume_without_a_checkpoint(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "new", "--resume"],
                 r"--resume: no checkpoint at")

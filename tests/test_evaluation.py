@@ -45,7 +45,7 @@ from impala.checkpoint import (
     save_checkpoint,
 )
 from impala.config import Config, UserError, parse_config
-from impala.evaluate import EVAL_SEED_OFFSET, EpisodeRecorder, Games, play, serve_evaluations
+from impala.evaluate import EVAL_SEED_OFFSET, EpisodeRecorder, Games, PlayInterrupted, play, serve_evaluations
 from impala.evaluator import Evaluator, check_evaluator, finish_evaluation, replace_evaluator
 from impala.metrics import RunLog
 from impala.model import Net
@@ -153,6 +153,26 @@ def test_play_reports_each_games_length_and_whether_a_time_limit_cut_it() -> Non
     games = play(model, "TestEvalCartPoleLimit5-v1", 3, 3)
     assert (games.returns, games.lengths, games.cut) == ([5.0] * 3, [5] * 3, [True] * 3)
     assert games.summary() == "Games lasted 5-5 agent steps (mean 5); 3 of 3 cut by the time limit"
+
+
+def test_ctrl_c_while_playing_hands_over_the_games_that_had_ended() -> None:
+    model = _net()
+    whole = play(model, "CartPole-v1", 4, 3)
+    stop_at = sorted(whole.lengths)[1] + 1  # two games have ended by then, at least one has not
+
+    def ctrl_c(obs: np.ndarray, game_over: np.ndarray) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == stop_at:
+            raise KeyboardInterrupt
+
+    steps = 0
+    with pytest.raises(PlayInterrupted) as stopped:
+        play(model, "CartPole-v1", 4, 3, on_step=ctrl_c)
+    ended = [i for i, n in enumerate(whole.lengths) if n < stop_at]
+    assert 2 <= len(ended) < 4
+    assert stopped.value.games == Games([whole.returns[i] for i in ended], [whole.lengths[i] for i in ended],
+                                        [whole.cut[i] for i in ended])
 
 
 def test_the_evaluator_follows_fire_on_life_loss(monkeypatch: pytest.MonkeyPatch) -> None:
