@@ -3,9 +3,13 @@
 # curve (mean return of the last 100 games against agent steps). The proxy runs behind the defaults.
 # Usage: bash scripts/sweep.sh SECONDS "FLAGS A" "FLAGS B" ...    (env: SWEEP_DIR, BASE_FLAGS, OUT)
 set -uo pipefail
+if [ $# -lt 2 ]; then echo "usage: bash scripts/sweep.sh SECONDS \"FLAGS A\" \"FLAGS B\" ..." >&2; exit 2; fi
 seconds=$1; shift
 dir=${SWEEP_DIR:-runs/sweep}
 base=${BASE_FLAGS:---env PongNoFrameskip-v4 --total_steps 5000000}
+for j in $(seq 1 $#); do  # an existing cJ would be resumed with other flags and its old curve reported
+  if [ -e "$dir/c$j" ]; then echo "sweep.sh: $dir/c$j exists; set SWEEP_DIR to a new directory" >&2; exit 2; fi
+done
 mkdir -p "$dir"
 i=0
 for flags in "$@"; do
