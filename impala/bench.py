@@ -72,7 +72,7 @@ from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.actor_pool import keep_freed_memory
 from impala.buffers import BufferSpec, pin_observations, unpin_observations
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from impala.config import Config, UserError, add_flags, to_flags
+from impala.config import Config, UserError, add_flags, cpu_quota, to_flags
 from impala.environment import EnvBatch, probe_env
 from impala.learners import learner_threads, select_device
 from impala.model import CastTorso, Net, sample_actions, use_amp
@@ -705,7 +705,7 @@ def machine() -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     usable = os.sched_getaffinity(0)
     return {"cpu": model_name, "cores_usable": len(usable), "physical_cores_usable": physical_cores(usable),
-            "cpu_count": os.cpu_count(),
+            "cpu_count": os.cpu_count(), "cpu_quota": cpu_quota(),
             "torch": torch.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA device)",
             "cpu_bf16_native": bool(use_amp(None, torch.device("cpu"), "shallow")),
@@ -736,6 +736,9 @@ def format_table(results: dict[str, Any]) -> str:
     m, lines = results["machine"], []
     physical = m.get("physical_cores_usable")
     threads = f" ({physical} physical)" if physical and physical != m["cores_usable"] else ""
+    quota = m.get("cpu_quota")
+    if quota is not None and quota < m["cores_usable"]:
+        threads += f", a cgroup CPU quota of {quota:.3g} cores' worth"
     lines.append(f"machine: {m['cpu']}, {m['cores_usable']} usable cores{threads}, torch {m['torch']}, {m['device']}")
     load = results["load_average_start"]
     lines.append(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"

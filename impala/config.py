@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -44,6 +44,68 @@ def auto_num_actors(cores: int, local_ranks: int, batch_size: int, envs_per_acto
     return max(cores // local_ranks - CORES_KEPT - other_actors, math.ceil(batch_size / max(envs_per_actor, 1)), 1)
 
 
+def usable_cores() -> int:
+    """The cores this process may use: those of its CPU affinity, fewer where its cgroups cap its CPU time
+    (`cpu_quota`: `docker run --cpus 4` on a 64-core host is 4), and at least one."""
+    cores = len(os.sched_getaffinity(0))
+    quota = cpu_quota()
+    return cores if quota is None else max(1, min(cores, int(quota)))
+
+
+def cpu_quota(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPUs' worth of time this process's cgroups allow it: the smallest quota of its cgroup and of those above
+    it (`docker run --cpus`, a Kubernetes CPU limit, systemd's CPUQuota), from cgroup v2's `cpu.max` or v1's
+    `cpu.cfs_quota_us` / `cpu.cfs_period_us`; None where none is set or none can be read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    quotas: list[float] = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "-", "")
+        if controllers == "":  # cgroup v2: one hierarchy
+            quotas += _quotas_up_from(root, path, _cpu_max)
+        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's hierarchy
+            mount = next((root / name for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (root / name).is_dir()),
+                         None)
+            if mount is not None:
+                quotas += _quotas_up_from(mount, path, _cfs_quota)
+    return min(quotas, default=None)
+
+
+def _quotas_up_from(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
+    """The quotas `read` finds in the cgroup at `path` of the hierarchy mounted at `mount` and in those above it. A
+    container that sees its own cgroup at the mount point (no cgroup namespace) starts from there."""
+    directory = mount / path.lstrip("/")
+    if not directory.is_dir():
+        directory = mount
+    quotas = []
+    while True:
+        quota = read(directory)
+        if quota is not None:
+            quotas.append(quota)
+        if directory == mount or mount not in directory.parents:
+            return quotas
+        directory = directory.parent
+
+
+def _cpu_max(directory: Path) -> float | None:
+    try:
+        quota, period = (directory / "cpu.max").read_text().split()
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _cfs_quota(directory: Path) -> float | None:
+    try:
+        quota = int((directory / "cpu.cfs_quota_us").read_text())
+        period = int((directory / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None  # -1: no quota
+
+
 def _num_actors_arg(text: str) -> int:
     if text == "auto":
         return AUTO_ACTORS
@@ -69,7 +131,7 @@ class Config:
 
     # Acting.
     num_actors: int = _flag(AUTO_ACTORS, "actor processes (of each rank under torchrun); auto: the cores this "
-                            f"process may use (its share under torchrun) less {CORES_KEPT} (the learner and the "
+                            f"process may use (capped by a cgroup CPU quota; its share under torchrun) less {CORES_KEPT} (the learner and the "
                             "main process) and less --ray local's actors, but at least ceil(batch_size / "
                             "envs_per_actor); the number is printed at start and kept in flags.json",
                             type=_num_actors_arg, argparse_default="auto")
@@ -206,7 +268,7 @@ class Config:
         if self.num_actors == AUTO_ACTORS:  # resolved once, here: every reader of the config sees the number
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun
             other = self.ray_actors if self.ray == "local" else 0
-            number = auto_num_actors(len(os.sched_getaffinity(0)), max(local_ranks, 1), self.batch_size,
+            number = auto_num_actors(usable_cores(), max(local_ranks, 1), self.batch_size,
                                      self.envs_per_actor, other)
             object.__setattr__(self, "num_actors", number)
 

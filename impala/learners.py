@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -16,7 +15,7 @@ import torch
 from impala import learner
 from impala.actor_pool import ActorPool
 from impala.buffers import Buffers, pin_observations, unpin_observations
-from impala.config import Config, TrainingError
+from impala.config import Config, TrainingError, usable_cores
 from impala.learner import LearnerState
 from impala.metrics import IntervalStats
 
@@ -40,7 +39,7 @@ def learner_threads(config: Config, device: torch.device, local_ranks: int = 1) 
     alone kept 3.7 of its 16 cores busy at 7,500 agent steps/s, cores that its actors need."""
     # --ray local: the remote actors are processes of this machine too.
     actors_here = config.num_actors + (config.ray_actors if config.ray == "local" else 0)
-    return max(1, len(os.sched_getaffinity(0)) // local_ranks - actors_here)
+    return max(1, usable_cores() // local_ranks - actors_here)
 
 
 class Learners:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,7 +35,7 @@ from impala.actor_pool import (
 )
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, keep_step_copy, save_checkpoint
-from impala.config import Config, TrainingError, UserError, changed_flags
+from impala.config import Config, TrainingError, UserError, changed_flags, cpu_quota, usable_cores
 from impala.distributed import Coordinator
 from impala.environment import is_atari, probe_env
 from impala.evaluator import Evaluator, check_evaluator, make_evaluator, start_evaluator, stop_evaluator
@@ -361,6 +362,10 @@ def _log_start(run: Run) -> None:
     log.info("Run %s: %s, %d actors x %d envs, %d slots, T=%d, B=%d, device %s%s", run.run_dir, config.env,
              config.num_actors, config.envs_per_actor, run.buffers["slot_owner"].numel(), config.unroll_length,
              config.batch_size, run.device, ", bfloat16 autocast" if run.amp else "")
+    quota, cores = cpu_quota(), len(os.sched_getaffinity(0))
+    if quota is not None and quota < cores:
+        log.info("This process's cgroup caps its CPU time at %.3g cores' worth, of the %d cores it may run on: "
+                 "--num_actors auto and the learner's threads count %d", quota, cores, usable_cores())
     if run.coordinator is not None:
         ranks = run.coordinator.ranks
         log.info("%d learner ranks (torchrun, %s): each with these actors and batch; this one, rank 0, "

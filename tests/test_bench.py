@@ -191,6 +191,7 @@ def test_end_to_end_command_passes_the_config_then_extra_flags() -> None:
 
 def test_num_actors_auto_reaches_the_bench_as_the_trainer_resolves_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr("impala.config.cpu_quota", lambda: None)  # whatever this machine's cgroup allows
     _, config, _ = bench.parse_args(["--num_actors", "auto", "--only", "e2e"])
     assert config.num_actors == 14
     argv = bench.run_argv(config, "/tmp/x", [])

@@ -18,9 +18,11 @@ from impala.config import (
     build_parser,
     changed_flags,
     config_from_dict,
+    cpu_quota,
     given_flags,
     parse_config,
     run_path,
+    usable_cores,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +35,7 @@ def test_defaults_are_the_atari_settings_measured_in_results() -> None:
     assert config.env == "PongNoFrameskip-v4"
     assert (config.unroll_length, config.batch_size, config.envs_per_actor) == (32, 32, 8)
     # --num_actors auto: the cores less the learner's and the main process's, at least one batch's worth (4).
-    assert config.num_actors == max(len(os.sched_getaffinity(0)) - 2, 4)
+    assert config.num_actors == max(usable_cores() - 2, 4)
     assert (config.policy_loss, config.ppo_clip, config.epochs, config.minibatches) == ("ppo", 0.1, 2, 8)
     assert (config.ppo_dual_clip, config.num_learner_threads, config.num_buffers) == (3.0, 1, None)
     assert (config.optimizer, config.learning_rate, config.epsilon) == ("adam", 0.00025, 1e-5)
@@ -86,8 +88,81 @@ def test_auto_num_actors(cores: int, local_ranks: int, batch_size: int, envs_per
     assert auto_num_actors(cores, local_ranks, batch_size, envs_per_actor, other_actors) == expected
 
 
+def _cores(monkeypatch: pytest.MonkeyPatch, cores: int) -> None:
+    """This process may run on `cores` cores, with no cgroup CPU quota."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr("impala.config.cpu_quota", lambda: None)
+
+
+def _cgroup_files(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+def test_the_cpu_quota_is_the_smallest_of_the_process_cgroup_and_those_above_it(tmp_path: Path) -> None:
+    proc = tmp_path / "cgroup"
+    root = tmp_path / "sys"
+    proc.write_text("0::/kubepods/pod1/container\n")  # cgroup v2
+    _cgroup_files(root, {"kubepods/cpu.max": "max 100000\n", "kubepods/pod1/cpu.max": "250000 100000\n",
+                         "kubepods/pod1/container/cpu.max": "max 100000\n"})
+    assert cpu_quota(proc, root) == 2.5  # the pod's limit, above the container's own cgroup
+    _cgroup_files(root, {"kubepods/pod1/container/cpu.max": "150000 100000\n"})
+    assert cpu_quota(proc, root) == 1.5
+    _cgroup_files(root, {"kubepods/pod1/container/cpu.max": "max 100000\n", "kubepods/pod1/cpu.max": "max 100000\n"})
+    assert cpu_quota(proc, root) is None  # no quota anywhere
+    proc.write_text("0::/\n")  # a container in its own cgroup namespace: its cgroup is the mount point
+    _cgroup_files(root, {"cpu.max": "400000 100000\n"})
+    assert cpu_quota(proc, root) == 4.0
+    proc.write_text("0::/docker/abc\n")  # no cgroup namespace: the path is the host's, the mount the container's
+    assert cpu_quota(proc, root) == 4.0
+
+
+def test_the_cpu_quota_of_cgroup_v1_and_what_cannot_be_read(tmp_path: Path) -> None:
+    proc = tmp_path / "cgroup"
+    root = tmp_path / "sys"
+    proc.write_text("5:memory:/jobs/7\n4:cpu,cpuacct:/jobs/7\n0::/\n")  # v1 beside an empty v2 hierarchy
+    _cgroup_files(root, {"cpu,cpuacct/jobs/7/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/jobs/7/cpu.cfs_period_us": "100000\n",
+                         "cpu,cpuacct/jobs/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/jobs/cpu.cfs_period_us": "100000\n"})
+    assert cpu_quota(proc, root) == 3.0
+    _cgroup_files(root, {"cpu,cpuacct/jobs/cpu.cfs_quota_us": "garbage\n"})
+    assert cpu_quota(proc, root) is None
+    assert cpu_quota(tmp_path / "missing", root) is None
+    proc.write_text("not a cgroup line\n")
+    assert cpu_quota(proc, root) is None
+
+
+def test_usable_cores_are_the_affinitys_capped_by_the_quota_in_whole_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    for quota, cores in ((None, 64), (4.0, 4), (2.5, 2), (0.5, 1), (100.0, 64)):
+        monkeypatch.setattr("impala.config.cpu_quota", lambda quota=quota: quota)
+        assert usable_cores() == cores
+    monkeypatch.setattr("impala.config.cpu_quota", lambda: 6.0)  # docker run --cpus 6 on a 64-core host
+    assert parse_config([]).num_actors == 4  # 6 - 2 = 4, as on a machine of 6 cores (not 62 actors)
+
+
+V1_CPU = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.mark.skipif(not (V1_CPU / "cpu.cfs_quota_us").is_file() or not os.access(V1_CPU, os.W_OK),
+                    reason="needs a writable cgroup v1 cpu hierarchy (root)")
+def test_a_real_cgroup_quota_caps_the_usable_cores(tmp_path: Path) -> None:
+    group = V1_CPU / f"impala-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text("50000")  # half a core
+        code = "from impala.config import cpu_quota, usable_cores; print(cpu_quota(), usable_cores())"
+        result = subprocess.run(["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$0" -c "$1"', sys.executable,
+                                 code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=False)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split() == ["0.5", "1"]
+    finally:
+        group.rmdir()
+
+
 def test_an_invalid_batch_size_on_few_cores_is_reported_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # auto: no core to spare
+    _cores(monkeypatch, 2)  # auto: no core to spare
     with pytest.raises(UserError) as error:
         parse_config(["--batch_size", "0", "--num_actors", "auto"])
     assert "--num_actors" not in str(error.value)
@@ -95,7 +170,7 @@ def test_an_invalid_batch_size_on_few_cores_is_reported_alone(monkeypatch: pytes
 
 
 def test_num_actors_auto_is_resolved_once_from_this_process_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    _cores(monkeypatch, 16)
     assert parse_config([]).num_actors == 14
     assert parse_config(["--num_actors", "auto"]).num_actors == 14
     assert parse_config(["--num_actors", "3"]).num_actors == 3  # an explicit number is kept, whatever the cores

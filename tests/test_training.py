@@ -14,7 +14,7 @@ import pytest
 import torch
 from process_helpers import README_CARTPOLE, README_CARTPOLE_RANKS, README_CARTPOLE_STEPS
 
-from impala.config import Config
+from impala.config import Config, usable_cores
 from impala.training import learner_threads
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -179,7 +179,7 @@ def test_any_seed_below_2_31_trains(tmp_path: Path, env: str, seed: int) -> None
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_the_learner_takes_the_threads_the_actors_leave_on_any_device(device: str) -> None:
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     assert learner_threads(Config(num_actors=1), torch.device(device)) == max(1, cores - 1)
     assert learner_threads(Config(num_actors=cores + 4), torch.device(device)) == 1
     assert learner_threads(Config(num_actors=0), torch.device(device), local_ranks=2) == max(1, cores // 2)
