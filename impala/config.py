@@ -120,7 +120,7 @@ class Config:
     mode: str = _flag("train", "train, test (play episodes with a saved agent) or plot (runs' returns to PNG)",
                       choices=("train", "test", "plot"))
     env: str = _flag("PongNoFrameskip-v4", "gymnasium env id: Atari (e.g. PongNoFrameskip-v4, ALE/Breakout-v5) "
-                     "or a vector-observation env with discrete actions (e.g. CartPole-v1); test mode without it "
+                     "or another env with discrete actions (e.g. CartPole-v1, FrozenLake-v1, MODULE:ID); test mode without it "
                      "plays the checkpoint's env")
     xpid: str | None = _flag(None, "run name; the run lives in SAVEDIR/XPID (default: ENV-date-time); "
                              "plot mode takes several", nargs="+", metavar="XPID")
