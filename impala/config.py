@@ -62,7 +62,10 @@ def cpu_quota(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("
         return None
     quotas: list[float] = []
     for line in lines:
-        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "-", "")
+        fields = line.split(":", 2)  # hierarchy id : controllers : the cgroup's path
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
         if controllers == "":  # cgroup v2: one hierarchy
             quotas += _quotas_up_from(root, path, _cpu_max)
         elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's hierarchy
@@ -120,8 +123,8 @@ class Config:
     mode: str = _flag("train", "train, test (play episodes with a saved agent) or plot (runs' returns to PNG)",
                       choices=("train", "test", "plot"))
     env: str = _flag("PongNoFrameskip-v4", "gymnasium env id: Atari (e.g. PongNoFrameskip-v4, ALE/Breakout-v5) "
-                     "or another env with discrete actions (e.g. CartPole-v1, FrozenLake-v1, MODULE:ID); test mode without it "
-                     "plays the checkpoint's env")
+                     "or another env with discrete actions (e.g. CartPole-v1, FrozenLake-v1, MODULE:ID); test mode "
+                     "without it plays the checkpoint's env")
     xpid: str | None = _flag(None, "run name; the run lives in SAVEDIR/XPID (default: ENV-date-time); "
                              "plot mode takes several", nargs="+", metavar="XPID")
     savedir: str = _flag("runs", "directory that holds one subdirectory per run")
@@ -131,9 +134,10 @@ class Config:
 
     # Acting.
     num_actors: int = _flag(AUTO_ACTORS, "actor processes (of each rank under torchrun); auto: the cores this "
-                            f"process may use (capped by a cgroup CPU quota; its share under torchrun) less {CORES_KEPT} (the learner and the "
-                            "main process) and less --ray local's actors, but at least ceil(batch_size / "
-                            "envs_per_actor); the number is printed at start and kept in flags.json",
+                            "process may use (capped by a cgroup CPU quota; its share under torchrun) less "
+                            f"{CORES_KEPT} (the learner and the main process) and less --ray local's actors, but at "
+                            "least ceil(batch_size / envs_per_actor); the number is printed at start and kept in "
+                            "flags.json",
                             type=_num_actors_arg, argparse_default="auto")
     envs_per_actor: int = _flag(8, "envs stepped together by each actor, with one batched policy forward")
     env_splits: int = _flag(1, "groups each actor steps its envs in, in turn: while one group's Atari envs step "

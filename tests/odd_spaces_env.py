@@ -3,8 +3,8 @@
 - `ShiftedActions-v0`: actions `Discrete(3, start=-1)`; the reward is 1 for action 1 and 0 for the others, and the
   env raises on an action outside its space. Its observation is the last action, a Box of shape () (one number).
 - `ColourImage-v0`: RGB images laid out [H, W, C] (48 x 40 x 3, uint8), gymnasium's usual layout; the reward is 1
-  when the action names the channel that is lit (pixel (h, w, c) = (10 * h + w + c) % 250 in the others, for tests of the
-  layout), so a policy must read the channels.
+  when the action names the channel that is lit (255; pixel (h, w, c) is (10 * h + w + c) % 250 in the others, for
+  tests of the layout), so a policy must read the channels.
 
     PYTHONPATH=tests python run.py --env odd_spaces_env:ColourImage-v0 ...
 """

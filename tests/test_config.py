@@ -122,8 +122,10 @@ def test_the_cpu_quota_of_cgroup_v1_and_what_cannot_be_read(tmp_path: Path) -> N
     proc = tmp_path / "cgroup"
     root = tmp_path / "sys"
     proc.write_text("5:memory:/jobs/7\n4:cpu,cpuacct:/jobs/7\n0::/\n")  # v1 beside an empty v2 hierarchy
-    _cgroup_files(root, {"cpu,cpuacct/jobs/7/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/jobs/7/cpu.cfs_period_us": "100000\n",
-                         "cpu,cpuacct/jobs/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/jobs/cpu.cfs_period_us": "100000\n"})
+    _cgroup_files(root, {"cpu,cpuacct/jobs/7/cpu.cfs_quota_us": "-1\n",
+                         "cpu,cpuacct/jobs/7/cpu.cfs_period_us": "100000\n",
+                         "cpu,cpuacct/jobs/cpu.cfs_quota_us": "300000\n",
+                         "cpu,cpuacct/jobs/cpu.cfs_period_us": "100000\n"})
     assert cpu_quota(proc, root) == 3.0
     _cgroup_files(root, {"cpu,cpuacct/jobs/cpu.cfs_quota_us": "garbage\n"})
     assert cpu_quota(proc, root) is None
