@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import logging
 import os
@@ -35,10 +36,22 @@ META_NAME = "meta.json"
 _JSON_TEMPORARY_GLOB = ".*.json.tmp-*"  # what `_write_json` writes before its rename
 
 
+class NameTaken(Exception):
+    """Another training made the directory of the default name this one chose (both started in the same
+    second): `training.train` builds the run again, which chooses the next free name."""
+
+
 def run_directory(config: Config) -> tuple[Path, bool]:
-    """The run's directory and whether it resumes an existing run. Writes nothing."""
-    xpid = config.xpid or f"{plain_name(config.env)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    run_dir = run_path(config.savedir, xpid)
+    """The run's directory and whether it resumes an existing run. Writes nothing.
+
+    Without --xpid the name is ENV-date-time, or ENV-date-time-N where that is taken: a new run, whatever is in
+    SAVEDIR. `prepare_run_directory` claims it."""
+    if config.xpid is None:
+        base = f"{plain_name(config.env)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        names = (base if n == 1 else f"{base}-{n}" for n in itertools.count(1))
+        run_dir = next(path for name in names if not os.path.lexists(path := run_path(config.savedir, name)))
+    else:
+        run_dir = run_path(config.savedir, config.xpid)
     resuming = resume_checkpoint(config, run_dir) is not None
     if config.resume and not resuming:
         raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from; "
@@ -94,7 +107,7 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
     --total_steps, and a run directory that another training holds (`lock` takes it first, where the
     directory exists). Writes nothing."""
     run_dir, resuming = run_directory(config)
-    if lock is not None and run_dir.is_dir():
+    if lock is not None and config.xpid is not None and run_dir.is_dir():  # a default name is new: claimed later
         lock.hold(run_dir)  # before its checkpoint is read: another training may be writing it
     checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
     if checkpoint_path is None:
@@ -118,11 +131,19 @@ def resume_checkpoint(config: Config, run_dir: Path) -> Path | None:
     return find_checkpoint(run_dir, config.checkpoint)
 
 
-def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None) -> None:
+def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, claim: bool = False) -> None:
     """Create `run_dir`, take `lock` on it (if `open_run` has not yet), prove it writable and remove temporaries
-    of a checkpoint write that was killed."""
+    of a checkpoint write that was killed. With `claim` (a name chosen by default) the directory must be new:
+    NameTaken where another training made it first."""
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
+        if claim:
+            run_dir.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                run_dir.mkdir()
+            except FileExistsError:
+                raise NameTaken(run_dir.name) from None
+        else:
+            run_dir.mkdir(parents=True, exist_ok=True)
         if lock is not None:
             lock.hold(run_dir)
         probe = run_dir / f".write-test-{os.getpid()}"

@@ -45,7 +45,14 @@ from impala.learners import Learners, learner_threads, select_device
 from impala.metrics import STATUS, IntervalStats, RecentRate, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
 from impala.ray_pool import RayActorPool, require_ray
-from impala.rundir import DirectoryLock, finish_run_files, open_run, prepare_run_directory, write_run_files
+from impala.rundir import (
+    DirectoryLock,
+    NameTaken,
+    finish_run_files,
+    open_run,
+    prepare_run_directory,
+    write_run_files,
+)
 from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
 from impala.stopping import StopRequests, stop_requests
 
@@ -53,6 +60,7 @@ log = logging.getLogger("impala")
 
 LEARNER_JOIN_TIMEOUT_S = 10.0  # a learner in the middle of an update finishes it; the checkpoint waits for it
 END_CLOSE_TIMEOUT_S = 30.0  # each close after the final checkpoint (the fork server's stop alone may take 20 s)
+NAME_ATTEMPTS = 10  # builds of a run named by default, each under the next free name, before giving up
 
 
 @dataclass
@@ -148,7 +156,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     runlog: RunLog
     session, runlog = 0, distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
     if writes_files:
-        prepare_run_directory(run_dir, lock)  # the last check; nothing in the directory changed before it
+        prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # the last check: nothing changed before
         session = write_run_files(config, run_dir, resuming, world_size)
         runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
         runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained
@@ -437,11 +445,18 @@ def train(config: Config) -> Path:
             config, coordinator = distributed.join(config)  # under torchrun; else (config, None)
             stop.check()
             with DirectoryLock() as lock:  # one training per run directory, until this one has ended
-                try:
-                    run = build(config, coordinator, stop, lock)
-                except BaseException:
-                    stop_fork_server()  # started during the build; nothing else of the run was
-                    raise
+                for attempt in range(1, NAME_ATTEMPTS + 1):
+                    try:
+                        run = build(config, coordinator, stop, lock)
+                        break
+                    except NameTaken as taken:  # trainings started together: the next free name
+                        if attempt == NAME_ATTEMPTS:
+                            stop_fork_server()
+                            raise UserError(f"run names like {taken} in {config.savedir} were taken {attempt} times "
+                                            "by other trainings; pass --xpid NAME") from None
+                    except BaseException:
+                        stop_fork_server()  # started during the build; nothing else of the run was
+                        raise
                 return _run(run)
         finally:
             if coordinator is not None:  # bounded too: a rank that cannot leave its group must still exit

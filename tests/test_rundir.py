@@ -7,15 +7,27 @@ import errno
 import json
 import logging
 import signal
+import subprocess
+import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 import torch
-from process_helpers import SMALL_RUN, Training, run_py
+from process_helpers import REPO_ROOT, SMALL_RUN, Training, run_py
 
 from impala.checkpoint import CHECKPOINT_NAME
-from impala.config import UserError
-from impala.rundir import DirectoryLock, finish_run_files, read_meta, record_best, write_latest
+from impala.config import Config, UserError
+from impala.rundir import (
+    DirectoryLock,
+    NameTaken,
+    finish_run_files,
+    prepare_run_directory,
+    read_meta,
+    record_best,
+    run_directory,
+    write_latest,
+)
 
 
 def test_a_missing_record_is_empty_and_a_readable_one_is_read(tmp_path: Path) -> None:
@@ -125,3 +137,40 @@ def test_a_second_training_of_a_running_run_is_refused_and_the_run_resumes_once_
     assert resumed.returncode == 0, resumed.stderr
     assert f"Resuming from step {stopped_at}" in resumed.stdout + resumed.stderr
     assert len(read_meta(running.run_dir)["starts"]) == 2
+
+
+class _FrozenClock:
+    @staticmethod
+    def now(tz: object = None) -> datetime:
+        return datetime(2026, 1, 2, 3, 4, 5)
+
+
+def test_a_default_name_that_is_taken_gets_the_next_number_and_is_claimed_as_new(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("impala.rundir.datetime", _FrozenClock)
+    config = Config(env="CartPole-v1", savedir=str(tmp_path))
+    assert run_directory(config) == (tmp_path / "CartPole-v1-20260102-030405", False)
+    (tmp_path / "CartPole-v1-20260102-030405").mkdir()  # a run started in the same second, ended or not
+    (tmp_path / "CartPole-v1-20260102-030405-2").mkdir()
+    run_dir, resuming = run_directory(config)
+    assert (run_dir, resuming) == (tmp_path / "CartPole-v1-20260102-030405-3", False)
+    assert not run_dir.exists()  # choosing writes nothing
+    prepare_run_directory(run_dir, claim=True)
+    assert run_dir.is_dir()
+    with pytest.raises(NameTaken):  # another training claimed it between the choice and the claim
+        prepare_run_directory(run_dir, claim=True)
+
+
+def test_trainings_started_together_without_a_name_each_get_a_run_of_their_own(tmp_path: Path) -> None:
+    """`for seed in 1 2 3; do python run.py --seed $seed & done`: the same second, the same default name. All three
+    used to choose it; the first to create it trained, the others stopped with "in use by another training"."""
+    processes = [subprocess.Popen([sys.executable, "run.py", *SMALL_RUN, "--total_steps", "400", "--seed", str(seed),
+                                   "--savedir", str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for seed in (1, 2, 3)]
+    outputs = [process.communicate(timeout=180)[0] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0, 0], "\n".join(outputs)[-3000:]
+    runs = sorted(path for path in tmp_path.iterdir() if path.is_dir())
+    assert len(runs) == 3
+    seeds = sorted(json.loads((run / "flags.json").read_text())["seed"] for run in runs)
+    assert seeds == [1, 2, 3]  # each in its own directory, each with its checkpoint
+    assert all(torch.load(run / CHECKPOINT_NAME, weights_only=True)["step"] >= 400 for run in runs)
