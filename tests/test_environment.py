@@ -351,10 +351,12 @@ def test_images_laid_out_hwc_come_out_chw_with_the_same_pixels() -> None:
         raw, _ = reference.reset(seed=0)  # the batch's first env has seed 0
         assert obs.shape == (2, channels, height, width) and obs.flags.c_contiguous
         np.testing.assert_array_equal(obs[0], raw.transpose(2, 0, 1))
-        for _ in range(odd_spaces_env.LENGTH):
+        for t in range(1, odd_spaces_env.LENGTH + 1):
             step = env.step(np.zeros(2, np.int64))
             raw = reference.step(0)[0]
             assert step.obs.shape == step.final_obs.shape == (2, channels, height, width)
+            if t < odd_spaces_env.LENGTH:
+                np.testing.assert_array_equal(step.obs[0], raw.transpose(2, 0, 1))
         assert step.done.all()  # the last step ended the episode and reset: a new image
         np.testing.assert_array_equal(step.obs[0], reference.reset()[0].transpose(2, 0, 1))
     finally:
