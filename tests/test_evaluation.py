@@ -29,7 +29,6 @@ from process_helpers import (
     Training,
     checkpoint_step,
     run_py,
-    train_through_one_crash,
     wait_until_gone,
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -320,14 +319,27 @@ def test_a_killed_evaluator_is_reported_and_replaced_and_training_reaches_its_to
 @pytest.mark.slow
 def test_an_evaluator_whose_game_raises_is_reported_once_with_its_traceback_and_replaced(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The evaluator's traceback reaches the console once, with its death, not also from the dying process."""
+    """The evaluator's traceback reaches the console once, with its death, not also from the dying process.
+
+    The run is stopped once the replacement has evaluated: a run of a fixed number of steps could end first (5,000
+    steps took one second in a CI run, and its replacement had not finished a game)."""
+    import crashing_env
+
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "tests"))  # for the env's module, in every process of the run
     monkeypatch.setenv("CRASHING_ENV_SEED", str(EVAL_SEED_OFFSET + 1))  # the first game of the first evaluation
-    result = train_through_one_crash(tmp_path, "--eval_interval_s", "1", "--eval_episodes", "2",
-                                                  "--total_steps", "5000")
-    assert re.search(r"Evaluator \(pid \d+\) died: exit code 1; the evaluation of step \d+ is lost", result.stdout)
-    assert len(re.findall(r"Evaluator started", result.stdout)) >= 2  # and replaced
-    assert "New best evaluation" in result.stdout  # the replacement plays the next evaluations' games
+    run_ = Training(tmp_path, "crash", "--env", crashing_env.ENV, "--eval_interval_s", "1", "--eval_episodes", "2")
+    try:
+        died = run_.wait_for(r"Evaluator \(pid \d+\) died: exit code 1; the evaluation of step \d+ is lost")
+        run_.wait_for(r"New best evaluation")  # none before the death: the first evaluation is the one that died
+        run_.signal(signal.SIGTERM)
+        assert run_.wait(timeout=60) == 143
+    finally:
+        run_.close()
+    console = run_.text()
+    assert "New best evaluation" in console[died.end():]  # the replacement plays the next evaluations' games
+    assert len(re.findall(r"Evaluator started", console)) >= 2  # and replaced
+    assert console.count(f"RuntimeError: {crashing_env.MESSAGE}") == 1, console
+    assert console.count("Traceback (most recent call last)") == 1, console
 
 
 def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path) -> None:
