@@ -85,11 +85,13 @@ class Training:
     def text(self) -> str:
         return self.log_path.read_text()
 
-    def wait_for(self, pattern: str, timeout: float = 90) -> re.Match:
-        """The first match of `pattern` in the console output (waits for it; fails if the run exits first)."""
+    def wait_for(self, pattern: str, timeout: float = 90, after: int = 0) -> re.Match:
+        """The first match of `pattern` in the console output from character `after` on (waits for it; fails if the
+        run exits first). Its positions are those of the whole output."""
         deadline = time.monotonic() + timeout
+        compiled = re.compile(pattern)
         while time.monotonic() < deadline:
-            match = re.search(pattern, self.text())
+            match = compiled.search(self.text(), after)
             if match:
                 return match
             if self.process.poll() is not None:

@@ -296,24 +296,25 @@ def test_a_run_evaluates_keeps_its_best_and_test_mode_plays_it(tmp_path: Path) -
 
 
 @pytest.mark.slow
-def test_a_killed_evaluator_is_reported_and_replaced_and_training_reaches_its_total(tmp_path: Path) -> None:
-    total = 50_000  # about 20 s of training here; the kill, the restart and a new evaluation take 3-6 s of it
-    run_ = Training(tmp_path, "kill-eval", "--eval_interval_s", "1", "--eval_episodes", "2", total_steps=total)
+def test_a_killed_evaluator_is_reported_and_replaced_and_training_goes_on(tmp_path: Path) -> None:
+    """Stopped once the replacement has evaluated: a run of a fixed number of steps could end before that."""
+    run_ = Training(tmp_path, "kill-eval", "--eval_interval_s", "1", "--eval_episodes", "2")
     try:
         victim = int(run_.wait_for(r"Evaluator started \(pid (\d+)\)").group(1))
         run_.wait_for(r"Evaluation at step \d+")
         os.kill(victim, signal.SIGKILL)
         died = run_.wait_for(rf"Evaluator \(pid {victim}\) died: killed by SIGKILL; .*training goes on", timeout=15)
-        run_.wait_for(r"Restarted the evaluator", timeout=15)
-        assert run_.wait(timeout=120) == 0
+        step_at_death = run_.latest_step()
+        replacement = run_.wait_for(r"Evaluator started \(pid (\d+)\)", timeout=15, after=died.end())
+        assert int(replacement.group(1)) != victim
+        assert "Restarted the evaluator" in run_.text()[died.end():]
+        run_.wait_for(r"Evaluation at step \d+", after=replacement.end())  # the replacement evaluates
+        run_.signal(signal.SIGTERM)
+        assert run_.wait(timeout=120) == 143
         assert wait_until_gone(run_.pgid, timeout=30) == []
     finally:
         run_.close()
-    assert checkpoint_step(run_.run_dir) == total
-    after = run_.text()[died.end():]
-    replacement = re.search(r"Evaluator started \(pid (\d+)\)", after)
-    assert replacement and int(replacement.group(1)) != victim
-    assert "Evaluation at step" in after[replacement.end():], "the replacement evaluates"
+    assert checkpoint_step(run_.run_dir) > step_at_death  # training went on, and ended in order
 
 
 @pytest.mark.slow
@@ -354,9 +355,13 @@ def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path
     save_checkpoint(best_path, {**first_best, "eval_return_mean": CARTPOLE_MAX_RETURN})
     before = best_path.read_bytes()
 
-    second = Training(tmp_path, "resumed", "--eval_interval_s", "1", "--eval_episodes", "2", total_steps=20_000)
-    try:
-        assert second.wait(timeout=120) == 0
+    second = Training(tmp_path, "resumed", "--eval_interval_s", "1", "--eval_episodes", "2")
+    try:  # stopped after two evaluations: a resumed run of a fixed number of steps could end before its first
+        resumed = second.wait_for(r"Resuming from step").end()
+        evaluated = second.wait_for(r"Evaluation at step \d+", after=resumed)
+        second.wait_for(r"Evaluation at step \d+", after=evaluated.end())
+        second.signal(signal.SIGTERM)
+        assert second.wait(timeout=120) == 143
     finally:
         second.close()
     text = second.text().split("Resuming from step")[1]
@@ -364,7 +369,7 @@ def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path
     assert re.search(r"Evaluation at step \d+: .*; the best is 500.00", text), "the resumed run evaluated"
     assert "New best evaluation" not in text
     assert best_path.read_bytes() == before
-    assert checkpoint_step(first.run_dir) == 20_000
+    assert checkpoint_step(first.run_dir) > 10_000  # the resumed run trained on, and saved at its stop
 
     # --checkpoint PATH: a new run that starts from the best agent's weights and step counters.
     branch = Training(tmp_path, "branch", "--checkpoint", str(best_path), total_steps=first_best["step"] + 2_000)
