@@ -28,7 +28,7 @@ export PYTHONUNBUFFERED=1
 if [ "$what" = targets ]; then
   runs=${RUNS:-/tmp/gpu-runs}
   timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider \
-    -k "page_locked or straight_to_the_gpu or graphed_update_computes or central_inference_on_the_gpu" \
+    -k "page_locked or straight_to_the_gpu or graphed_update_computes or central_inference_on_the_gpu or sampled_on_the_gpu" \
     > "$out/pytest_gpu.txt" 2>&1; echo "pytest rc $?" >> "$out/pytest_gpu.txt"
   timeout 240 python3 -m impala.bench --num_actors auto --total_steps "${2:-500000}" --seconds 8 \
     --only env,learner,actors,e2e --variants "--inference actor " "--inference central " \

@@ -20,7 +20,7 @@ from process_helpers import IMPALA_RULE
 from impala import learner
 from impala.buffers import BufferSpec, create_buffers, pin_observations, unpin_observations
 from impala.config import Config
-from impala.model import FlatWeights, Net, use_amp
+from impala.model import FlatWeights, Net, sample_actions, use_amp
 from impala.plotting import CSV_RETURN_COLUMN
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -285,6 +285,17 @@ def test_weights_published_from_the_gpu_arrive_in_one_copy():
     assert len(_waits_for_the_gpu(lambda: weights.load(learner_model))) == 1
     for a, b in zip(actor_model.parameters(), learner_model.parameters(), strict=True):
         assert torch.equal(a, b.cpu())
+
+
+def test_actions_are_sampled_on_the_gpu_without_waiting_for_it():
+    """Central inference samples every batch on the device: torch.multinomial's checks waited twice per call."""
+    logits = torch.randn(64, 6, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    actions: list[torch.Tensor] = []
+    assert _waits_for_the_gpu(lambda: actions.append(sample_actions(logits, generator))) == []
+    reference = torch.multinomial(torch.softmax(logits, -1), 1,
+                                  generator=torch.Generator(device="cuda").manual_seed(0)).squeeze(-1)
+    assert torch.equal(actions[0], reference)
 
 
 @pytest.mark.parametrize("inference", ["actor", "central", "central --env_splits 2"])

@@ -252,6 +252,18 @@ def test_sample_actions_follow_the_policy() -> None:
     assert 0.85 < (actions[:, 0] == 1).float().mean() < 0.95
 
 
+@pytest.mark.parametrize(("rows", "actions"), [(1, 1), (4, 2), (8, 6), (32, 18)])
+def test_sampled_actions_are_torch_multinomials_from_the_same_generator(rows: int, actions: int) -> None:
+    torch.manual_seed(rows)
+    logits = 3 * torch.randn(rows, actions)
+    if actions > 1:
+        logits[0, 0] = float("-inf")  # never drawn
+    ours, theirs = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    for _ in range(200):
+        reference = torch.multinomial(torch.softmax(logits, -1), 1, generator=theirs).squeeze(-1)
+        assert torch.equal(sample_actions(logits, ours), reference)
+
+
 @pytest.mark.parametrize("use_lstm", [False, True])
 def test_flat_shared_weights_act_as_before_and_load_another_model(use_lstm: bool) -> None:
     torch.manual_seed(0)
