@@ -89,6 +89,10 @@ class Step:
     final_obs: np.ndarray
 
 
+class NonFiniteEnvOutput(ValueError):
+    """An env sent a NaN or an infinity as an observation or a reward."""
+
+
 class EnvBatch:
     """N envs stepped together. Observations are [N, ...]; actions are int64 [N], the policy's indices 0..n-1.
 
@@ -107,6 +111,7 @@ class EnvBatch:
         """`seed`: one seed per env, or the first of `num_envs` consecutive ones (wrapped below 2^31, which
         ale-py requires)."""
         self.num_envs = num_envs
+        self.env_id = env_id
         self._seeds = env_seeds(seed, num_envs) if isinstance(seed, int) else tuple(seed)
         if len(self._seeds) != num_envs:
             raise ValueError(f"{len(self._seeds)} seeds for {num_envs} envs")
@@ -165,6 +170,8 @@ class EnvBatch:
     def reset(self) -> np.ndarray:
         seeds = np.array(self._seeds, np.int64) if self._atari else list(self._seeds)
         obs, info = self._env.reset(seed=seeds)
+        if not self._atari:
+            self._check_finite("observation", obs)
         self._lives = np.asarray(info.get("lives", self._lives), np.int64).copy()
         self._return[:] = 0
         self._length[:] = 0
@@ -192,6 +199,11 @@ class EnvBatch:
         truncated = np.asarray(truncated, bool) & ~terminated  # a game that ends at its time limit has ended
         game_over = terminated | truncated
         final_obs = _final_obs(obs, truncated, info)
+        if not self._atari:  # ale-py's frames are bytes and its rewards integers
+            self._check_finite("observation", obs)
+            self._check_finite("reward", reward)
+            if final_obs is not obs:
+                self._check_finite("final observation", final_obs)
         done = game_over
         if self._atari:
             lives = np.asarray(info["lives"], np.int64).copy()
@@ -212,6 +224,14 @@ class EnvBatch:
         self._return[game_over] = 0
         self._length[game_over] = 0
         return step
+
+    def _check_finite(self, what: str, values: np.ndarray) -> None:
+        """Raise when an env sent a NaN or an infinity: the actor fails and says so, where the policy would act on
+        it and the learner skip update after update, silently, for as long as the env sends them."""
+        if values.dtype.kind == "f" and not np.isfinite(values).all():
+            bad = np.flatnonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1))
+            raise NonFiniteEnvOutput(f"env {self.env_id!r} sent a non-finite {what} (NaN or inf) in {len(bad)} of "
+                                     f"its {self.num_envs} envs (the first: env {bad[0]})")
 
     def _fire(self, envs: np.ndarray, obs: np.ndarray, final_obs: np.ndarray, game_over: np.ndarray,
               truncated: np.ndarray, lives: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -1,10 +1,13 @@
-"""Envs whose spaces Atari and CartPole do not have, registered for tests and runs:
+"""Envs whose spaces or outputs Atari and CartPole do not have, registered for tests and runs:
 
 - `ShiftedActions-v0`: actions `Discrete(3, start=-1)`; the reward is 1 for action 1 and 0 for the others, and the
   env raises on an action outside its space. Its observation is the last action, a Box of shape () (one number).
 - `ColourImage-v0`: RGB images laid out [H, W, C] (48 x 40 x 3, uint8), gymnasium's usual layout; the reward is 1
   when the action names the channel that is lit (255; pixel (h, w, c) is (10 * h + w + c) % 250 in the others, for
   tests of the layout), so a policy must read the channels.
+- `NonFiniteObservation-v0`, `NonFiniteReward-v0`, `NonFiniteFinalObservation-v0`: a vector of 2 zeros and a
+  reward of 0, until step BAD_STEP sends NaN as the observation, an infinity as the reward, or minus infinity as
+  the observation its episode is cut at (a time limit of BAD_STEP steps).
 
     PYTHONPATH=tests python run.py --env odd_spaces_env:ColourImage-v0 ...
 """
@@ -57,7 +60,38 @@ class ColourImage(gym.Env):
         return image
 
 
+BAD_STEP = 3
+
+
+class NonFinite(gym.Env):
+    observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action: Any) -> Any:
+        self.t += 1
+        obs, reward, bad = np.zeros(2, np.float32), 0.0, self.t == BAD_STEP
+        if bad and self.what == "observation":
+            obs[1] = np.nan
+        elif bad and self.what == "reward":
+            reward = np.inf
+        elif bad and self.what == "final observation":
+            obs[0] = -np.inf
+        return obs, reward, False, False, {}
+
+
 gym.register("ShiftedActions-v0", entry_point=ShiftedActions)
+gym.register("NonFiniteObservation-v0", entry_point=NonFinite, kwargs={"what": "observation"})
+gym.register("NonFiniteReward-v0", entry_point=NonFinite, kwargs={"what": "reward"})
+gym.register("NonFiniteFinalObservation-v0", entry_point=NonFinite, kwargs={"what": "final observation"},
+             max_episode_steps=BAD_STEP)
 gym.register("ColourImage-v0", entry_point=ColourImage)
 gym.register("FrozenLakeNotSlippery-v1", entry_point="gymnasium.envs.toy_text.frozen_lake:FrozenLakeEnv",
              kwargs={"map_name": "4x4", "is_slippery": False}, max_episode_steps=20)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from impala.config import UserError
-from impala.environment import EnvBatch, channels_last, is_atari
+from impala.environment import EnvBatch, NonFiniteEnvOutput, channels_last, is_atari
 
 
 def test_cartpole_shapes_and_dtypes() -> None:
@@ -389,6 +389,27 @@ def test_a_discrete_observation_comes_out_one_hot_and_so_does_the_final_one_of_a
         np.testing.assert_array_equal(step.obs, np.eye(16)[[0, 0]])  # the next games' start
     finally:
         env.close()
+
+
+@pytest.mark.parametrize(("env", "what"), [("NonFiniteObservation-v0", "observation"),
+                                         ("NonFiniteReward-v0", "reward"),
+                                         ("NonFiniteFinalObservation-v0", "final observation")])
+def test_a_nan_or_an_infinity_from_an_env_fails_with_what_it_was(env: str, what: str) -> None:
+    """Before, a NaN observation failed the actor inside torch.multinomial ("probability tensor contains either
+    inf, nan or element < 0"), and an infinite reward not at all: clipped to 1 by the learner (or, unclipped,
+    every update it reached skipped), and the game's return infinite."""
+    import odd_spaces_env
+
+    envs = EnvBatch(f"odd_spaces_env:{env}", 3, seed=0)
+    obs = envs.reset()
+    actions = np.zeros(3, np.int64)
+    for _ in range(odd_spaces_env.BAD_STEP - 1):
+        step = envs.step(actions)
+        assert np.isfinite(step.obs).all() and np.isfinite(step.reward).all()
+    with pytest.raises(NonFiniteEnvOutput, match=rf"^env 'odd_spaces_env:{env}' sent a non-finite {what} "
+                                                 r"\(NaN or inf\) in 3 of its 3 envs \(the first: env 0\)$"):
+        envs.step(actions)
+    assert np.isfinite(obs).all()
 
 
 def test_a_missing_dependency_of_an_env_is_a_user_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
