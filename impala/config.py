@@ -129,6 +129,8 @@ class Config:
                              "plot mode takes several", nargs="+", metavar="XPID")
     savedir: str = _flag("runs", "directory that holds one subdirectory per run")
     resume: bool = _flag(False, "continue the run XPID from its last checkpoint (same as re-running its xpid)")
+    checkpoint: str = _flag("latest", "test mode and resume: the checkpoint to load: latest (model.tar of the run), "
+                            "best (its model_best.tar) or the PATH of a checkpoint file")
     seed: int = _flag(0, "seed for envs, weights and action sampling, in [0, 2^31); every actor life of a run "
                       "gets its own env seeds and sampling stream from it")
 
@@ -171,7 +173,7 @@ class Config:
     ray_max_policy_lag: int = _flag(0, "--ray: drop remote unrolls acted with weights more than N versions older "
                                     "than the learner's (counted in ray/dropped_unrolls); 0 keeps every one")
 
-    # Learning.
+    # Training and the network.
     total_steps: int = _flag(5_000_000, "agent steps to train for, of all ranks under torchrun (1 agent step = "
                              "frame skip frames on Atari)")
     batch_size: int = _flag(32, "unrolls per learner update (B); under torchrun each of G ranks takes B, and "
@@ -184,6 +186,8 @@ class Config:
                        choices=("auto", "shallow", "resnet", "mlp"))
     use_lstm: bool = _flag(False, "add an LSTM core, reset at episode ends")
     hidden_size: int = _flag(256, "width of the MLP layers and of the LSTM core")
+
+    # The learning rule.
     entropy_cost: float = _flag(0.01, "entropy bonus weight")
     baseline_cost: float = _flag(0.5, "baseline (value) loss weight")
     discounting: float = _flag(0.99, "discount factor gamma")
@@ -216,14 +220,15 @@ class Config:
                                 choices=("unrolls", "samples"))
     vtrace_lambda: float = _flag(0.95, "lambda of the V-trace targets (1: the paper's; lower trades variance for bias)")
 
-    # Optimiser (PyTorch's RMSprop adds epsilon outside the square root).
+    # The optimiser.
     optimizer: str = _flag("adam", "adam or rmsprop", choices=("rmsprop", "adam"))
     learning_rate: float = _flag(0.00025, "learning rate (under torchrun as for one learner with batch G x B)")
     lr_schedule: str = _flag("constant", "learning-rate schedule: constant, or linear (decayed to 0 at "
                              "total_steps, counted in agent steps)", choices=("constant", "linear"))
     alpha: float = _flag(0.99, "RMSprop smoothing constant")
     momentum: float = _flag(0.0, "RMSprop momentum")
-    epsilon: float = _flag(1e-5, "optimizer epsilon (TorchBeast's RMSprop used 0.01)")
+    epsilon: float = _flag(1e-5, "optimizer epsilon (TorchBeast's RMSprop used 0.01; PyTorch's RMSprop adds it "
+                           "outside the square root)")
     grad_norm_clipping: float = _flag(0.5, "global gradient-norm clipping threshold")
 
     # Devices and speed.
@@ -240,33 +245,34 @@ class Config:
                             "batch's straight to the GPU, instead of stacking them on the host first; "
                             "--no-pin_slots to stack them", negatable=True)
 
-    # Outputs.
+    # Logs, checkpoints and failures.
     log_interval_s: float = _flag(5.0, "seconds between console lines and TensorBoard scalars")
     checkpoint_interval_s: float = _flag(300.0, "seconds between checkpoints (one is always written at the end)")
-    test_episodes: int = _flag(10, "test mode: full-game episodes to play")
+    keep_checkpoints: int = _flag(0, "also keep the last K periodic checkpoints beside model.tar, named "
+                                  "model_step_STEP.tar; 0: only model.tar")
     max_actor_restarts: int = _flag(10, "a run stops after this many actor crashes within 10 minutes")
     actor_timeout_s: float = _flag(300.0, "an actor that makes no progress for this long (no env step, no wait "
                                           "for a slot or an action: a hung env) is killed and replaced; 0: never")
     max_bad_updates: int = _flag(20, "a run stops after this many consecutive non-finite updates")
-    plot_out: str | None = _flag(None, "plot mode: the file to write, its format from its extension (.png, .svg, .pdf, ...; default: SAVEDIR/returns.png)")
-    plot_xpids: tuple[str, ...] = _flag((), "plot mode: runs to plot (default: XPID, or every run in SAVEDIR)",
-                                        nargs="*", metavar="XPID")
-    video: bool = _flag(False, "test mode: also write the first episode to TensorBoard in SAVEDIR/XPID as an "
-                        "animated GIF (IMAGES tab, tag eval/video)")
-    plot_x: str = _flag("steps", "plot mode: x axis, agent steps or wall-clock time since the run's first point",
-                        choices=("steps", "time"))
 
-    # Evaluation while training, and the checkpoints kept.
+    # Evaluation while training.
     eval_interval_s: float = _flag(0.0, "seconds between evaluations while training: a separate process plays "
                                    "--eval_episodes full games with the newest weights and model_best.tar keeps "
                                    "the best agent; 0: no evaluation (see README)")
     eval_episodes: int = _flag(10, "full-game episodes (no episodic life, unclipped returns) per evaluation")
     eval_actions: str = _flag("greedy", "actions in evaluations and test mode: greedy (the most likely) or sampled "
                               "(from the policy, as the actors act)", choices=("greedy", "sampled"))
-    keep_checkpoints: int = _flag(0, "also keep the last K periodic checkpoints beside model.tar, named "
-                                  "model_step_STEP.tar; 0: only model.tar")
-    checkpoint: str = _flag("latest", "test mode and resume: the checkpoint to load: latest (model.tar of the run), "
-                            "best (its model_best.tar) or the PATH of a checkpoint file")
+
+    # Test and plot modes.
+    test_episodes: int = _flag(10, "test mode: full-game episodes to play")
+    video: bool = _flag(False, "test mode: also write the first episode to TensorBoard in SAVEDIR/XPID as an "
+                        "animated GIF (IMAGES tab, tag eval/video)")
+    plot_out: str | None = _flag(None, "plot mode: the file to write, its format from its extension (.png, .svg, "
+                                 ".pdf, ...; default: SAVEDIR/returns.png)")
+    plot_xpids: tuple[str, ...] = _flag((), "plot mode: runs to plot (default: XPID, or every run in SAVEDIR)",
+                                        nargs="*", metavar="XPID")
+    plot_x: str = _flag("steps", "plot mode: x axis, agent steps or wall-clock time since the run's first point",
+                        choices=("steps", "time"))
 
     def __post_init__(self) -> None:
         if self.num_actors == AUTO_ACTORS:  # resolved once, here: every reader of the config sees the number
@@ -398,10 +404,28 @@ class Config:
                 for f in dataclasses.fields(self)}
 
 
+# `python run.py --help` lists the flags in these groups (title, description), each from its first flag, the key,
+# to the next group's, in the order of Config's fields.
+HELP_GROUPS: dict[str, tuple[str, str | None]] = {
+    "mode": ("what to run", None),
+    "num_actors": ("acting", "actor processes step envs and write unrolls into shared slots (README: Speed)"),
+    "ray": ("remote actors on a Ray cluster", "needs requirements-ray.txt on every machine (README: Many machines)"),
+    "total_steps": ("training and the network", None),
+    "entropy_cost": ("the learning rule", None),
+    "optimizer": ("the optimiser", None),
+    "disable_cuda": ("devices and speed", None),
+    "log_interval_s": ("logs, checkpoints and failures", None),
+    "eval_interval_s": ("evaluation while training", "off by default (README: Evaluation while training)"),
+    "test_episodes": ("test and plot modes", "--mode test plays a saved agent, --mode plot draws runs' returns"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="run.py",
-        description="IMPALA: actor processes fill shared rollout buffers, learner threads apply V-trace.",
+        usage="%(prog)s [--mode {train,test,plot}] [--env ENV] [--xpid XPID] [FLAG ...]",
+        description="IMPALA: actor processes fill shared rollout buffers, learner threads apply V-trace. Every "
+                    "flag below, by topic, with its default.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_flags(parser)
@@ -410,11 +434,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_flags(parser: argparse.ArgumentParser, names: Sequence[str] | None = None,
               defaults: dict[str, Any] | None = None) -> None:
-    """Add the flags of Config's fields `names` (all by default) to `parser`, with their help, types and
-    choices; `defaults` replaces the defaults of some (`impala.bench`'s short runs)."""
+    """Add the flags of Config's fields `names` (all by default, in the groups of HELP_GROUPS) to `parser`, with
+    their help, types and choices; `defaults` replaces the defaults of some (`impala.bench`'s short runs)."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
+    group: argparse.ArgumentParser | argparse._ArgumentGroup = parser
     for name in names if names is not None else fields:
         f = fields[name]
+        if names is None and name in HELP_GROUPS:
+            group = parser.add_argument_group(*HELP_GROUPS[name])
         meta = dict(f.metadata)
         help_text = meta.pop("help")
         negatable = meta.pop("negatable", False)
@@ -422,11 +449,11 @@ def add_flags(parser: argparse.ArgumentParser, names: Sequence[str] | None = Non
         default = (defaults or {}).get(name, default)
         if f.type in ("bool", "bool | None"):
             action = argparse.BooleanOptionalAction if negatable else "store_true"
-            parser.add_argument(f"--{name}", action=action, default=default, help=help_text)
+            group.add_argument(f"--{name}", action=action, default=default, help=help_text)
             continue
         if "nargs" not in meta and "type" not in meta:
             meta["type"] = _arg_type(str(f.type))
-        parser.add_argument(f"--{name}", default=default, help=help_text, **meta)
+        group.add_argument(f"--{name}", default=default, help=help_text, **meta)
 
 
 def to_flags(config: Config, names: Sequence[str]) -> list[str]:

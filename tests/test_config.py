@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from impala.config import (
+    HELP_GROUPS,
     Config,
     UserError,
     auto_num_actors,
@@ -232,6 +233,22 @@ def test_help_lists_every_field_with_its_default() -> None:
         # argparse writes the default after the flag's help text.
         help_words = " ".join(f.metadata["help"].split())
         assert f"{help_words} (default: {default})" in text, f"--{f.name}: default {default} not shown after its help"
+
+
+def test_help_lists_the_flags_by_topic_in_the_order_of_the_fields() -> None:
+    parser = build_parser()
+    groups = {group.title: [action.dest for action in group._group_actions] for group in parser._action_groups}
+    titles = [title for title, _ in HELP_GROUPS.values()]
+    assert list(groups) == ["positional arguments", "options", *titles]
+    assert groups["positional arguments"] == [] and groups["options"] == ["help"]  # -h alone outside the topics
+    assert groups["acting"][:2] == ["num_actors", "envs_per_actor"]
+    assert "checkpoint" in groups["what to run"] and "resume" in groups["what to run"]
+    assert groups["test and plot modes"] == ["test_episodes", "video", "plot_out", "plot_xpids", "plot_x"]
+    grouped = [name for title in titles for name in groups[title]]
+    assert grouped == [f.name for f in dataclasses.fields(Config)]  # every flag once, in the fields' order
+    help_text = parser.format_help()
+    assert help_text.startswith("usage: run.py [--mode {train,test,plot}] [--env ENV] [--xpid XPID] [FLAG ...]\n")
+    assert help_text.index("\nacting:\n") < help_text.index("--num_actors") < help_text.index("\nremote actors on")
 
 
 def test_validate_reports_non_positive_sizes_with_numbers() -> None:
