@@ -370,6 +370,11 @@ def _log_start(run: Run) -> None:
     log.info("Run %s: %s, %d actors x %d envs, %d slots, T=%d, B=%d, device %s%s", run.run_dir, config.env,
              config.num_actors, config.envs_per_actor, run.buffers["slot_owner"].numel(), config.unroll_length,
              config.batch_size, run.device, ", bfloat16 autocast" if run.amp else "")
+    if run.device.type == "cpu" and not config.disable_cuda and torch.version.cuda is not None:
+        # A container started without --gpus, a driver too old for the build: "device cpu" above is easy to miss.
+        log.warning("This PyTorch is built for CUDA %s but sees no GPU, so the learner runs on the CPU, many times "
+                    "slower (in Docker, pass --gpus all; check nvidia-smi and the driver); --disable_cuda chooses the "
+                    "CPU and silences this", torch.version.cuda)
     quota, cores = cpu_quota(), len(os.sched_getaffinity(0))
     if quota is not None and quota < cores:
         log.info("This process's cgroup caps its CPU time at %.3g cores' worth, of the %d cores it may run on: "

@@ -14,6 +14,7 @@ import pytest
 import torch
 from process_helpers import README_CARTPOLE, README_CARTPOLE_RANKS, README_CARTPOLE_STEPS
 
+from impala import training
 from impala.config import Config, usable_cores
 from impala.training import learner_threads
 
@@ -209,3 +210,25 @@ def test_the_cartpole_runs_the_tests_train_are_the_readmes_commands() -> None:
     command = next(line for line in readme if line.startswith(prefix))
     tested = _flag_values([*README_CARTPOLE_RANKS, "--total_steps", str(README_CARTPOLE_STEPS)])
     assert _flag_values(command.split()[5:]) == tested  # this one's ranks do not use a GPU
+
+
+@pytest.mark.parametrize("cuda_build, disable_cuda, warned", [("13.0", False, True), ("13.0", True, False),
+                                                               (None, False, False)])
+def test_a_cuda_build_that_sees_no_gpu_says_so_at_the_start(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        cuda_build: str | None, disable_cuda: bool, warned: bool) -> None:
+    """A container started without --gpus trains on the CPU; the first lines say so unless the CPU was chosen."""
+    monkeypatch.setattr(torch.version, "cuda", cuda_build)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=2, batch_size=2, hidden_size=8,
+                    disable_cuda=disable_cuda, savedir=str(tmp_path), xpid="cpu")
+    run = training.build(config)
+    try:
+        with caplog.at_level("INFO", logger="impala"):
+            training._log_start(run)
+    finally:
+        training.shutdown(run, save=False)
+    assert run.device == torch.device("cpu")
+    assert "device cpu" in caplog.text
+    warning = "This PyTorch is built for CUDA 13.0 but sees no GPU, so the learner runs on the CPU"
+    assert (warning in caplog.text) == warned, caplog.text
