@@ -90,7 +90,8 @@ class InferenceServer:
                 target.copy_(source)
             if self._stream is not None:  # the server's stream waits for these copies before it reads them
                 self._next_ready = torch.cuda.Event()
-                self._next_ready.record()
+                # On the copies' stream, named: a learner thread's current device is GPU 0 whatever its rank's is.
+                self._next_ready.record(torch.cuda.current_stream(self.device))
             self._has_next = True
 
     def _take_new_weights(self) -> None:
