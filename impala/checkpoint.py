@@ -8,6 +8,7 @@ one. It is loaded with `torch.load(weights_only=True)`: a checkpoint is data and
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -22,6 +23,11 @@ CHECKPOINT_NAME = "model.tar"
 BEST_CHECKPOINT_NAME = "model_best.tar"  # the agent of the best evaluation so far
 STEP_CHECKPOINT_PATTERN = re.compile(r"model_step_(\d+)\.tar")  # periodic copies kept with --keep_checkpoints
 _TEMPORARY_GLOB = ".*.tar.tmp-*"  # what `save_checkpoint` and `keep_step_copy` write before their rename
+
+
+# What a file system that cannot sync a directory answers (some network and FUSE ones): the checkpoint is written and
+# renamed by then, durable as far as that file system makes renames durable, so this is not a failed save.
+_NO_DIRECTORY_FSYNC = (errno.EINVAL, errno.EOPNOTSUPP)
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
@@ -39,6 +45,9 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)  # make the rename itself durable
+    except OSError as exc:
+        if exc.errno not in _NO_DIRECTORY_FSYNC:
+            raise
     finally:
         os.close(directory)
 

@@ -3,7 +3,9 @@ checkpoint that does not fit is refused with a message naming the difference."""
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +37,29 @@ def test_round_trip(tmp_path: Path) -> None:
     state = load_checkpoint(path)
     assert state["step"] == 40 and torch.equal(state["model_state_dict"]["w"], torch.full((3,), 40.0))
     assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]  # no temporary left
+
+
+@pytest.mark.parametrize("error, saved", [(errno.EINVAL, True), (errno.EOPNOTSUPP, True), (errno.EIO, False)])
+def test_a_file_system_that_cannot_sync_a_directory_still_saves(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, error: int, saved: bool) -> None:
+    """Some network and FUSE file systems refuse fsync on a directory: the file is written and renamed by then, so
+    that is no failed save; a real I/O error still is one."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(error, os.strerror(error))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tmp_path / CHECKPOINT_NAME
+    if saved:
+        save_checkpoint(path, _state(40))
+    else:
+        with pytest.raises(OSError, match=os.strerror(errno.EIO)):
+            save_checkpoint(path, _state(40))
+    assert load_checkpoint(path)["step"] == 40  # written and renamed before the directory's sync either way
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]
 
 
 def test_a_kill_during_the_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
