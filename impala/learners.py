@@ -71,6 +71,8 @@ class Learners:
         self.threads: list[threading.Thread] = []
         self.errors: list[Exception] = []
         self.pinned = False  # the slots' observations page-locked for the GPU (`buffers.pin_observations`)
+        # When each thread took the batch it is working on (absent while it waits for slots): --learner_timeout_s.
+        self.busy_since: dict[threading.Thread, float] = {}
 
     def start(self) -> None:
         """Start the threads; on a GPU, first page-lock the slots' observations for them (`--pin_slots`)."""
@@ -92,6 +94,15 @@ class Learners:
             unpin_observations(self.buffers, self.device)
             self.pinned = False
 
+    def longest_on_a_batch(self) -> tuple[threading.Thread, float] | None:
+        """The thread that has been working on its batch the longest (slots taken, not yet learned from), and for
+        how many seconds; None while every thread waits for slots."""
+        now, busy = time.monotonic(), list(self.busy_since.items())
+        if not busy:
+            return None
+        thread, since = min(busy, key=lambda item: item[1])
+        return thread, now - since
+
     def _thread(self) -> None:
         try:
             self._learn()
@@ -103,6 +114,8 @@ class Learners:
             log.exception("Learner thread %s failed", threading.current_thread().name)
             self.errors.append(exc)
             self.stop_event.set()
+        finally:
+            self.busy_since.pop(threading.current_thread(), None)
 
     def _take_full_slots(self) -> list[int] | None:
         slots: list[int] = []
@@ -120,11 +133,14 @@ class Learners:
         config, state = self.config, self.state
         staging = learner.BatchStaging(self.buffers, config.batch_size, pin=self.device.type == "cuda")
         reducer = self.coordinator.reducer if self.coordinator is not None else None
+        this_thread = threading.current_thread()
         while self.coordinator is not None or not self.stop_event.is_set():
+            self.busy_since.pop(this_thread, None)  # waiting for the actors is not the learner's time
             wait_start = time.perf_counter()
             slots = self._take_full_slots()
             if slots is None and self.coordinator is None:
                 return
+            self.busy_since[this_thread] = time.monotonic()
             copy_start = stack_end = time.perf_counter()
             if slots is not None:
                 staging.fill(self.buffers, slots)

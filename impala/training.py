@@ -16,8 +16,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from pathlib import Path
@@ -223,6 +225,33 @@ def _inference_thread(inference: InferenceThread) -> None:
 
 def start_learners(run: Run) -> None:
     run.learners.start()
+    if run.config.learner_timeout_s > 0:
+        threading.Thread(target=_watch_learners, args=(run,), name="learner-watch", daemon=True).start()
+
+
+def _watch_learners(run: Run) -> None:
+    """--learner_timeout_s: while learner threads run, end the process when one has spent that long on one batch.
+
+    A learner stuck in a CUDA call (a hung GPU or driver) or a deadlock would otherwise stall the run for good
+    without a word; stuck inside an update, it holds `update_lock`, on which the monitor, the checkpoints and the
+    shutdown wait, so no Ctrl-C or SIGTERM could end it either. So this thread does not stop the run in order: it
+    logs the stuck thread's stack and ends the process as a kill -9 would. Actors and the fork server leave with
+    it, nothing is saved (the weights may be half updated; the last checkpoint stays), and the run resumes from
+    that checkpoint when started again.
+    """
+    timeout_s = run.config.learner_timeout_s
+    while any(thread.is_alive() for thread in run.learners.threads):
+        longest = run.learners.longest_on_a_batch()
+        if longest is not None and longest[1] > timeout_s:
+            thread, busy_s = longest
+            frame = sys._current_frames().get(thread.ident or -1)
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack: it has just ended)\n"
+            log.error("Learner thread %s has spent %.0f s on one batch (--learner_timeout_s %g): a hung GPU or driver, "
+                      "or a deadlock. Ending the process now, without a final checkpoint (%s); run it again to resume. "
+                      "Where the thread is:\n%s", thread.name, busy_s, timeout_s, _last_saved(run), stack.rstrip())
+            os._exit(1)
+        if run.learners.stop_event.wait(min(5.0, timeout_s / 4)):
+            time.sleep(0.05)  # stopping: the threads end within moments, or one is still inside its update
 
 
 # --------------------------------------------------------------------------------------- monitor
