@@ -94,15 +94,6 @@ class Learners:
             unpin_observations(self.buffers, self.device)
             self.pinned = False
 
-    def longest_on_a_batch(self) -> tuple[threading.Thread, float] | None:
-        """The thread that has been working on its batch the longest (slots taken, not yet learned from), and for
-        how many seconds; None while every thread waits for slots."""
-        now, busy = time.monotonic(), list(self.busy_since.items())
-        if not busy:
-            return None
-        thread, since = min(busy, key=lambda item: item[1])
-        return thread, now - since
-
     def _thread(self) -> None:
         try:
             self._learn()

@@ -238,20 +238,33 @@ def _watch_learners(run: Run) -> None:
     logs the stuck thread's stack and ends the process as a kill -9 would. Actors and the fork server leave with
     it, nothing is saved (the weights may be half updated; the last checkpoint stays), and the run resumes from
     that checkpoint when started again.
+
+    Time counts in this thread's own steps of at most two check intervals each: a process stopped for a while
+    (Ctrl-Z, SIGSTOP) resumes with none of that time held against a batch it was working on.
     """
     timeout_s = run.config.learner_timeout_s
+    interval_s = min(5.0, timeout_s / 4)
+    seen_s: dict[tuple[threading.Thread, float], float] = {}  # (thread, when it took its batch) -> time seen on it
+    last = time.monotonic()
     while any(thread.is_alive() for thread in run.learners.threads):
-        longest = run.learners.longest_on_a_batch()
-        if longest is not None and longest[1] > timeout_s:
-            thread, busy_s = longest
-            frame = sys._current_frames().get(thread.ident or -1)
-            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack: it has just ended)\n"
-            log.error("Learner thread %s has spent %.0f s on one batch (--learner_timeout_s %g): a hung GPU or driver, "
-                      "or a deadlock. Ending the process now, without a final checkpoint (%s); run it again to resume. "
-                      "Where the thread is:\n%s", thread.name, busy_s, timeout_s, _last_saved(run), stack.rstrip())
-            os._exit(1)
-        if run.learners.stop_event.wait(min(5.0, timeout_s / 4)):
+        now = time.monotonic()
+        step_s, last = min(now - last, 2 * interval_s), now
+        seen_s = {batch: seen_s.get(batch, 0.0) + step_s for batch in dict(run.learners.busy_since).items()}
+        for (thread, _), busy_s in seen_s.items():
+            if busy_s > timeout_s:
+                _end_hung_process(run, thread, busy_s)
+        if run.learners.stop_event.wait(interval_s):
             time.sleep(0.05)  # stopping: the threads end within moments, or one is still inside its update
+
+
+def _end_hung_process(run: Run, thread: threading.Thread, busy_s: float) -> None:
+    frame = sys._current_frames().get(thread.ident or -1)
+    stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack: it has just ended)\n"
+    log.error("Learner thread %s has spent %.0f s on one batch (--learner_timeout_s %g): a hung GPU or driver, or a "
+              "deadlock. Ending the process now, without a final checkpoint (%s); run it again to resume. Where "
+              "the thread is:\n%s", thread.name, busy_s, run.config.learner_timeout_s, _last_saved(run),
+              stack.rstrip())
+    os._exit(1)
 
 
 # --------------------------------------------------------------------------------------- monitor

@@ -320,13 +320,21 @@ def test_a_learner_hung_inside_an_update_ends_the_process_with_its_stack_keeping
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A learner stuck inside an update holds the update lock, on which the monitor and the shutdown wait: without
     --learner_timeout_s such a run stalls for good, and no SIGTERM ends it. With it, the process ends with code 1,
-    the stuck thread's stack and the last checkpoint, and a second start resumes from that checkpoint."""
+    the stuck thread's stack and the last checkpoint, as after a kill -9, from which a run resumes. A run stopped
+    (SIGSTOP) for longer than the timeout in the middle of an update is not taken for hung when it goes on."""
     env = "hanging_learner_env:HangingLearnerCartPole-v1"  # not imported here: it would make this process's learner hang
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "tests"))  # for the env's module, in every process of the run
+    monkeypatch.setenv("SLOW_UPDATE_S", "0.5")  # the learner is nearly always inside an update
+    monkeypatch.setenv("HANG_AFTER", "14")
     run = Training(tmp_path, "hang", "--env", env, "--checkpoint_interval_s", "0.2", "--learner_timeout_s", "3",
-                   total_steps=10_000_000)
+                   "--log_interval_s", "0.2", total_steps=10_000_000)
     try:
         run.wait_for(r"Saved checkpoint at step [1-9]")
+        os.killpg(run.pgid, signal.SIGSTOP)
+        time.sleep(5)
+        mark = len(run.text())
+        os.killpg(run.pgid, signal.SIGCONT)
+        run.wait_for(r"Saved checkpoint at step [1-9]", after=mark)  # it went on (this fails if the run ended)
         assert run.wait(timeout=60) == 1, run.text()
         assert wait_until_gone(run.pgid, timeout=30) == []  # actors and the fork server left with it
     finally:
@@ -337,7 +345,7 @@ def test_a_learner_hung_inside_an_update_ends_the_process_with_its_stack_keeping
                      r"\d+ is intact\); run it again to resume\. Where the thread is:", text), text
     assert "in _finish_update_then_hang" in text  # the stuck thread's stack
     saved = checkpoint_step(run.run_dir)
-    assert 0 < saved <= 20 * 20  # saved before the hang: 20 updates of SMALL_RUN's 20 agent steps at most
+    assert 0 < saved <= 14 * 20  # saved before the hang: 14 updates of SMALL_RUN's 20 agent steps at most
     assert (run.run_dir / "out.log").read_text().count("Ending the process now") == 1
     # Left as a kill -9 leaves a run, which resumes from that checkpoint (test_a_killed_main_process_...).
     assert json.loads((run.run_dir / "meta.json").read_text())["end_reason"] is None
