@@ -266,6 +266,10 @@ class Config:
     eval_episodes: int = _flag(10, "full-game episodes (no episodic life, unclipped returns) per evaluation")
     eval_actions: str = _flag("greedy", "actions in evaluations and test mode: greedy (the most likely) or sampled "
                               "(from the policy, as the actors act)", choices=("greedy", "sampled"))
+    eval_max_steps: int = _flag(27_000, "evaluations and test mode: a game of an env without a time limit of its "
+                                "own (gymnasium's max_episode_steps; Atari has its 27,000) is cut after this many agent "
+                                "steps, as a time limit cuts it, so that a policy that never ends a game cannot stall "
+                                "them")
 
     # Test and plot modes.
     test_episodes: int = _flag(10, "test mode: full-game episodes to play")
@@ -334,7 +338,7 @@ class Config:
         problems = []
         positive_ints = ("envs_per_actor", "env_splits", "unroll_length", "total_steps", "batch_size",
                          "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches",
-                         "eval_episodes", "ray_actors", "ray_envs_per_actor", "ray_publish_every",
+                         "eval_episodes", "eval_max_steps", "ray_actors", "ray_envs_per_actor", "ray_publish_every",
                          "ray_steps_per_request")
         if self.num_actors < (0 if self.ray else 1):  # with --ray the remote actors may be the only ones
             problems.append(f"--num_actors must be >= {0 if self.ray else 1}, got {self.num_actors}")

@@ -107,9 +107,10 @@ class EnvBatch:
     num_actions: int
 
     def __init__(self, env_id: str, num_envs: int, seed: int | Sequence[int], *, episodic_life: bool = False,
-                 fire_on_life_loss: bool = True) -> None:
+                 fire_on_life_loss: bool = True, max_episode_steps: int | None = None) -> None:
         """`seed`: one seed per env, or the first of `num_envs` consecutive ones (wrapped below 2^31, which
-        ale-py requires)."""
+        ale-py requires). `max_episode_steps`: a time limit for an env that has none of its own (gymnasium's
+        TimeLimit); Atari envs have theirs."""
         self.num_envs = num_envs
         self.env_id = env_id
         self._seeds = env_seeds(seed, num_envs) if isinstance(seed, int) else tuple(seed)
@@ -127,7 +128,8 @@ class EnvBatch:
                          else _make_atari(spec, num_envs))
             self._episodic_life = episodic_life
         else:
-            self._env = self._make_gym(env_id, num_envs)
+            limit = max_episode_steps if spec.max_episode_steps is None else None
+            self._env = self._make_gym(env_id, num_envs, max_episode_steps=limit)
         space = self._env.single_observation_space
         shape = tuple(space.shape)
         self._channels_last = not self._atari and channels_last(shape)
@@ -139,14 +141,16 @@ class EnvBatch:
         self._length = np.zeros(num_envs, np.int64)
 
     @staticmethod
-    def _make_gym(env_id: str, num_envs: int, flatten: bool = False) -> gym.vector.VectorEnv:
+    def _make_gym(env_id: str, num_envs: int, flatten: bool = False, max_episode_steps: int | None = None
+                  ) -> gym.vector.VectorEnv:
         """gymnasium's vector env of `env_id`; an observation space other than a Box (Discrete, Tuple, Dict, ...)
         or a Box of one number flattened into one vector by gymnasium's `FlattenObservation` in each env (a
-        Discrete one-hot)."""
+        Discrete one-hot). `max_episode_steps`, where given, wraps each env in a TimeLimit (`gym.make`'s)."""
+        limit = {} if max_episode_steps is None else {"max_episode_steps": max_episode_steps}
         try:
             env = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
                                vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
-                               wrappers=[gym.wrappers.FlattenObservation] if flatten else None)
+                               wrappers=[gym.wrappers.FlattenObservation] if flatten else None, **limit)
         except gym.error.DependencyNotInstalled as exc:
             raise UserError(f"env {env_id!r} needs a package that is not installed: {exc}") from None
         if not isinstance(env.single_action_space, gym.spaces.Discrete):
@@ -159,7 +163,7 @@ class EnvBatch:
                 raise UserError(f"env {env_id!r} has observation space {space}, which gymnasium cannot flatten into "
                                 "one vector; Box, Discrete, MultiDiscrete, MultiBinary, and Tuple and Dict of them "
                                 "are supported")
-            return EnvBatch._make_gym(env_id, num_envs, flatten=True)
+            return EnvBatch._make_gym(env_id, num_envs, flatten=True, max_episode_steps=max_episode_steps)
         return env
 
     def _convert(self, obs: np.ndarray) -> np.ndarray:

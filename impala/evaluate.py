@@ -66,15 +66,16 @@ class PlayInterrupted(KeyboardInterrupt):
 
 
 def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True,
-         on_step: Callable[[np.ndarray, np.ndarray], None] | None = None, fire_on_life_loss: bool = True
-         ) -> Games:
+         on_step: Callable[[np.ndarray, np.ndarray], None] | None = None, fire_on_life_loss: bool = True,
+         max_steps: int | None = None) -> Games:
     """The full games of `episodes` parallel envs, the first game of each; on Ctrl-C, `PlayInterrupted` with the
-    games that had ended.
+    games that had ended. `max_steps` cuts the games of an env without a time limit of its own (--eval_max_steps).
 
     `on_step(obs, game_over)`, when given, sees every observation the agent acts on ([episodes, ...]) and
     which games ended on that action ([episodes] bool): `EpisodeRecorder.add` keeps env 0's frames.
     """
-    env = EnvBatch(env_id, episodes, seed, episodic_life=False, fire_on_life_loss=fire_on_life_loss)
+    env = EnvBatch(env_id, episodes, seed, episodic_life=False, fire_on_life_loss=fire_on_life_loss,
+                   max_episode_steps=max_steps)
     check_compatible_env(model, env)
     returns: list[float | None] = [None] * episodes
     lengths, cut = [0] * episodes, [False] * episodes
@@ -134,7 +135,7 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
     try:
         games = play(model, config.env, config.test_episodes, config.seed + 12345,
                      greedy=config.eval_actions == "greedy", on_step=recorder.add if recorder is not None else None,
-                     fire_on_life_loss=config.fire_on_life_loss)
+                     fire_on_life_loss=config.fire_on_life_loss, max_steps=config.eval_max_steps)
     except PlayInterrupted as stopped:  # what had been played, then exit code 130 (no video: a game unfinished)
         print(f"Stopped by Ctrl-C with {len(stopped.games.returns)} of {config.test_episodes} games ended")
         if stopped.games.returns:
@@ -182,7 +183,8 @@ def serve_evaluations(model: Net, config: Config, connection: Connection) -> Non
             return
         start_cpu_s = time.process_time()
         games = play(model, config.env, config.eval_episodes, config.seed + EVAL_SEED_OFFSET + number,
-                     greedy=config.eval_actions == "greedy", fire_on_life_loss=config.fire_on_life_loss)
+                     greedy=config.eval_actions == "greedy", fire_on_life_loss=config.fire_on_life_loss,
+                     max_steps=config.eval_max_steps)
         connection.send((number, step, games, time.process_time() - start_cpu_s))
 
 

@@ -8,6 +8,9 @@
 - `NonFiniteObservation-v0`, `NonFiniteReward-v0`, `NonFiniteFinalObservation-v0`: a vector of 2 zeros and a
   reward of 0, until step BAD_STEP sends NaN as the observation, an infinity as the reward, or minus infinity as
   the observation its episode is cut at (a time limit of BAD_STEP steps).
+- `Endless-v0`: no time limit and no end: the observation is the step count (a vector of 1), the reward 1 for
+  action 1 and 0 for action 0; a game ends only where a time limit cuts it. `EndlessCutAt5-v0`: the same with a
+  time limit of its own, 5 steps.
 
     PYTHONPATH=tests python run.py --env odd_spaces_env:ColourImage-v0 ...
 """
@@ -87,6 +90,22 @@ class NonFinite(gym.Env):
         return obs, reward, False, False, {}
 
 
+class Endless(gym.Env):
+    observation_space = gym.spaces.Box(0.0, np.inf, (1,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(1, np.float32), {}
+
+    def step(self, action: Any) -> Any:
+        self.t += 1
+        return np.array([self.t], np.float32), float(action == 1), False, False, {}
+
+
+gym.register("Endless-v0", entry_point=Endless)  # no max_episode_steps
+gym.register("EndlessCutAt5-v0", entry_point=Endless, max_episode_steps=5)
 gym.register("ShiftedActions-v0", entry_point=ShiftedActions)
 gym.register("NonFiniteObservation-v0", entry_point=NonFinite, kwargs={"what": "observation"})
 gym.register("NonFiniteReward-v0", entry_point=NonFinite, kwargs={"what": "reward"})

@@ -323,6 +323,26 @@ def test_an_atari_frame_cap_is_a_truncation_with_the_final_frames(game: str) -> 
         env.close()
 
 
+@pytest.mark.parametrize("env_id, limit, cut_at", [("Endless-v0", 7, 7), ("Endless-v0", None, None),
+                                                   ("EndlessCutAt5-v0", 7, 5), ("EndlessCutAt5-v0", 3, 5)])
+def test_a_time_limit_is_given_only_to_an_env_without_one_of_its_own(env_id: str, limit: int | None,
+                                                                      cut_at: int | None) -> None:
+    import odd_spaces_env  # noqa: F401  (registers the env)
+
+    env = EnvBatch(env_id, 2, seed=0, max_episode_steps=limit)
+    try:
+        env.reset()
+        for t in range(1, 12):
+            step = env.step(np.ones(2, np.int64))
+            assert step.truncated.all() == (t == cut_at) and step.game_over.all() == (t == cut_at), t
+            if t == cut_at:
+                np.testing.assert_array_equal(step.episode_return, [cut_at, cut_at])
+                np.testing.assert_array_equal(step.episode_step, [cut_at, cut_at])
+                break
+    finally:
+        env.close()
+
+
 def test_an_action_space_that_starts_elsewhere_gets_the_policys_indices_shifted_to_its_actions_and_a_scalar_box_is_1d(
 ) -> None:
     import odd_spaces_env  # noqa: F401  (registers the env)

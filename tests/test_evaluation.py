@@ -154,6 +154,32 @@ def test_play_reports_each_games_length_and_whether_a_time_limit_cut_it() -> Non
     assert games.summary() == "Games lasted 5-5 agent steps (mean 5); 3 of 3 cut by the time limit"
 
 
+def test_games_of_an_env_that_never_ends_are_cut_at_eval_max_steps_in_evaluations_and_test_mode(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """An env without a time limit of its own and a policy that never ends a game once stalled every evaluation
+    and test mode for good; its games are now cut at --eval_max_steps, as a time limit cuts them."""
+    import odd_spaces_env  # noqa: F401  (registers Endless-v0: no end, no time limit)
+
+    model = Net((1,), 2, "mlp", False, 16)
+    games = play(model, "Endless-v0", 3, 0, max_steps=40)
+    assert (games.lengths, games.cut) == ([40] * 3, [True] * 3)
+    config = Config(env="Endless-v0", eval_episodes=2, eval_max_steps=25, seed=0)
+    main_end, process_end = Pipe()
+    server = threading.Thread(target=serve_evaluations, args=(model, config, process_end))
+    server.start()
+    main_end.send((0, 100))
+    _, _, games, _ = main_end.recv()
+    main_end.close()
+    server.join(timeout=30)
+    assert (games.lengths, games.cut) == ([25] * 2, [True] * 2)
+    save_checkpoint(tmp_path / "endless.tar", {**_state(model, 100), "flags": {"env": "Endless-v0", "hidden_size": 16},
+                                               "observation_shape": [1]})
+    argv = ["--mode", "test", "--env", "Endless-v0", "--checkpoint", str(tmp_path / "endless.tar"),
+            "--test_episodes", "2", "--eval_max_steps", "30", "--hidden_size", "16"]
+    assert run.main(argv) == 0
+    assert "Games lasted 30-30 agent steps (mean 30); 2 of 2 cut by the time limit" in capsys.readouterr().out
+
+
 def test_ctrl_c_while_playing_hands_over_the_games_that_had_ended() -> None:
     model = _net()
     whole = play(model, "CartPole-v1", 4, 3)
