@@ -254,10 +254,10 @@ class Config:
     actor_timeout_s: float = _flag(300.0, "an actor that makes no progress for this long (no env step, no wait "
                                           "for a slot or an action: a hung env) is killed and replaced; 0: never")
     max_bad_updates: int = _flag(20, "a run stops after this many consecutive non-finite updates")
-    learner_timeout_s: float = _flag(1800.0, "a learner thread that spends this long on one batch (a hung GPU or "
-                                     "driver, a deadlock) ends the process at once, exit code 1, its stack in "
-                                     "out.log and the last checkpoint kept, for a process manager to resume the "
-                                     "run; 0: never")
+    learner_timeout_s: float = _flag(1800.0, "a learner thread, or the central inference thread, that spends this "
+                                     "long on one batch (a hung GPU or driver, a deadlock) ends the process at once, "
+                                     "exit code 1, its stack in out.log and the last checkpoint kept, for a process "
+                                     "manager to resume the run; 0: never")
 
     # Evaluation while training.
     eval_interval_s: float = _flag(0.0, "seconds between evaluations while training: a separate process plays "

@@ -68,6 +68,7 @@ class InferenceServer:
         self.batches = 0  # forwards run
         self.served = 0  # client requests answered
         self.busy_s = 0.0  # spent serving: from a batch's first request read to its last answer sent
+        self.serving_since: float | None = None  # when the batch being served began (--learner_timeout_s)
         self._taken = (time.monotonic(), 0, 0, 0.0)  # (time, batches, served, busy_s) at the last `take_stats`
 
     def connect(self, client: int, connection: Connection) -> None:
@@ -130,6 +131,7 @@ class InferenceServer:
         self._receive(ready, index_of, pending, connections)
         if not pending:
             return 0
+        self.serving_since = start
         deadline = start + self.wait_s
         while len(pending) < len(connections):
             remaining = deadline - time.monotonic()
@@ -143,6 +145,7 @@ class InferenceServer:
                 connections[client].send_bytes(b"a")
             except OSError:
                 pass  # the actor died; the monitor restarts it with a new pipe
+        self.serving_since = None
         with self._lock:  # one consistent set for `take_stats`
             self.batches += 1
             self.served += len(pending)

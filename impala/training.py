@@ -230,11 +230,13 @@ def start_learners(run: Run) -> None:
 
 
 def _watch_learners(run: Run) -> None:
-    """--learner_timeout_s: while learner threads run, end the process when one has spent that long on one batch.
+    """--learner_timeout_s: while learner threads run, end the process when one, or the central inference thread,
+    has spent that long on one batch.
 
     A learner stuck in a CUDA call (a hung GPU or driver) or a deadlock would otherwise stall the run for good
     without a word; stuck inside an update, it holds `update_lock`, on which the monitor, the checkpoints and the
-    shutdown wait, so no Ctrl-C or SIGTERM could end it either. So this thread does not stop the run in order: it
+    shutdown wait, so no Ctrl-C or SIGTERM could end it either. A stuck inference thread stalls it as surely: its
+    actors wait for actions, which counts as progress for them. So this thread does not stop the run in order: it
     logs the stuck thread's stack and ends the process as a kill -9 would. Actors and the fork server leave with
     it, nothing is saved (the weights may be half updated; the last checkpoint stays), and the run resumes from
     that checkpoint when started again.
@@ -249,7 +251,12 @@ def _watch_learners(run: Run) -> None:
     while any(thread.is_alive() for thread in run.learners.threads):
         now = time.monotonic()
         step_s, last = min(now - last, 2 * interval_s), now
-        seen_s = {batch: seen_s.get(batch, 0.0) + step_s for batch in dict(run.learners.busy_since).items()}
+        busy = dict(run.learners.busy_since)
+        if run.inference is not None and run.inference.thread is not None:
+            since = run.inference.server.serving_since
+            if since is not None:
+                busy[run.inference.thread] = since
+        seen_s = {batch: seen_s.get(batch, 0.0) + step_s for batch in busy.items()}
         for (thread, _), busy_s in seen_s.items():
             if busy_s > timeout_s:
                 _end_hung_process(run, thread, busy_s)
@@ -260,7 +267,7 @@ def _watch_learners(run: Run) -> None:
 def _end_hung_process(run: Run, thread: threading.Thread, busy_s: float) -> None:
     frame = sys._current_frames().get(thread.ident or -1)
     stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack: it has just ended)\n"
-    log.error("Learner thread %s has spent %.0f s on one batch (--learner_timeout_s %g): a hung GPU or driver, or a "
+    log.error("The %s thread has spent %.0f s on one batch (--learner_timeout_s %g): a hung GPU or driver, or a "
               "deadlock. Ending the process now, without a final checkpoint (%s); run it again to resume. Where "
               "the thread is:\n%s", thread.name, busy_s, run.config.learner_timeout_s, _last_saved(run),
               stack.rstrip())

@@ -340,7 +340,7 @@ def test_a_learner_hung_inside_an_update_ends_the_process_with_its_stack_keeping
     finally:
         run.close()
     text = run.text()
-    assert re.search(r"Learner thread learner-0 has spent \d+ s on one batch \(--learner_timeout_s 3\): a hung GPU or "
+    assert re.search(r"The learner-0 thread has spent \d+ s on one batch \(--learner_timeout_s 3\): a hung GPU or "
                      r"driver, or a deadlock\. Ending the process now, without a final checkpoint \(the one at step "
                      r"\d+ is intact\); run it again to resume\. Where the thread is:", text), text
     assert "in _finish_update_then_hang" in text  # the stuck thread's stack
@@ -349,3 +349,22 @@ def test_a_learner_hung_inside_an_update_ends_the_process_with_its_stack_keeping
     assert (run.run_dir / "out.log").read_text().count("Ending the process now") == 1
     # Left as a kill -9 leaves a run, which resumes from that checkpoint (test_a_killed_main_process_...).
     assert json.loads((run.run_dir / "meta.json").read_text())["end_reason"] is None
+
+
+def test_a_central_inference_thread_hung_inside_a_batch_ends_the_process_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its actors wait for actions, which counts as progress for them, and the learner waits for their slots: a hung
+    inference thread stalled the run as silently as a hung learner."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "tests"))
+    monkeypatch.setenv("HANG_IN", "inference")
+    monkeypatch.setenv("HANG_AFTER", "200")
+    run = Training(tmp_path, "hang", "--env", "hanging_learner_env:HangingLearnerCartPole-v1", "--inference",
+                   "central", "--learner_timeout_s", "2", total_steps=10_000_000)
+    try:
+        assert run.wait(timeout=60) == 1, run.text()
+        assert wait_until_gone(run.pgid, timeout=30) == []
+    finally:
+        run.close()
+    text = run.text()
+    assert re.search(r"The inference thread has spent \d+ s on one batch \(--learner_timeout_s 2\)", text), text
+    assert "in _act_on_then_hang" in text
