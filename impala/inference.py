@@ -132,20 +132,22 @@ class InferenceServer:
         if not pending:
             return 0
         self.serving_since = start
-        deadline = start + self.wait_s
-        while len(pending) < len(connections):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            others = [c for i, c in connections.items() if i not in pending]
-            self._receive(wait(others, remaining), index_of, pending, connections)
-        self._act(pending)
-        for client in pending:
-            try:
-                connections[client].send_bytes(b"a")
-            except OSError:
-                pass  # the actor died; the monitor restarts it with a new pipe
-        self.serving_since = None
+        try:
+            deadline = start + self.wait_s
+            while len(pending) < len(connections):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                others = [c for i, c in connections.items() if i not in pending]
+                self._receive(wait(others, remaining), index_of, pending, connections)
+            self._act(pending)
+            for client in pending:
+                try:
+                    connections[client].send_bytes(b"a")
+                except OSError:
+                    pass  # the actor died; the monitor restarts it with a new pipe
+        finally:
+            self.serving_since = None
         with self._lock:  # one consistent set for `take_stats`
             self.batches += 1
             self.served += len(pending)

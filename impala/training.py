@@ -23,6 +23,7 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
@@ -252,7 +253,7 @@ def _watch_learners(run: Run) -> None:
         now = time.monotonic()
         step_s, last = min(now - last, 2 * interval_s), now
         busy = dict(run.learners.busy_since)
-        if run.inference is not None and run.inference.thread is not None:
+        if run.inference is not None and run.inference.thread is not None and run.inference.thread.is_alive():
             since = run.inference.server.serving_since
             if since is not None:
                 busy[run.inference.thread] = since
@@ -264,7 +265,7 @@ def _watch_learners(run: Run) -> None:
             time.sleep(0.05)  # stopping: the threads end within moments, or one is still inside its update
 
 
-def _end_hung_process(run: Run, thread: threading.Thread, busy_s: float) -> None:
+def _end_hung_process(run: Run, thread: threading.Thread, busy_s: float) -> NoReturn:
     frame = sys._current_frames().get(thread.ident or -1)
     stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack: it has just ended)\n"
     log.error("The %s thread has spent %.0f s on one batch (--learner_timeout_s %g): a hung GPU or driver, or a "
