@@ -252,7 +252,8 @@ class Config:
                                   "model_step_STEP.tar; 0: only model.tar")
     max_actor_restarts: int = _flag(10, "a run stops after this many actor crashes within 10 minutes")
     actor_timeout_s: float = _flag(300.0, "an actor that makes no progress for this long (no env step, no wait "
-                                          "for a slot or an action: a hung env) is killed and replaced; 0: never")
+                                          "for a slot or an action: a hung env) is killed and replaced, and so is the "
+                                          "evaluator stuck in an evaluation; 0: never")
     max_bad_updates: int = _flag(20, "a run stops after this many consecutive non-finite updates")
     learner_timeout_s: float = _flag(1800.0, "a learner thread, or the central inference thread, that spends this "
                                      "long on one batch (a hung GPU or driver, a deadlock) ends the process at once, "

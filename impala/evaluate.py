@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -168,22 +169,29 @@ def _print_results(games: Games, state: dict) -> float:
 EVAL_SEED_OFFSET = 1_000_000
 
 
-def serve_evaluations(model: Net, config: Config, connection: Connection) -> None:
+def serve_evaluations(model: Net, config: Config, connection: Connection, heartbeat: Any = None) -> None:
     """The evaluation process's loop; returns when the main process closes its end of `connection`.
 
     For each request `(number, step)` it plays `config.eval_episodes` full games with `model` (the shared
     copy the main process fills with the weights of agent step `step` and leaves alone until the answer
     comes) and answers `(number, step, games, cpu_s)`, `games` the `Games` played and `cpu_s` the CPU seconds
-    this process spent on them.
+    this process spent on them. `heartbeat.value`, when given, is set to `time.monotonic()` at every agent step
+    (for the main process's hung-evaluator watch, --actor_timeout_s).
     """
+
+    def beat(*_: object) -> None:
+        if heartbeat is not None:
+            heartbeat.value = time.monotonic()
+
     while True:
         try:
             number, step = connection.recv()
         except EOFError:
             return
+        beat()
         start_cpu_s = time.process_time()
         games = play(model, config.env, config.eval_episodes, config.seed + EVAL_SEED_OFFSET + number,
-                     greedy=config.eval_actions == "greedy", fire_on_life_loss=config.fire_on_life_loss,
+                     greedy=config.eval_actions == "greedy", on_step=beat, fire_on_life_loss=config.fire_on_life_loss,
                      max_steps=config.eval_max_steps)
         connection.send((number, step, games, time.process_time() - start_cpu_s))
 

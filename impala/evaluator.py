@@ -62,6 +62,8 @@ class Evaluator:
     deaths: list = field(default_factory=list)  # times of deaths, for the crash-rate limit
     disabled: bool = False
     ctx: BaseContext | None = None  # the run's multiprocessing context, which starts `process`
+    heartbeat: Any = None  # shared double: time.monotonic() of the evaluator's last sign of progress
+    last_hang_check_s: float = field(default_factory=time.monotonic)
 
 
 class EvaluatedRun(Protocol):
@@ -86,7 +88,7 @@ def make_evaluator(config: Config, run_dir: Path, observation_shape: tuple[int, 
     model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
     model.share_memory()
     model.eval()
-    return Evaluator(model, best_so_far(run_dir), ctx=ctx)
+    return Evaluator(model, best_so_far(run_dir), ctx=ctx, heartbeat=ctx.Value("d", time.monotonic(), lock=False))
 
 
 def _pipe(evaluator: Evaluator) -> Connection:
@@ -102,7 +104,7 @@ def start_evaluator(run: EvaluatedRun) -> None:
     ctx: Any = evaluator.ctx  # Process and Pipe are on the concrete contexts only
     main_end, process_end = ctx.Pipe()
     process = ctx.Process(target=_evaluator_process, name="evaluator",
-                          args=(os.getpid(), run.config, evaluator.model, process_end))
+                          args=(os.getpid(), run.config, evaluator.model, process_end, evaluator.heartbeat))
     start_process(process)
     process_end.close()  # only the evaluator holds its end, so its death reads as end-of-file here
     evaluator.process, evaluator.connection, evaluator.error_text = process, main_end, ""
@@ -110,7 +112,7 @@ def start_evaluator(run: EvaluatedRun) -> None:
              run.config.eval_actions, run.config.eval_interval_s)
 
 
-def _evaluator_process(main_pid: int, config: Config, model: Net, connection: Connection) -> None:
+def _evaluator_process(main_pid: int, config: Config, model: Net, connection: Connection, heartbeat: Any) -> None:
     """The body of the evaluation process: die with the run, stay out of everyone's way, play (`evaluate`)."""
     die_with_main_process(main_pid)
     leave_stop_signals_to_main_process()  # the main process decides when evaluation stops
@@ -119,7 +121,7 @@ def _evaluator_process(main_pid: int, config: Config, model: Net, connection: Co
     with contextlib.suppress(OSError):
         os.nice(EVALUATOR_NICENESS)
     try:
-        serve_evaluations(model, config, connection)
+        serve_evaluations(model, config, connection, heartbeat)
     except Exception:  # noqa: BLE001 - reported below
         # For the report of its death, which shows it. Printed here too (multiprocessing's default for an exception),
         # the traceback would show twice on the console; here only when it cannot reach the main process.
@@ -137,6 +139,7 @@ def check_evaluator(run: EvaluatedRun) -> None:
     if evaluator is None or evaluator.disabled:
         return
     _receive_evaluation(run, evaluator)
+    _kill_if_hung(run, evaluator)
     if not evaluator.process.is_alive():
         replace_evaluator(run, evaluator)
     elif evaluator.pending is None and time.monotonic() - evaluator.last_request_s >= run.config.eval_interval_s:
@@ -161,6 +164,28 @@ def _receive_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
     finish_evaluation(run, evaluator, {**pending, "cpu_s": cpu_s}, games)
 
 
+def _kill_if_hung(run: EvaluatedRun, evaluator: Evaluator) -> None:
+    """Kill an evaluator that made no progress in an evaluation for --actor_timeout_s (its env stuck in a step),
+    as a hung actor is: `check_evaluator` then replaces it like one that died. Otherwise no evaluation would
+    ever be reported again, and nothing would say why."""
+    timeout_s = run.config.actor_timeout_s
+    now = time.monotonic()
+    monitor_gap_s, evaluator.last_hang_check_s = now - evaluator.last_hang_check_s, now
+    if not timeout_s or evaluator.pending is None or evaluator.heartbeat is None:
+        return
+    if monitor_gap_s > timeout_s / 2:  # this process was stopped too (Ctrl-Z): the silence is not the evaluator's
+        evaluator.heartbeat.value = now
+        return
+    silent_s = now - evaluator.heartbeat.value
+    process = evaluator.process
+    if silent_s > timeout_s and process.is_alive():
+        log.error("Evaluator (pid %d) made no progress for %.0f s in the evaluation of step %d (--actor_timeout_s %g); "
+                  "killing it", process.pid, silent_s, evaluator.pending["step"], timeout_s)
+        process.kill()
+        process.join(timeout=5)
+        evaluator.heartbeat.value = now  # one report per timeout if even SIGKILL does not end it
+
+
 def _request_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
     """Copy the newest weights into the evaluator's model and ask for an evaluation of them.
 
@@ -173,6 +198,8 @@ def _request_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
         counters = {"step": run.state.step, "updates": run.state.updates, "episodes": run.state.episodes}
     evaluator.requested += 1
     evaluator.last_request_s = time.monotonic()
+    if evaluator.heartbeat is not None:
+        evaluator.heartbeat.value = evaluator.last_request_s  # the time it waited for this request is not a hang
     try:
         _pipe(evaluator).send((evaluator.requested, counters["step"]))
     except OSError:

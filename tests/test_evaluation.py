@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import re
 import signal
@@ -127,7 +128,8 @@ def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
     """One loop for both: an evaluation answers with exactly `play`'s returns for its seed."""
     model, config = _net(), Config(env="CartPole-v1", eval_episodes=3, seed=7)
     main_end, process_end = Pipe()
-    server = threading.Thread(target=serve_evaluations, args=(model, config, process_end))
+    heartbeat = _CountingHeartbeat()
+    server = threading.Thread(target=serve_evaluations, args=(model, config, process_end, heartbeat))
     server.start()
     main_end.send((2, 1234))
     number, step, games, cpu_s = main_end.recv()
@@ -137,6 +139,23 @@ def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
     assert (number, step) == (2, 1234)
     assert games == play(model, "CartPole-v1", 3, 7 + EVAL_SEED_OFFSET + 2, greedy=True)
     assert len(games.returns) == 3 and all(r >= 1 for r in games.returns) and cpu_s > 0
+    # It beat once on taking the request and once per agent step: the games run side by side, the longest last.
+    assert heartbeat.beats == 1 + max(games.lengths)
+
+
+class _CountingHeartbeat:
+    """A stand-in for the shared double the evaluator beats: counts the beats."""
+
+    def __init__(self) -> None:
+        self.beats, self._value = 0, 0.0
+
+    @property
+    def value(self) -> float:
+        return self._value
+
+    @value.setter
+    def value(self, now: float) -> None:
+        self.beats, self._value = self.beats + 1, now
 
 
 def test_play_reports_each_games_length_and_whether_a_time_limit_cut_it() -> None:
@@ -281,6 +300,41 @@ def test_an_evaluator_that_keeps_dying_ends_evaluation_not_training(tmp_path: Pa
     run_.runlog.close()
 
 
+def test_an_evaluator_silent_in_an_evaluation_for_actor_timeout_s_is_killed_and_reported(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A process that sleeps stands for an evaluator whose env is stuck in a step. Waiting for a request is not a
+    hang, nor is a silence the monitor was stopped for too (Ctrl-Z); a hang is killed, reported and counted as a
+    death (here the last one allowed: no replacement starts)."""
+    ctx = multiprocessing.get_context("fork")
+    run_ = _fake_run(tmp_path, best=None)
+    run_.config = Config(env="CartPole-v1", eval_interval_s=3600, actor_timeout_s=1, max_actor_restarts=0)
+    evaluator = run_.evaluator
+    stuck = ctx.Process(target=time.sleep, args=(60,))
+    stuck.start()
+    main_end, process_end = ctx.Pipe()
+    evaluator.process, evaluator.connection = stuck, main_end
+    evaluator.heartbeat = ctx.Value("d", time.monotonic() - 10, lock=False)
+    try:
+        check_evaluator(run_)  # silent, but no evaluation asked for
+        assert stuck.is_alive() and not evaluator.disabled
+        evaluator.pending = {"number": 1, "step": 700}
+        evaluator.last_hang_check_s = time.monotonic() - 10  # the monitor itself was stopped for 10 s
+        check_evaluator(run_)
+        assert stuck.is_alive() and time.monotonic() - evaluator.heartbeat.value < 1  # a new grace period
+        evaluator.heartbeat.value = time.monotonic() - 5
+        check_evaluator(run_)
+        assert not stuck.is_alive() and stuck.exitcode == -signal.SIGKILL
+        assert evaluator.disabled and evaluator.pending is None
+    finally:
+        stuck.kill()
+        stuck.join()
+        process_end.close()
+        run_.runlog.close()
+    assert re.search(rf"Evaluator \(pid {stuck.pid}\) made no progress for [5-9] s in the evaluation of step 700 "
+                     r"\(--actor_timeout_s 1\); killing it", caplog.text)
+    assert f"Evaluator (pid {stuck.pid}) died: killed by SIGKILL; the evaluation of step 700 is lost" in caplog.text
+
+
 # ---------------------------------------------------------------------------------- whole runs
 
 
@@ -421,7 +475,7 @@ def test_an_evaluator_that_cannot_reach_the_main_process_prints_its_traceback_it
         main_end.send((0, 0))  # evaluation 0, of the weights of step 0
         main_end.close()  # and no one left to answer to
         config = Config(env="crashing_env:CrashingCartPole-v1", eval_episodes=1, hidden_size=16, num_actors=1)
-        _evaluator_process(os.getpid(), config, Net((4,), 2, "mlp", False, 16), process_end)
+        _evaluator_process(os.getpid(), config, Net((4,), 2, "mlp", False, 16), process_end, None)
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")]),
            "CRASHING_ENV_SEED": str(EVAL_SEED_OFFSET)}  # evaluation 0's first game
