@@ -60,6 +60,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -435,17 +436,22 @@ def _actor_process(config: Config, shape: EnvShape, seconds: float, index: int, 
 
 @contextlib.contextmanager
 def ctrl_c_left_to_this_process() -> Iterator[None]:
-    """Processes started inside ignore SIGINT from their first instruction on (a spawned Python keeps an ignored
-    SIGINT ignored), so that Ctrl-C, which the terminal sends to the whole process group, interrupts this process
-    alone, which stops them, instead of printing a traceback from each, wherever it lands in their start-up."""
+    """Processes started inside start with SIGINT blocked, and keep it blocked (the mask survives fork and exec,
+    and Python leaves it as it finds it), so that Ctrl-C, which the terminal sends to the whole process group,
+    interrupts this process alone, which stops them, instead of printing a traceback from each, wherever it
+    lands in their start-up. Blocked here rather than ignored: a Ctrl-C that comes while they start waits, and
+    interrupts this process as soon as the block ends, where an ignored one would be lost."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # multiprocessing's resource tracker, started with the first child if it is not running, unblocks SIGINT
+    # in this thread on its way out: so the tracker first, then the block (as `actor_pool.start_fork_server`).
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _synthetic_slots(config: Config, shape: EnvShape, model: Net) -> dict[str, torch.Tensor]:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 import os
 import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -127,7 +130,7 @@ def test_ctrl_c_while_the_actors_component_runs_ends_the_bench_in_one_line(tmp_p
         cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while len(children(bench_run.pid)) < 2 and time.monotonic() < deadline:
+        while len(_spawned(bench_run.pid)) < 2 and time.monotonic() < deadline:  # both actors, not only one
             time.sleep(0.1)
         time.sleep(1.0)  # the actors build their nets and step
         os.killpg(bench_run.pid, signal.SIGINT)
@@ -138,6 +141,41 @@ def test_ctrl_c_while_the_actors_component_runs_ends_the_bench_in_one_line(tmp_p
     assert bench_run.returncode == 130, err
     assert err.strip() == "bench: interrupted", err
     assert wait_until_gone(bench_run.pid) == []
+
+
+def _spawned(pid: int) -> list[int]:
+    """The children of `pid` that multiprocessing spawned to run a target (not its resource tracker)."""
+    spawned = []
+    for child in children(pid):
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                spawned.append(child)
+    return spawned
+
+
+def test_a_ctrl_c_while_the_actors_start_is_kept_and_interrupts_the_bench_once_they_have_started() -> None:
+    """SIGINT is blocked, not ignored, while the actors start: a Ctrl-C that comes meanwhile is kept for this
+    process, and the children start, and stay, with it blocked."""
+    ctx = multiprocessing.get_context("spawn")
+    child = ctx.Process(target=signal.sigwait, args=({signal.SIGINT},))  # returns on a SIGINT that is blocked
+    kept = interrupted = False
+    try:
+        try:
+            with bench.ctrl_c_left_to_this_process():
+                child.start()
+                # Ctrl-C, while the actors start: to this thread (a Ctrl-C goes to any thread that does not block it)
+                signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+                kept = signal.SIGINT in signal.sigpending()
+        except KeyboardInterrupt:  # as the block ends
+            interrupted = True
+        assert kept, "kept"
+        assert interrupted, "interrupted"
+        os.kill(child.pid, signal.SIGINT)  # the Ctrl-C its process group gets
+        child.join(timeout=30)
+        assert child.exitcode == 0  # it waited for that SIGINT rather than dying of it
+    finally:
+        child.kill()
+        child.join()
 
 
 def test_physical_cores_count_the_hyperthreads_of_one_core_once(tmp_path: Path) -> None:
