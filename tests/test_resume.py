@@ -153,7 +153,7 @@ def _test_mode_mean(savedir: Path, xpid: str) -> float:
 def test_a_resumed_cartpole_agent_plays_as_well_as_before_it_stopped(readme_cartpole: Path, tmp_path: Path) -> None:
     shutil.copytree(readme_cartpole / "cartpole", tmp_path / "cartpole")  # the README's command, trained to its end
     before = _test_mode_mean(tmp_path, "cartpole")
-    assert before >= 450
+    assert before >= 300  # trained (random actions get about 22); mostly 500, once 417 in a CI run
     # A few more updates at the end of the decayed learning rate: far too few to learn CartPole again.
     resumed = run_py(*README_CARTPOLE, "--total_steps", str(README_CARTPOLE_STEPS + 4_000), "--savedir", str(tmp_path),
                      "--xpid", "cartpole", timeout=300)
@@ -161,4 +161,5 @@ def test_a_resumed_cartpole_agent_plays_as_well_as_before_it_stopped(readme_cart
     assert f"Resuming from step {README_CARTPOLE_STEPS} (" in resumed.stdout
     assert "Flags other than the checkpoint's" not in resumed.stdout  # the same command: the same flags
     assert checkpoint_step(tmp_path / "cartpole") == README_CARTPOLE_STEPS + 4_000
-    assert _test_mode_mean(tmp_path, "cartpole") >= 450
+    after = _test_mode_mean(tmp_path, "cartpole")  # the same games' seeds as before
+    assert after >= 0.9 * before, (before, after)
