@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import sys
 import threading
@@ -63,6 +64,9 @@ log = logging.getLogger("impala")
 
 LEARNER_JOIN_TIMEOUT_S = 10.0  # a learner in the middle of an update finishes it; the checkpoint waits for it
 END_CLOSE_TIMEOUT_S = 30.0  # each close after the final checkpoint (the fork server's stop alone may take 20 s)
+# The policy lag (stats/policy_lag) at which the defaults learned Pong: 3.5 with 14 actors x 8 envs, B=32, on 16
+# cores (2.0 on 2); at 4.9 an earlier rule did not (RESULTS.md). More is untried, so a run set up for more is told.
+MEASURED_POLICY_LAG = 3.5
 NAME_ATTEMPTS = 10  # builds of a run named by default, each under the next free name, before giving up
 
 
@@ -435,6 +439,13 @@ def _log_start(run: Run) -> None:
                  "writes the run", ranks.world_size, "NCCL" if ranks.device.type == "cuda" else "gloo")
     if config.ray:
         log.info("Remote actors: %d x %d envs on Ray (%s)", config.ray_actors, config.ray_envs_per_actor, config.ray)
+    unrolls = config.num_actors * config.envs_per_actor  # acted at once, each learned from once, B at a time
+    if unrolls > MEASURED_POLICY_LAG * config.batch_size:  # --num_actors auto on many more than 16 cores, say
+        log.warning("%d actors x %d envs act %d unrolls at once for batches of %d: each is learned from at least %.1f "
+                    "updates after its first action (stats/policy_lag), more than the %.1f at which the defaults were "
+                    "measured to learn Pong; --batch_size %d would keep it there (README: Speed)", config.num_actors,
+                    config.envs_per_actor, unrolls, config.batch_size, unrolls / config.batch_size, MEASURED_POLICY_LAG,
+                    math.ceil(unrolls / MEASURED_POLICY_LAG))
     if run.state.step:
         log.info("Resuming from step %d (update %d)", run.state.step, run.state.updates)
     if run.resumed_from is not None and run.resumed_from.name != CHECKPOINT_NAME:

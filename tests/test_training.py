@@ -233,3 +233,22 @@ def test_a_cuda_build_that_sees_no_gpu_says_so_at_the_start(
     assert "device cpu" in caplog.text
     warning = "This PyTorch is built for CUDA 13.0 but sees no GPU, so the learner runs on the CPU"
     assert (warning in caplog.text) == warned, caplog.text
+
+
+@pytest.mark.parametrize("batch_size, warned", [(4, False), (3, True)])
+def test_more_unrolls_at_once_than_the_policy_lag_the_defaults_learned_at_are_told_at_the_start(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path, batch_size: int, warned: bool) -> None:
+    """--num_actors auto on a machine with many more cores than 16 acts more unrolls at once for the same batch:
+    3 actors x 4 envs for batches of 4 is 3 updates of lag at the least, within the 3.5 measured to learn; of 3, 4."""
+    config = Config(env="CartPole-v1", num_actors=3, envs_per_actor=4, unroll_length=2, batch_size=batch_size,
+                    hidden_size=8, disable_cuda=True, savedir=str(tmp_path), xpid="lag")
+    run = training.build(config)
+    try:
+        with caplog.at_level("INFO", logger="impala"):
+            training._log_start(run)
+    finally:
+        training.shutdown(run, save=False)
+    warning = ("3 actors x 4 envs act 12 unrolls at once for batches of 3: each is learned from at least 4.0 updates "
+               "after its first action (stats/policy_lag), more than the 3.5 at which the defaults were measured to "
+               "learn Pong; --batch_size 4 would keep it there (README: Speed)")
+    assert (warning in caplog.text) == warned, caplog.text
