@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -124,10 +125,11 @@ def test_an_actor_that_fails_in_the_actors_component_fails_it_with_its_traceback
 def test_ctrl_c_while_the_actors_component_runs_ends_the_bench_in_one_line(tmp_path: Path) -> None:
     """Ctrl-C reaches the bench and its actor processes (one process group): exit code 130, one line, no
     traceback from any of them, and no process left."""
-    bench_run = subprocess.Popen(
-        [sys.executable, "-m", "impala.bench", "--env", "CartPole-v1", "--only", "actors", "--num_actors", "2",
-         "--seconds", "60"],
-        cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    with _sigint_as_a_terminal_leaves_it():
+        bench_run = subprocess.Popen(
+            [sys.executable, "-m", "impala.bench", "--env", "CartPole-v1", "--only", "actors", "--num_actors", "2",
+             "--seconds", "60"],
+            cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         while len(_spawned(bench_run.pid)) < 2 and time.monotonic() < deadline:  # both actors, not only one
@@ -141,6 +143,18 @@ def test_ctrl_c_while_the_actors_component_runs_ends_the_bench_in_one_line(tmp_p
     assert bench_run.returncode == 130, err
     assert err.strip() == "bench: interrupted", err
     assert wait_until_gone(bench_run.pid) == []
+
+
+@contextlib.contextmanager
+def _sigint_as_a_terminal_leaves_it() -> Iterator[None]:
+    """SIGINT raising KeyboardInterrupt in this process, and at its default in the processes it starts inside, as
+    in a terminal: a test run started in the background by a shell script (`pytest &`) has it ignored, and a
+    Python started with it ignored leaves it so."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 def _spawned(pid: int) -> list[int]:
@@ -161,7 +175,7 @@ def test_a_ctrl_c_while_the_actors_start_is_kept_and_interrupts_the_bench_once_t
     kept = interrupted = False
     try:
         try:
-            with bench.ctrl_c_left_to_this_process():
+            with _sigint_as_a_terminal_leaves_it(), bench.ctrl_c_left_to_this_process():
                 child.start()
                 # Ctrl-C, while the actors start: to this thread (a Ctrl-C goes to any thread that does not block it)
                 signal.pthread_kill(threading.get_ident(), signal.SIGINT)
