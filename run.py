@@ -25,6 +25,9 @@ EXIT_GRACE_S = 60.0
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A crash of this process (a segfault or abort in a library, a GPU driver's) prints every thread's Python
+    # stack to stderr before it dies, as the actors' and the evaluator's do: where the learner was, for one.
+    faulthandler.enable()
     try:
         config = parse_config(argv)
         if config.mode == "train":

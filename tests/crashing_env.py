@@ -7,6 +7,8 @@ once and its replacement acts on; with the seed of an evaluation's first game, t
 
 from __future__ import annotations
 
+import faulthandler
+import multiprocessing
 import os
 from typing import Any
 
@@ -35,3 +37,17 @@ class CrashingCartPole(CartPoleEnv):
 
 gym.register("CrashingCartPole-v1", entry_point=CrashingCartPole, max_episode_steps=500)
 ENV = "crashing_env:CrashingCartPole-v1"
+
+
+class SegfaultingCartPole(CartPoleEnv):
+    """Dies of a segfault, as a broken native library would, when made in a run's main process (where the run
+    probes its env), and nowhere else."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        if multiprocessing.parent_process() is None:
+            faulthandler._sigsegv()
+        super().__init__(**kwargs)
+
+
+gym.register("SegfaultingCartPole-v1", entry_point=SegfaultingCartPole, max_episode_steps=500)
+SEGFAULTING_ENV = "crashing_env:SegfaultingCartPole-v1"

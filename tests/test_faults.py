@@ -26,6 +26,7 @@ from process_helpers import (
     Training,
     checkpoint_step,
     group_processes,
+    run_py,
     train_through_one_crash,
     wait_until_gone,
 )
@@ -368,3 +369,15 @@ def test_a_central_inference_thread_hung_inside_a_batch_ends_the_process_too(
     text = run.text()
     assert re.search(r"The inference thread has spent \d+ s on one batch \(--learner_timeout_s 2\)", text), text
     assert "in _act_on_then_hang" in text
+
+
+def test_a_crash_of_the_main_process_prints_where_its_threads_were(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segfault in the main process (here in the env the run probes; a GPU driver's in the learner would do as
+    well) prints the Python stack of every thread before the process dies, not a bare "Segmentation fault"."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "tests"))
+    result = run_py("--env", crashing_env.SEGFAULTING_ENV, "--savedir", str(tmp_path), "--disable_cuda")
+    assert result.returncode == -signal.SIGSEGV, result.stderr[-3000:]
+    assert "Fatal Python error: Segmentation fault" in result.stderr, result.stderr[-3000:]
+    assert re.search(r"File \".*crashing_env\.py\", line \d+ in __init__", result.stderr), result.stderr[-3000:]
+    assert re.search(r"File \".*impala/environment\.py\", line \d+ in probe_env", result.stderr), result.stderr[-3000:]
