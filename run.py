@@ -25,9 +25,6 @@ EXIT_GRACE_S = 60.0
 
 
 def main(argv: list[str] | None = None) -> int:
-    # A crash of this process (a segfault or abort in a library, a GPU driver's) prints every thread's Python
-    # stack to stderr before it dies, as the actors' and the evaluator's do: where the learner was, for one.
-    faulthandler.enable()
     try:
         config = parse_config(argv)
         if config.mode == "train":
@@ -83,4 +80,7 @@ def exit_within(exit_code: int) -> NoReturn:
 
 
 if __name__ == "__main__":
+    # A crash of this process (a segfault or abort in a library, a GPU driver's) prints every thread's Python
+    # stack to stderr before it dies, as the actors' and the evaluator's do: where the learner was, for one.
+    faulthandler.enable()
     exit_within(main())
