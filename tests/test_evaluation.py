@@ -335,6 +335,34 @@ def test_an_evaluator_silent_in_an_evaluation_for_actor_timeout_s_is_killed_and_
     assert f"Evaluator (pid {stuck.pid}) died: killed by SIGKILL; the evaluation of step 700 is lost" in caplog.text
 
 
+def test_the_wait_for_a_request_is_not_held_against_the_evaluation_it_asks_for(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Evaluations further apart than --actor_timeout_s: the evaluator's last beat is from the previous one, and
+    asking for the next starts its clock afresh."""
+    ctx = multiprocessing.get_context("fork")
+    run_ = _fake_run(tmp_path, best=None)
+    run_.config = Config(env="CartPole-v1", eval_interval_s=600, actor_timeout_s=300, max_actor_restarts=0)
+    run_.update_lock, run_.state = threading.Lock(), types.SimpleNamespace(model=_net(), step=900, updates=9,
+                                                                             episodes=3)
+    evaluator = run_.evaluator
+    idle = ctx.Process(target=time.sleep, args=(60,))
+    idle.start()
+    main_end, process_end = ctx.Pipe()
+    evaluator.process, evaluator.connection = idle, main_end
+    evaluator.heartbeat = ctx.Value("d", time.monotonic() - 700, lock=False)  # its last evaluation's last step
+    evaluator.last_request_s = time.monotonic() - 700
+    try:
+        check_evaluator(run_)  # due: asks for the next evaluation
+        assert evaluator.pending is not None and process_end.recv() == (1, 900)
+        check_evaluator(run_)
+        assert idle.is_alive() and "made no progress" not in caplog.text
+    finally:
+        idle.kill()
+        idle.join()
+        process_end.close()
+        run_.runlog.close()
+
+
 # ---------------------------------------------------------------------------------- whole runs
 
 
