@@ -213,6 +213,17 @@ def test_the_cartpole_runs_the_tests_train_are_the_readmes_commands() -> None:
     assert _flag_values(command.split()[5:]) == tested  # this one's ranks do not use a GPU
 
 
+def _start_lines(config: Config, caplog: pytest.LogCaptureFixture) -> training.Run:
+    """Build the run of `config`, log its first lines into `caplog`, and shut it down; the run built."""
+    run = training.build(config)
+    try:
+        with caplog.at_level("INFO", logger="impala"):
+            training._log_start(run)
+    finally:
+        training.shutdown(run, save=False)
+    return run
+
+
 @pytest.mark.parametrize("cuda_build, disable_cuda, warned", [("13.0", False, True), ("13.0", True, False),
                                                                (None, False, False)])
 def test_a_cuda_build_that_sees_no_gpu_says_so_at_the_start(
@@ -223,12 +234,7 @@ def test_a_cuda_build_that_sees_no_gpu_says_so_at_the_start(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=2, batch_size=2, hidden_size=8,
                     disable_cuda=disable_cuda, savedir=str(tmp_path), xpid="cpu")
-    run = training.build(config)
-    try:
-        with caplog.at_level("INFO", logger="impala"):
-            training._log_start(run)
-    finally:
-        training.shutdown(run, save=False)
+    run = _start_lines(config, caplog)
     assert run.device == torch.device("cpu")
     assert "device cpu" in caplog.text
     warning = "This PyTorch is built for CUDA 13.0 but sees no GPU, so the learner runs on the CPU"
@@ -242,12 +248,7 @@ def test_more_unrolls_at_once_than_the_policy_lag_the_defaults_learned_at_are_to
     3 actors x 4 envs for batches of 4 is 3 updates of lag at the least, within the 3.5 measured to learn; of 3, 4."""
     config = Config(env="CartPole-v1", num_actors=3, envs_per_actor=4, unroll_length=2, batch_size=batch_size,
                     hidden_size=8, disable_cuda=True, savedir=str(tmp_path), xpid="lag")
-    run = training.build(config)
-    try:
-        with caplog.at_level("INFO", logger="impala"):
-            training._log_start(run)
-    finally:
-        training.shutdown(run, save=False)
+    _start_lines(config, caplog)
     warning = ("3 actors x 4 envs act 12 unrolls at once for batches of 3: each is learned from at least 4.0 updates "
                "after its first action (stats/policy_lag), more than the 3.5 at which the defaults were measured to "
                "learn Pong; --batch_size 4 would keep it there (README: Speed)")
