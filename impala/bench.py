@@ -698,6 +698,15 @@ def add_fractions(row: dict[str, Any], limit: dict[str, Any] | None, env_limit: 
     return row
 
 
+def row_summary(row: dict[str, Any]) -> str:
+    """One end-to-end row in a line: its steps, wall time and rates, and its share of what its actors step alone."""
+    text = (f"{row.get('steps', 0):,} steps in {row.get('wall_s', 0.0):.1f} s, {row['steps_per_s']:,.0f} steps/s, "
+            f"{row['steps_per_cpu_s']:,.0f} steps/CPU-s")
+    if "fraction_of_actors_alone" in row:
+        text += f", {row['fraction_of_actors_alone']:.0%} of its actors alone"
+    return text if row["returncode"] == 0 else f"{text}; exited with {row['returncode']}"
+
+
 # --------------------------------------------------------------------------------------- the machine
 
 
@@ -870,9 +879,11 @@ def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> 
     if "e2e" in only:
         extra = shlex.split(args.extra)
         for variant in args.variants or [""]:  # one row per variant: the loop a sweep builds on
-            print(f"bench: end to end {variant.strip() or '(base flags)'}: {config.total_steps} steps ...", file=sys.stderr)
+            name = variant.strip() or "(base flags)"
+            print(f"bench: end to end {name}: {config.total_steps} steps ...", file=sys.stderr)
             rows.append(add_fractions(bench_end_to_end(config, extra + shlex.split(variant), variant.strip()),
                                       limit, env_limit, components.get("actors", {}).get("steps_per_s")))
+            print(f"bench: end to end {name}: {row_summary(rows[-1])}", file=sys.stderr)  # kept if a later row is cut off
     results["end_to_end"] = rows
     results["load_average_end"] = load_average()
     return results

@@ -10,7 +10,7 @@
 # its time to a mean of 18; $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|actors|pong|atari5]
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|actors|pong|pong_ab|atari5]
 #        [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -19,6 +19,21 @@ steps=${2:-1000000}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; lscpu; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$out/machine.txt" 2>&1
+# pong_for SECONDS NAME [FLAGS...]: the README's Pong command with FLAGS for SECONDS, in $runs/NAME; its out.log and
+# logs.csv to $out/NAME_out.log and NAME_logs.csv, and to $out/NAME.txt its first progress line with a mean of 18
+# or more (its elapsed time is the time to 18) and its median agent steps/s per interval.
+pong_for() {
+  local seconds=$1 name=$2
+  shift 2
+  rm -rf "${runs:?}/$name"
+  timeout "$seconds" python3 run.py --env PongNoFrameskip-v4 --savedir "$runs" --xpid "$name" "$@" > /dev/null 2>&1
+  cp "$runs/$name/out.log" "$out/${name}_out.log"; cp "$runs/$name/logs.csv" "$out/${name}_logs.csv"
+  { echo "$name ($*): first mean of 18 or more:"; grep -m1 -E "return (1[89]|2[01])\.[0-9]" "$runs/$name/out.log" || echo none
+    python3 -c "import csv, statistics, sys
+sps = [float(r['charts/SPS']) for r in csv.DictReader(open(sys.argv[1])) if r.get('charts/SPS')]
+print(f'median agent steps/s per interval {statistics.median(sps[2:] or sps):,.0f} over {len(sps)} intervals')" \
+      "$runs/$name/logs.csv"; } > "$out/$name.txt" 2>&1
+}
 # The issue's GPU targets in one call of under 10 minutes (a session's device time is 15 minutes, start included),
 # the most telling first: the correctness tests of the paths never run on a GPU before (page-locked slots, the
 # graphed update against the eager one, central inference); the learner alone, the actors alone together and the
@@ -30,21 +45,24 @@ if [ "$what" = targets ]; then
   timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider \
     -k "page_locked or straight_to_the_gpu or graphed_update_computes or central_inference_on_the_gpu or sampled_on_the_gpu" \
     > "$out/pytest_gpu.txt" 2>&1; echo "pytest rc $?" >> "$out/pytest_gpu.txt"
-  timeout 240 python3 -m impala.bench --num_actors auto --total_steps "${2:-500000}" --seconds 8 \
+  timeout 240 python3 -m impala.bench --num_actors auto --total_steps "${2:-300000}" --seconds 8 \
     --only env,learner,actors,e2e --variants "--inference actor " "--inference central " \
     --json "$out/targets.json" > "$out/targets.txt" 2>&1
-  rm -rf "$runs/pong"
   # shellcheck disable=SC2086  # $EXTRA is flags, split on purpose
-  timeout 200 python3 run.py --env PongNoFrameskip-v4 --savedir "$runs" --xpid pong ${EXTRA:-} > /dev/null 2>&1
-  cp "$runs/pong/out.log" "$out/pong_out.log"; cp "$runs/pong/logs.csv" "$out/pong_logs.csv"
-  { echo "first mean of 18 or more:"; grep -m1 -E "return (1[89]|2[01])\.[0-9]" "$runs/pong/out.log" || echo none
-    python3 -c "import csv, statistics, sys
-sps = [float(r['charts/SPS']) for r in csv.DictReader(open(sys.argv[1])) if r.get('charts/SPS')]
-print(f'median agent steps/s per interval {statistics.median(sps[2:] or sps):,.0f} over {len(sps)} intervals')" \
-      "$runs/pong/logs.csv"; } > "$out/pong.txt" 2>&1
+  pong_for 200 pong ${EXTRA:-}
   tail -n 4 "$out/pytest_gpu.txt"  # the bench's table without the JSON after it, or the end of a failed run
   if grep -q '^{' "$out/targets.txt"; then sed -n '1,/^{/p' "$out/targets.txt"; else tail -n 25 "$out/targets.txt"; fi
   cat "$out/pong.txt"
+  exit 0
+fi
+# The README's Pong command for 200 s each, as it is and with $EXTRA (e.g. EXTRA="--num_actors 15"), one after
+# the other in one call: each one's time to a mean of 18 and median agent steps/s.
+if [ "$what" = pong_ab ]; then
+  runs=${RUNS:-/tmp/gpu-runs}
+  pong_for 200 pong
+  # shellcheck disable=SC2086  # $EXTRA is flags, split on purpose
+  pong_for 200 pong_extra ${EXTRA:-}
+  cat "$out/pong.txt" "$out/pong_extra.txt"
   exit 0
 fi
 # The default settings in four parts, each within one 10-minute device call.
@@ -97,6 +115,7 @@ if [ "$what" = placement ]; then
   exit 0
 fi
 if [ "$what" = pong ]; then
+  # shellcheck disable=SC2086  # $EXTRA is flags, split on purpose
   timeout 420 python3 run.py --env PongNoFrameskip-v4 --savedir "$out/runs" --xpid pong ${EXTRA:-} > "$out/pong.txt" 2>&1
   timeout 120 python3 scripts/results.py pong --plot-only --savedir "$out/runs" --xpid pong >> "$out/pong.txt" 2>&1
   tail -n 8 "$out"/*.txt

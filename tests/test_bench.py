@@ -112,6 +112,7 @@ def test_a_rows_share_of_what_its_actors_step_alone_worked_by_hand() -> None:
                                                          "cpu_ms_per_step": 1.0, "what": "14 actors"}},
                                "ceiling": None, "end_to_end": [row]})
     assert "  80% of what 14 actors step alone together (15000 steps/s)" in text.splitlines()
+    assert bench.row_summary(row) == "300 steps in 1.0 s, 12,000 steps/s, 100 steps/CPU-s, 80% of its actors alone"
 
 
 def test_an_actor_that_fails_in_the_actors_component_fails_it_with_its_traceback() -> None:
@@ -293,12 +294,15 @@ def test_process_tree_reports_the_exit_code() -> None:
     assert usage.returncode == 3
 
 
-def test_variants_give_one_end_to_end_row_each(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_variants_give_one_end_to_end_row_each(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Each row is also printed in a line as it ends, so that a bench stopped in a later row keeps it."""
     calls = []
 
     def fake_end_to_end(config: object, extra: list[str], variant: str) -> dict:
         calls.append(extra)
-        return {"variant": variant, "returncode": 0, "steps_per_s": 1.0, "steps_per_cpu_s": 1.0}
+        return {"variant": variant, "returncode": 3 if "--no-amp" in extra else 0, "steps": 12000,
+                "wall_s": 2.5, "steps_per_s": 4800.0, "steps_per_cpu_s": 1234.4}
 
     monkeypatch.setattr(bench, "bench_end_to_end", fake_end_to_end)
     args, config, only = bench.parse_args(["--env", "CartPole-v1", "--only", "e2e", "--extra", "--seed 3",
@@ -310,6 +314,12 @@ def test_variants_give_one_end_to_end_row_each(monkeypatch: pytest.MonkeyPatch) 
     assert [row["variant"] for row in results["end_to_end"]] == ["", "--inference central --inference_wait_ms 2",
                                                                  "--no-amp"]
     assert results["ceiling"] is None and results["components"] == {}
+    done = [line for line in capsys.readouterr().err.splitlines() if line.endswith(("steps/CPU-s", "with 3"))]
+    assert done == ["bench: end to end (base flags): 12,000 steps in 2.5 s, 4,800 steps/s, 1,234 steps/CPU-s",
+                    "bench: end to end --inference central --inference_wait_ms 2: 12,000 steps in 2.5 s, "
+                    "4,800 steps/s, 1,234 steps/CPU-s",
+                    "bench: end to end --no-amp: 12,000 steps in 2.5 s, 4,800 steps/s, 1,234 steps/CPU-s; "
+                    "exited with 3"]
 
 
 def test_a_row_carries_what_the_run_logged(tmp_path: Path) -> None:
