@@ -889,16 +889,36 @@ def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> 
     return results
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, `docker stop`), raised where Ctrl-C raises KeyboardInterrupt, so that the same
+    code stops what the bench started: its end-to-end run (which then stops in order) and its actor processes."""
+
+
+def _raise_terminated(signum: int, frame: types.FrameType | None) -> None:
+    raise Terminated
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    try:
+        return _main(argv)
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         args, config, only = parse_args(argv)
         results = run_bench(args, config, only)
     except UserError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: the results so far went to stderr as they came
-        print("bench: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: the results so far went to stderr as they came
+        terminated = isinstance(exc, Terminated)
+        print("bench: stopped by SIGTERM" if terminated else "bench: interrupted", file=sys.stderr)
+        return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun rank 0 reports for all
     print(format_table(results))

@@ -146,6 +146,38 @@ def test_ctrl_c_while_the_actors_component_runs_ends_the_bench_in_one_line(tmp_p
     assert wait_until_gone(bench_run.pid) == []
 
 
+def test_sigterm_to_the_bench_alone_stops_its_end_to_end_run_and_leaves_nothing() -> None:
+    """`kill PID` (or `timeout`) on the bench while its end-to-end run trains: the run is stopped with it, not left
+    training on its own, its temporary savedir is removed, and the bench says so in one line, exit code 143."""
+    bench_run = subprocess.Popen(
+        [sys.executable, "-m", "impala.bench", "--env", "CartPole-v1", "--unroll_length", "5", "--only", "e2e",
+         "--total_steps", "100000000"],
+        cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        runs: list[int] = []
+        while not (runs and len(children(runs[0])) >= 2) and time.monotonic() < deadline:  # run.py and its actors
+            runs = [pid for pid in children(bench_run.pid)
+                    if b"run.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+            time.sleep(0.2)
+        argv = Path(f"/proc/{runs[0]}/cmdline").read_bytes().decode().split("\0")
+        savedir = Path(argv[argv.index("--savedir") + 1])
+        assert savedir.is_dir()
+        bench_run.send_signal(signal.SIGTERM)  # to the bench alone, not its process group
+        _, err = bench_run.communicate(timeout=60)
+    finally:
+        if bench_run.poll() is None:
+            os.killpg(bench_run.pid, signal.SIGKILL)
+        for pid in runs:  # a run the bench left behind, stopped as the bench should have stopped it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    assert bench_run.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "bench: stopped by SIGTERM", err
+    assert "Traceback" not in err
+    assert wait_until_gone(bench_run.pid) == []
+    assert not savedir.exists()
+
+
 @contextlib.contextmanager
 def _sigint_as_a_terminal_leaves_it() -> Iterator[None]:
     """SIGINT raising KeyboardInterrupt in this process, and at its default in the processes it starts inside, as
@@ -316,10 +348,10 @@ def test_variants_give_one_end_to_end_row_each(monkeypatch: pytest.MonkeyPatch,
     assert results["ceiling"] is None and results["components"] == {}
     done = [line for line in capsys.readouterr().err.splitlines() if line.endswith(("steps/CPU-s", "with 3"))]
     assert done == ["bench: end to end (base flags): 12,000 steps in 2.5 s, 4,800 steps/s, 1,234 steps/CPU-s",
-                    "bench: end to end --inference central --inference_wait_ms 2: 12,000 steps in 2.5 s, "
-                    "4,800 steps/s, 1,234 steps/CPU-s",
-                    "bench: end to end --no-amp: 12,000 steps in 2.5 s, 4,800 steps/s, 1,234 steps/CPU-s; "
-                    "exited with 3"]
+                    ("bench: end to end --inference central --inference_wait_ms 2: 12,000 steps in 2.5 s, "
+                     "4,800 steps/s, 1,234 steps/CPU-s"),
+                    ("bench: end to end --no-amp: 12,000 steps in 2.5 s, 4,800 steps/s, 1,234 steps/CPU-s; "
+                     "exited with 3")]
 
 
 def test_a_row_carries_what_the_run_logged(tmp_path: Path) -> None:
