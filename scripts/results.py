@@ -83,10 +83,21 @@ def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None,
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGINT)  # a stopped run writes its checkpoint and ends in order
         process.wait()
-    except KeyboardInterrupt:  # the terminal's Ctrl-C reached the run too: let it save before we stop
+    except KeyboardInterrupt as exc:  # the terminal's Ctrl-C reached the run too: let it save before we stop
+        if isinstance(exc, Terminated):  # SIGTERM may have come to this process alone: the run gets it too (a run
+            process.terminate()          # that had it already takes its first and ignores the second)
         process.wait()
         raise
     return process.returncode
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, `docker stop`), raised where Ctrl-C raises KeyboardInterrupt: the run is stopped
+    in order and waited for, and an Atari-5 session's record is written, as on Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
 
 
 def greedy_test(env: str, savedir: Path, xpid: str, episodes: int) -> tuple[float, str]:
@@ -532,4 +543,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt as stopped:  # the run saved its checkpoint; the same command resumes it
+        terminated = isinstance(stopped, Terminated)
+        print(f"results: stopped by {'SIGTERM' if terminated else 'Ctrl-C'}; the same command resumes the run",
+              file=sys.stderr)
+        sys.exit(128 + (signal.SIGTERM if terminated else signal.SIGINT))

@@ -3,16 +3,21 @@ of scripts/results.py on run directories written the way run.py writes them (no 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from process_helpers import children, wait_until_gone
 from torch.utils.tensorboard import SummaryWriter
 
 from impala import atari5
@@ -333,3 +338,33 @@ def test_a_kept_record_is_not_replaced_by_a_run_with_fewer_steps(tmp_path: Path,
     with pytest.raises(SystemExit) as exit_info:
         _main("pong", "--plot-only", "--keep", str(kept))
     assert exit_info.value.code == 2 and "--keep is for atari5 only" in capsys.readouterr().err
+
+
+def test_sigterm_to_the_script_alone_stops_its_run_in_order(tmp_path: Path) -> None:
+    """`kill PID` on scripts/results.py while its run trains: the run is stopped in order with it (checkpoint,
+    meta.json), not left training on its own; one line, exit code 143, no traceback."""
+    script = subprocess.Popen([sys.executable, "scripts/results.py", "cartpole", "--savedir", str(tmp_path),
+                               "--xpid", "c"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    runs: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        log = tmp_path / "c" / "out.log"
+        while not (log.is_file() and "Actor 1 started" in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        runs = [pid for pid in children(script.pid) if b"run.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert runs, "run.py never started its actors"
+        script.send_signal(signal.SIGTERM)  # to the script alone, not its process group
+        _, err = script.communicate(timeout=60)
+    finally:
+        if script.poll() is None:
+            os.killpg(script.pid, signal.SIGKILL)
+        for pid in runs:  # a run the script left behind, stopped as the script should have stopped it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    assert script.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "results: stopped by SIGTERM; the same command resumes the run", err
+    assert "Traceback" not in err
+    assert wait_until_gone(script.pid) == []
+    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
+    assert meta["end_reason"] == "terminated" and (tmp_path / "c" / "model.tar").is_file()
