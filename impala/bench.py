@@ -73,7 +73,7 @@ from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.actor_pool import keep_freed_memory
 from impala.buffers import BufferSpec, pin_observations, unpin_observations
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from impala.config import Config, UserError, add_flags, cpu_quota, to_flags
+from impala.config import Config, UserError, add_flags, cpu_quota, parse_config, to_flags
 from impala.environment import EnvBatch, probe_env
 from impala.learners import learner_threads, select_device
 from impala.model import CastTorso, Net, sample_actions, use_amp
@@ -848,6 +848,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
     config = Config(**{name: getattr(args, name) for name in CONFIG_FLAGS})
     if problems := config.validate():
         raise UserError("; ".join(problems))
+    if "e2e" in only:  # each run's flags checked as run.py checks them, before the first run rather than in its row
+        extra = shlex.split(args.extra)
+        for name, text, flags in [("--extra", args.extra, extra)] + [
+                ("--variants", variant, extra + shlex.split(variant)) for variant in args.variants or []]:
+            try:
+                parse_config(run_argv(config, "savedir", flags)[2:])
+            except UserError as exc:
+                raise UserError(f"{name} {text!r}: {exc}") from None
     return args, config, only
 
 

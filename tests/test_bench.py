@@ -296,9 +296,15 @@ def test_unknown_component_is_a_user_error(capsys: pytest.CaptureFixture) -> Non
     (["--extra", "--xpid 'a"], r"--extra \"--xpid 'a\": No closing quotation"),
     (["--variants", "", "--seed '3"], r"--variants \"--seed '3\": No closing quotation"),
     (["--json", "/nonexistent-dir/b.json"], r"--json /nonexistent-dir/b.json: its directory does not exist"),
+    # run.py's own flags, checked as run.py checks them before the first end-to-end run, not in their row later
+    (["--extra=--bogus"], r"--extra '--bogus': unrecognized arguments: --bogus"),
+    (["--variants", "", "--num_actors x"], r"--variants '--num_actors x': argument --num_actors: takes a number"),
+    (["--extra", "--unroll_length 2", "--variants", "", " --batch_size 0"],
+     r"--variants ' --batch_size 0': --batch_size must be >= 1, got 0"),
 ])
 def test_bad_bench_flags_are_one_line_before_anything_runs(
-        capsys: pytest.CaptureFixture, flags: list[str], pattern: str) -> None:
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, flags: list[str], pattern: str) -> None:
+    monkeypatch.setattr(bench, "bench_end_to_end", lambda *args: pytest.fail("a run started"))
     assert bench.main(["--only", "e2e", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("bench: error: ") and err.count("\n") == 1, err
