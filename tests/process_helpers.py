@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -172,6 +173,43 @@ def children(pid: int) -> list[int]:
         return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+
+
+def runs_started_by(pid: int) -> list[int]:
+    """The run.py processes that `pid` started."""
+    runs = []
+    for child in children(pid):
+        try:
+            if b"run.py" in Path(f"/proc/{child}/cmdline").read_bytes():
+                runs.append(child)
+        except OSError:
+            pass
+    return runs
+
+
+def sigterm_to_it_alone(launcher: subprocess.Popen, ready: Callable[[], bool]) -> tuple[str, list[str]]:
+    """Once `ready()`, SIGTERM to `launcher` (started in a session of its own, its stderr piped), a program that
+    starts run.py, and to it alone, as `kill PID` does: its stderr once it has exited, and the command line of the
+    run.py it had started. Whatever is still running at the end, the run.py included, is stopped."""
+    runs: list[int] = []
+    try:
+        deadline = time.monotonic() + 90
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        runs = runs_started_by(launcher.pid)
+        assert runs, "no run.py started"
+        argv = Path(f"/proc/{runs[0]}/cmdline").read_bytes().decode().split("\0")
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for pid in runs:  # a run left behind, stopped as the launcher should have stopped it
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    return err, argv
 
 
 def wait_until_gone(pgid: int, timeout: float = 30) -> list[int]:

@@ -3,21 +3,17 @@ of scripts/results.py on run directories written the way run.py writes them (no 
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import importlib.util
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from process_helpers import children, wait_until_gone
+from process_helpers import sigterm_to_it_alone, wait_until_gone
 from torch.utils.tensorboard import SummaryWriter
 
 from impala import atari5
@@ -346,22 +342,8 @@ def test_sigterm_to_the_script_alone_stops_its_run_in_order(tmp_path: Path) -> N
     script = subprocess.Popen([sys.executable, "scripts/results.py", "cartpole", "--savedir", str(tmp_path),
                                "--xpid", "c"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
-    runs: list[int] = []
-    try:
-        deadline = time.monotonic() + 90
-        log = tmp_path / "c" / "out.log"
-        while not (log.is_file() and "Actor 1 started" in log.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        runs = [pid for pid in children(script.pid) if b"run.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert runs, "run.py never started its actors"
-        script.send_signal(signal.SIGTERM)  # to the script alone, not its process group
-        _, err = script.communicate(timeout=60)
-    finally:
-        if script.poll() is None:
-            os.killpg(script.pid, signal.SIGKILL)
-        for pid in runs:  # a run the script left behind, stopped as the script should have stopped it
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+    log = tmp_path / "c" / "out.log"
+    err, _ = sigterm_to_it_alone(script, lambda: log.is_file() and "Actor 1 started" in log.read_text())
     assert script.returncode == 143, err
     assert err.strip().splitlines()[-1] == "results: stopped by SIGTERM; the same command resumes the run", err
     assert "Traceback" not in err

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from process_helpers import REPO_ROOT, children, wait_until_gone
+from process_helpers import REPO_ROOT, children, runs_started_by, sigterm_to_it_alone, wait_until_gone
 
 from impala import bench
 
@@ -153,29 +153,14 @@ def test_sigterm_to_the_bench_alone_stops_its_end_to_end_run_and_leaves_nothing(
         [sys.executable, "-m", "impala.bench", "--env", "CartPole-v1", "--unroll_length", "5", "--only", "e2e",
          "--total_steps", "100000000"],
         cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        runs: list[int] = []
-        while not (runs and len(children(runs[0])) >= 2) and time.monotonic() < deadline:  # run.py and its actors
-            runs = [pid for pid in children(bench_run.pid)
-                    if b"run.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-            time.sleep(0.2)
-        argv = Path(f"/proc/{runs[0]}/cmdline").read_bytes().decode().split("\0")
-        savedir = Path(argv[argv.index("--savedir") + 1])
-        assert savedir.is_dir()
-        bench_run.send_signal(signal.SIGTERM)  # to the bench alone, not its process group
-        _, err = bench_run.communicate(timeout=60)
-    finally:
-        if bench_run.poll() is None:
-            os.killpg(bench_run.pid, signal.SIGKILL)
-        for pid in runs:  # a run the bench left behind, stopped as the bench should have stopped it
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+    err, argv = sigterm_to_it_alone(  # once run.py has started its actors
+        bench_run, lambda: any(len(children(run)) >= 2 for run in runs_started_by(bench_run.pid)))
     assert bench_run.returncode == 143, err
     assert err.strip().splitlines()[-1] == "bench: stopped by SIGTERM", err
     assert "Traceback" not in err
     assert wait_until_gone(bench_run.pid) == []
-    assert not savedir.exists()
+    savedir = Path(argv[argv.index("--savedir") + 1])
+    assert savedir.name.startswith("impala-bench-") and not savedir.exists()
 
 
 @contextlib.contextmanager
