@@ -104,7 +104,10 @@ def greedy_test(env: str, savedir: Path, xpid: str, episodes: int) -> tuple[floa
     """Test mode's mean return and its line on the games' lengths ("Games lasted A-B agent steps ...")."""
     command = [sys.executable, "run.py", "--mode", "test", "--env", env, "--savedir", str(savedir), "--xpid", xpid,
                "--test_episodes", str(episodes)]
-    output = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:  # no checkpoint yet, for one: run.py's own line says why
+        raise SystemExit(f"results: the greedy test of {xpid} failed: {done.stderr.strip() or done.returncode}")
+    output = done.stdout
     match = re.search(r"Mean return over \d+ episodes: (-?[\d.]+)", output)
     lengths = re.search(r"^Games lasted .*$", output, re.MULTILINE)
     if match is None or lengths is None:
@@ -508,6 +511,8 @@ def main() -> int:
     if args.compare:
         if args.labels and len(args.labels) != len(args.compare):
             parser.error(f"--labels needs one label per run directory ({len(args.compare)})")
+        if missing := [str(run_dir) for run_dir in args.compare if not (run_dir / "meta.json").is_file()]:
+            parser.error(f"--compare: not a run directory (no meta.json): {' '.join(missing)}")
         for run_dir in args.compare:
             print(json.dumps(summary(run_dir)), flush=True)
         out = args.out or ROOT / "docs" / "results" / f"{args.experiment}_compare.png"
@@ -522,8 +527,14 @@ def main() -> int:
     rows = []
     for seed, xpid in enumerate(names):
         start = time.monotonic()
-        if not args.plot_only:
-            train(args.experiment, seed, args.savedir, xpid, args.minutes, run_flags)
+        code = None if args.plot_only else train(args.experiment, seed, args.savedir, xpid, args.minutes, run_flags)
+        if code in (2, 143):  # bad input, which run.py has named in its line; SIGTERM means stop
+            return code
+        if not (args.savedir / xpid / "meta.json").is_file():
+            if code is None:
+                parser.error(f"--plot-only: no run {xpid} in {args.savedir}; train it first")
+            print(f"results: run.py exited with {code} before it started run {xpid}", file=sys.stderr)
+            return code or 1
         row = summary(args.savedir / xpid)
         if not args.plot_only:
             row["process_wall_s"] = round(time.monotonic() - start, 1)

@@ -350,3 +350,10 @@ def test_sigterm_to_the_script_alone_stops_its_run_in_order(tmp_path: Path) -> N
     assert wait_until_gone(script.pid) == []
     meta = json.loads((tmp_path / "c" / "meta.json").read_text())
     assert meta["end_reason"] == "terminated" and (tmp_path / "c" / "model.tar").is_file()
+
+
+def test_a_greedy_test_that_fails_ends_the_script_with_run_pys_line(tmp_path: Path) -> None:
+    """Test mode refused (here: no run, so no checkpoint): the script ends with run.py's one line, no traceback."""
+    with pytest.raises(SystemExit) as stopped:
+        results.greedy_test("CartPole-v1", tmp_path, "never-trained", 1)
+    assert str(stopped.value).startswith("results: the greedy test of never-trained failed: run.py: error: ")

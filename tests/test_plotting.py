@@ -203,6 +203,25 @@ def test_results_script_compares_run_directories_of_different_savedirs(tmp_path:
     assert refused.returncode == 2 and "one label per run directory" in refused.stderr
 
 
+def test_results_script_without_a_run_to_read_says_so_in_a_line_and_exits_2(tmp_path: Path) -> None:
+    """A run that --plot-only or --compare names but that is not there, and a training run refused for its flags:
+    one line and exit code 2, not a traceback from reading a run directory that does not exist."""
+    (tmp_path / "empty").mkdir()
+    cases = [(["pong", "--plot-only", "--savedir", str(tmp_path), "--xpid", "missing"],
+              f"--plot-only: no run missing in {tmp_path}; train it first"),
+             (["pong", "--compare", str(tmp_path / "empty"), str(tmp_path / "nowhere")],
+              f"--compare: not a run directory (no meta.json): {tmp_path / 'empty'} {tmp_path / 'nowhere'}"),
+             (["cartpole", "--savedir", str(tmp_path), "--xpid", "refused", "--bogus", "3"],
+              "run.py: error: unrecognized arguments: --bogus 3")]
+    for argv, line in cases:
+        done = subprocess.run([sys.executable, "scripts/results.py", *argv], cwd=REPO, capture_output=True,
+                              text=True, timeout=120, check=False)
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines()[-1].endswith(line), done.stderr
+        assert "Traceback" not in done.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["empty"]  # nothing written
+
+
 def test_results_script_passes_unknown_flags_to_the_training_run(tmp_path: Path) -> None:
     """`scripts/results.py cartpole --total_steps N`: the run it starts trains to N and records the flag."""
     done = subprocess.run([sys.executable, "scripts/results.py", "cartpole", "--total_steps", "3000", "--savedir",
