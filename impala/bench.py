@@ -621,8 +621,11 @@ def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "
 
 
 # What the run itself logged, shown under its row: (CSV column, key in the row, how the rows combine, label,
-# format). A running total is the last row's; a per-interval figure is averaged over the run.
-LOGGED = (("stats/policy_lag", "mean_policy_lag", "mean", "mean policy lag", ".2f"),
+# format). A running total is the last row's; a per-interval figure is averaged over the run; the steady rate is
+# the median interval's after the first two (start-up: actors starting, the first batch), as a long run sees it.
+LOGGED = (("charts/SPS", "steady_steps_per_s", "steady", "median agent steps/s per interval after the first two",
+           ",.0f"),
+          ("stats/policy_lag", "mean_policy_lag", "mean", "mean policy lag", ".2f"),
           ("timing/wait_batch_ms", "wait_batch_ms", "mean", "learner ms per batch waiting for it", ".1f"),
           ("timing/host_to_device_ms", "host_to_device_ms", "mean", "learner ms per batch stacking and copying it", ".1f"),
           ("timing/stack_ms", "stack_ms", "mean", "of which stacking", ".1f"),
@@ -639,9 +642,10 @@ LOGGED = (("stats/policy_lag", "mean_policy_lag", "mean", "mean policy lag", ".2
 
 
 def run_scalars(run_dir: Path) -> dict[str, float]:
-    """What a run logged in its logs.csv (`LOGGED`): the means over its intervals of the policy lag, the
-    learner's time per update and the actors' shares of time, and with --ray the bytes per agent step and the
-    receiver's ms per unroll (running totals: the last row's); what is missing is left out."""
+    """What a run logged in its logs.csv (`LOGGED`): its median agent steps/s per interval after the first two, the
+    means over its intervals of the policy lag, the learner's time per update and the actors' shares of time, and
+    with --ray the bytes per agent step and the receiver's ms per unroll (running totals: the last row's); what is
+    missing is left out."""
     try:
         with open(run_dir / "logs.csv", newline="") as f:
             rows = list(csv.DictReader(f))
@@ -650,8 +654,14 @@ def run_scalars(run_dir: Path) -> dict[str, float]:
     found: dict[str, float] = {}
     for column, key, combine, _, _ in LOGGED:
         values = [float(row[column]) for row in rows if row.get(column)]
-        if values:
-            found[key] = sum(values) / len(values) if combine == "mean" else values[-1]
+        if not values:
+            continue
+        if combine == "mean":
+            found[key] = sum(values) / len(values)
+        elif combine == "steady":
+            found[key] = statistics.median(values[2:] or values)
+        else:
+            found[key] = values[-1]
     return found
 
 
@@ -695,15 +705,22 @@ def add_fractions(row: dict[str, Any], limit: dict[str, Any] | None, env_limit: 
         row["fraction_of_env_ceiling"] = row["steps_per_s"] / env_limit
     if actors_alone:
         row["fraction_of_actors_alone"] = row["steps_per_s"] / actors_alone
+        if "steady_steps_per_s" in row:
+            row["steady_fraction_of_actors_alone"] = row["steady_steps_per_s"] / actors_alone
     return row
 
 
 def row_summary(row: dict[str, Any]) -> str:
-    """One end-to-end row in a line: its steps, wall time and rates, and its share of what its actors step alone."""
-    text = (f"{row.get('steps', 0):,} steps in {row.get('wall_s', 0.0):.1f} s, {row['steps_per_s']:,.0f} steps/s, "
+    """One end-to-end row in a line: its steps, wall time and rates (and its steady rate, where the run logged one),
+    and its share of what its actors step alone."""
+    steady = (f" ({row['steady_steps_per_s']:,.0f} per interval after the first two)"
+              if "steady_steps_per_s" in row else "")
+    text = (f"{row.get('steps', 0):,} steps in {row.get('wall_s', 0.0):.1f} s, {row['steps_per_s']:,.0f} steps/s{steady}, "
             f"{row['steps_per_cpu_s']:,.0f} steps/CPU-s")
     if "fraction_of_actors_alone" in row:
         text += f", {row['fraction_of_actors_alone']:.0%} of its actors alone"
+        if "steady_fraction_of_actors_alone" in row:
+            text += f" ({row['steady_fraction_of_actors_alone']:.0%} after the first two intervals)"
     return text if row["returncode"] == 0 else f"{text}; exited with {row['returncode']}"
 
 
@@ -799,8 +816,10 @@ def format_table(results: dict[str, Any]) -> str:
                               f"({results['env_ceiling_steps_per_s']:.0f} steps/s)")
             if "fraction_of_actors_alone" in r:
                 actors = results["components"]["actors"]
-                shares.append(f"{r['fraction_of_actors_alone']:.0%} of what {actors['actors']} actors step alone "
-                              f"together ({actors['steps_per_s']:.0f} steps/s)")
+                steady = (f" ({r['steady_fraction_of_actors_alone']:.0%} in its intervals after the first two)"
+                          if "steady_fraction_of_actors_alone" in r else "")
+                shares.append(f"{r['fraction_of_actors_alone']:.0%}{steady} of what {actors['actors']} actors step "
+                              f"alone together ({actors['steps_per_s']:.0f} steps/s)")
             if shares:
                 lines.append(f"  {', '.join(shares)}")
             if logged:

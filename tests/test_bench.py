@@ -115,6 +115,31 @@ def test_a_rows_share_of_what_its_actors_step_alone_worked_by_hand() -> None:
     assert bench.row_summary(row) == "300 steps in 1.0 s, 12,000 steps/s, 100 steps/CPU-s, 80% of its actors alone"
 
 
+def test_a_rows_steady_rate_is_its_median_interval_after_the_first_two(tmp_path: Path) -> None:
+    """Start-up slows a short run's first intervals: the steady rate leaves the first two out, and its share of
+    what the actors step alone is given beside the whole run's."""
+    (tmp_path / "logs.csv").write_text("step,charts/SPS\n5,100\n10,200\n15,900\n20,1100\n25,1000\n30,\n")
+    assert bench.run_scalars(tmp_path) == {"steady_steps_per_s": 1000.0}  # median of 900, 1100, 1000
+    (tmp_path / "logs.csv").write_text("step,charts/SPS\n5,100\n10,300\n")
+    assert bench.run_scalars(tmp_path) == {"steady_steps_per_s": 200.0}  # two intervals only: all of them
+    row = bench.add_fractions({"variant": "", "returncode": 0, "steps": 6000, "wall_s": 10.0, "steps_per_s": 600.0,
+                               "steps_per_cpu_s": 300.0, "steady_steps_per_s": 1000.0}, None, None, 1250.0)
+    assert row["fraction_of_actors_alone"] == pytest.approx(0.48)
+    assert row["steady_fraction_of_actors_alone"] == pytest.approx(0.8)
+    assert bench.row_summary(row) == ("6,000 steps in 10.0 s, 600 steps/s (1,000 per interval after the first two), "
+                                      "300 steps/CPU-s, 48% of its actors alone (80% after the first two intervals)")
+    row.update({"cpu_s": 20.0, "peak_pss_mib": 10.0, "cpu_s_by_depth": [1.0], "monitor_cpu_s": 0.1, "cwd": ".",
+                "command": "run.py"})
+    text = bench.format_table({"machine": {"cpu": "x", "cores_usable": 16, "torch": "t", "device": "cpu"},
+                               "load_average_start": [0.0, 0.0, 0.0], "wall_provisional": False,
+                               "components": {"actors": {"actors": 14, "steps_per_s": 1250.0, "steps_per_cpu_s": 1.0,
+                                                         "cpu_ms_per_step": 1.0, "what": "14 actors"}},
+                               "ceiling": None, "end_to_end": [row]}).splitlines()
+    assert ("  48% (80% in its intervals after the first two) of what 14 actors step alone together (1250 steps/s)"
+            in text)
+    assert "  logged by the run: median agent steps/s per interval after the first two 1,000" in text
+
+
 def test_an_actor_that_fails_in_the_actors_component_fails_it_with_its_traceback() -> None:
     # Observations of 3 numbers for CartPole's 4: each actor's first forward fails; the others are let go.
     config = bench.Config(env="CartPole-v1", num_actors=2, unroll_length=5)
