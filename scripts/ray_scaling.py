@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import os
 import sys
@@ -51,13 +52,19 @@ def measure(kind: str, count: int, total_steps: int) -> dict[str, float | int | 
     with tempfile.TemporaryDirectory(prefix="impala-scaling-") as savedir:
         argv = [sys.executable, "run.py", *CARTPOLE, *actor_flags(kind, count), "--total_steps", str(total_steps),
                 "--savedir", savedir, "--xpid", "scaling"]
-        usage = measure_process_tree(argv, cwd=REPO_ROOT)
+        log = Path(savedir) / "output.log"
+        usage = measure_process_tree(argv, cwd=REPO_ROOT, log_path=log)
         sps = steady_sps(Path(savedir) / "scaling") if usage.returncode == 0 else 0.0
-    point = {"kind": kind, "actors": count, "returncode": usage.returncode, "steps_per_s": sps,
+        output = log.read_text(errors="replace").strip().splitlines()
+    point: dict[str, float | int | str] = {"kind": kind, "actors": count, "returncode": usage.returncode, "steps_per_s": sps,
              "steps_per_cpu_s": total_steps / usage.cpu_s if usage.cpu_s else 0.0, "wall_s": usage.wall_s,
              "cpu_s": usage.cpu_s, "command": " ".join(argv[1:])}
-    print(f"ray_scaling: {kind} x{count}: {sps:.0f} steps/s, {point['steps_per_cpu_s']:.0f} steps/CPU-s",
-          file=sys.stderr)
+    if usage.returncode != 0:
+        last = output[-1] if output else "no output"
+        print(f"ray_scaling: {kind} x{count}: run.py exited with {usage.returncode}: {last}", file=sys.stderr)
+    else:
+        print(f"ray_scaling: {kind} x{count}: {sps:.0f} steps/s, {point['steps_per_cpu_s']:.0f} steps/CPU-s",
+              file=sys.stderr)
     return point
 
 
@@ -85,16 +92,34 @@ def main() -> int:
     parser.add_argument("--total_steps", type=int, default=40_000)
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "docs" / "ray_scaling.png")
     args = parser.parse_args()
+    if min(args.actors) < 1 or args.total_steps < 1:
+        parser.error(f"--actors and --total_steps take numbers >= 1, got --actors {' '.join(map(str, args.actors))} "
+                     f"--total_steps {args.total_steps}")
+    formats = plt.figure().canvas.get_supported_filetypes()
+    if args.out.suffix.lstrip(".").lower() not in formats:
+        parser.error(f"--out {args.out}: name a figure file ({', '.join('.' + name for name in sorted(formats))})")
+    if not os.access(args.out.resolve().parent, os.W_OK):
+        parser.error(f"--out {args.out}: its directory does not exist or cannot be written")
+    if "ray" in args.kinds and importlib.util.find_spec("ray") is None:
+        parser.error("--kinds ray needs Ray (pip install -r requirements-ray.txt); --kinds local measures without it")
     load_start = load_average()
     points = [measure(kind, count, args.total_steps) for count in args.actors for kind in args.kinds]
+    if failed := [p for p in points if p["returncode"] != 0]:  # a figure of zeros would replace the last one
+        print(f"ray_scaling: {len(failed)} of {len(points)} runs failed (above); {args.out} left as it was",
+              file=sys.stderr)
+        return 1
     title = (f"CartPole, {ENVS} envs per actor process, {args.total_steps} steps per point\n"
              f"{os.cpu_count()} cores, load average {load_start[0]:.1f} at start")
-    plot(points, args.out, title)
-    args.out.with_suffix(".json").write_text(json.dumps({"load_average_start": load_start,
-                                                         "load_average_end": load_average(),
-                                                         "points": points}, indent=2) + "\n")
+    try:
+        plot(points, args.out, title)
+        args.out.with_suffix(".json").write_text(json.dumps({"load_average_start": load_start,
+                                                             "load_average_end": load_average(),
+                                                             "points": points}, indent=2) + "\n")
+    except OSError as exc:
+        print(f"ray_scaling: cannot write {exc.filename or args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     print(f"ray_scaling: wrote {args.out} and {args.out.with_suffix('.json')}", file=sys.stderr)
-    return 0 if all(p["returncode"] == 0 for p in points) else 1
+    return 0
 
 
 if __name__ == "__main__":
