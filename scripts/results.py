@@ -224,8 +224,10 @@ def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str,
         machine, start = machine_description(), time.monotonic()
         try:
             code = train("atari5", seed, args.savedir, xpid, args.minutes, run_flags, ["--env", env_id, *ATARI5_FLAGS])
-        finally:
+        finally:  # on Ctrl-C and SIGTERM too, once the run has stopped in order
             record_session(run_dir, time.monotonic() - start, state, machine)
+            if args.keep and (run_dir / "meta.json").is_file():  # a device call that ends here keeps the game so far
+                keep(args.keep, kept_record(run_dir, env_id, seed))
         if code in (2, 143):  # bad input fails every game alike; SIGTERM means stop
             raise SystemExit(code)
         if code not in (0, 130):  # 130: stopped by --minutes, resumable

@@ -357,3 +357,22 @@ def test_a_greedy_test_that_fails_ends_the_script_with_run_pys_line(tmp_path: Pa
     with pytest.raises(SystemExit) as stopped:
         results.greedy_test("CartPole-v1", tmp_path, "never-trained", 1)
     assert str(stopped.value).startswith("results: the greedy test of never-trained failed: run.py: error: ")
+
+
+def test_sigterm_to_an_atari5_session_records_it_and_keeps_the_game_so_far(tmp_path: Path) -> None:
+    """A device call's `timeout` ending an Atari-5 session: the session is recorded in the run's atari5.json and,
+    with --keep, the game's record is kept as it stands, once the run has stopped in order."""
+    kept = tmp_path / "kept"
+    script = subprocess.Popen([sys.executable, "scripts/results.py", "atari5", "--games", "Phoenix", "--savedir",
+                               str(tmp_path), "--keep", str(kept), "--num_actors", "1", "--envs_per_actor", "2",
+                               "--unroll_length", "5", "--batch_size", "2", "--disable_cuda", "--log_interval_s", "1"],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    logs = tmp_path / "atari5-Phoenix" / "logs.csv"  # a row: it has learned
+    err, _ = sigterm_to_it_alone(script, lambda: logs.is_file() and len(logs.read_text().splitlines()) >= 2)
+    assert script.returncode == 143, err
+    session, = json.loads((tmp_path / "atari5-Phoenix" / results.ATARI5_RECORD).read_text())["sessions"]
+    meta = json.loads((tmp_path / "atari5-Phoenix" / "meta.json").read_text())
+    assert meta["end_reason"] == "terminated" and session["final_step"] == meta["final_step"] > 0
+    record = json.loads((kept / "atari5-Phoenix.json").read_text())
+    assert (record["env"], record["final_step"]) == (PHX, meta["final_step"])
