@@ -336,22 +336,6 @@ def test_a_kept_record_is_not_replaced_by_a_run_with_fewer_steps(tmp_path: Path,
     assert exit_info.value.code == 2 and "--keep is for atari5 only" in capsys.readouterr().err
 
 
-def test_sigterm_to_the_script_alone_stops_its_run_in_order(tmp_path: Path) -> None:
-    """`kill PID` on scripts/results.py while its run trains: the run is stopped in order with it (checkpoint,
-    meta.json), not left training on its own; one line, exit code 143, no traceback."""
-    script = subprocess.Popen([sys.executable, "scripts/results.py", "cartpole", "--savedir", str(tmp_path),
-                               "--xpid", "c"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True)
-    log = tmp_path / "c" / "out.log"
-    err, _ = sigterm_to_it_alone(script, lambda: log.is_file() and "Actor 1 started" in log.read_text())
-    assert script.returncode == 143, err
-    assert err.strip().splitlines()[-1] == "results: stopped by SIGTERM; the same command resumes the run", err
-    assert "Traceback" not in err
-    assert wait_until_gone(script.pid) == []
-    meta = json.loads((tmp_path / "c" / "meta.json").read_text())
-    assert meta["end_reason"] == "terminated" and (tmp_path / "c" / "model.tar").is_file()
-
-
 def test_a_greedy_test_that_fails_ends_the_script_with_run_pys_line(tmp_path: Path) -> None:
     """Test mode refused (here: no run, so no checkpoint): the script ends with run.py's one line, no traceback."""
     with pytest.raises(SystemExit) as stopped:
@@ -359,9 +343,10 @@ def test_a_greedy_test_that_fails_ends_the_script_with_run_pys_line(tmp_path: Pa
     assert str(stopped.value).startswith("results: the greedy test of never-trained failed: run.py: error: ")
 
 
-def test_sigterm_to_an_atari5_session_records_it_and_keeps_the_game_so_far(tmp_path: Path) -> None:
-    """A device call's `timeout` ending an Atari-5 session: the session is recorded in the run's atari5.json and,
-    with --keep, the game's record is kept as it stands, once the run has stopped in order."""
+def test_sigterm_to_the_script_alone_stops_its_run_in_order_and_keeps_the_atari5_session(tmp_path: Path) -> None:
+    """`kill PID` on scripts/results.py (or a device call's `timeout`) while an Atari-5 game trains: the run is
+    stopped in order with it (checkpoint, meta.json), not left training on its own; the session is recorded in the
+    run's atari5.json and, with --keep, the game's record is kept as it stands; one line, exit code 143."""
     kept = tmp_path / "kept"
     script = subprocess.Popen([sys.executable, "scripts/results.py", "atari5", "--games", "Phoenix", "--savedir",
                                str(tmp_path), "--keep", str(kept), "--num_actors", "1", "--envs_per_actor", "2",
@@ -371,6 +356,10 @@ def test_sigterm_to_an_atari5_session_records_it_and_keeps_the_game_so_far(tmp_p
     logs = tmp_path / "atari5-Phoenix" / "logs.csv"  # a row: it has learned
     err, _ = sigterm_to_it_alone(script, lambda: logs.is_file() and len(logs.read_text().splitlines()) >= 2)
     assert script.returncode == 143, err
+    assert err.strip().splitlines()[-1] == "results: stopped by SIGTERM; the same command resumes the run", err
+    assert "Traceback" not in err
+    assert wait_until_gone(script.pid) == []
+    assert (tmp_path / "atari5-Phoenix" / "model.tar").is_file()
     session, = json.loads((tmp_path / "atari5-Phoenix" / results.ATARI5_RECORD).read_text())["sessions"]
     meta = json.loads((tmp_path / "atari5-Phoenix" / "meta.json").read_text())
     assert meta["end_reason"] == "terminated" and session["final_step"] == meta["final_step"] > 0
