@@ -78,6 +78,7 @@ from impala.environment import EnvBatch, probe_env
 from impala.learners import learner_threads, select_device
 from impala.model import CastTorso, Net, sample_actions, use_amp
 from impala.seeding import first_life
+from impala.stopping import Terminated, sigterm_as_ctrl_c
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPONENTS = ("env", "inference", "learner", "actor", "actors", "e2e")
@@ -916,23 +917,9 @@ def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> 
     return results
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (`kill`, `timeout`, `docker stop`), raised where Ctrl-C raises KeyboardInterrupt, so that the same
-    code stops what the bench started: its end-to-end run (which then stops in order) and its actor processes."""
-
-
-def _raise_terminated(signum: int, frame: types.FrameType | None) -> None:
-    raise Terminated
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
-    try:
+    with sigterm_as_ctrl_c():
         return _main(argv)
-    finally:
-        if in_main_thread:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -12,12 +12,16 @@ reads it on every pass, and each stops in order from where it stands:
 
 The run's children (actors, the evaluator, the fork server) ignore all three: the main process stops
 them (`actor_pool.start_process`). This module creates no process, thread or lock.
+
+The programs that start runs (the bench, scripts/results.py) take SIGTERM as Ctrl-C instead
+(`sigterm_as_ctrl_c`): it stops what they started, each run then stopping in order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import signal
+import threading
 from collections.abc import Iterator
 from types import FrameType
 
@@ -90,3 +94,27 @@ def stop_requests() -> Iterator[StopRequests]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, `timeout`, `docker stop`) to a program that starts runs (the bench, scripts/results.py),
+    raised where Ctrl-C raises KeyboardInterrupt, so that the code that stops its runs and children on Ctrl-C
+    stops them on SIGTERM too. Not for a run itself, whose handler never raises (above)."""
+
+
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c() -> Iterator[None]:
+    """Raise Terminated on SIGTERM inside, then put back the handler that was there. Outside the main thread,
+    where no handler can be installed, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

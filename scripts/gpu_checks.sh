@@ -21,7 +21,8 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; lscpu; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$out/machine.txt" 2>&1
 # pong_for SECONDS NAME [FLAGS...]: the README's Pong command with FLAGS for SECONDS, in $runs/NAME; its out.log and
 # logs.csv to $out/NAME_out.log and NAME_logs.csv, and to $out/NAME.txt its first progress line with a mean of 18
-# or more (its elapsed time is the time to 18) and its median agent steps/s per interval.
+# or more (its elapsed time is the time to 18) and its median agent steps/s per interval after the first two
+# (the bench's steady rate).
 pong_for() {
   local seconds=$1 name=$2
   shift 2
@@ -29,10 +30,9 @@ pong_for() {
   timeout "$seconds" python3 run.py --env PongNoFrameskip-v4 --savedir "$runs" --xpid "$name" "$@" > /dev/null 2>&1
   cp "$runs/$name/out.log" "$out/${name}_out.log"; cp "$runs/$name/logs.csv" "$out/${name}_logs.csv"
   { echo "$name ($*): first mean of 18 or more:"; grep -m1 -E "return (1[89]|2[01])\.[0-9]" "$runs/$name/out.log" || echo none
-    python3 -c "import csv, statistics, sys
-sps = [float(r['charts/SPS']) for r in csv.DictReader(open(sys.argv[1])) if r.get('charts/SPS')]
-print(f'median agent steps/s per interval {statistics.median(sps[2:] or sps):,.0f} over {len(sps)} intervals')" \
-      "$runs/$name/logs.csv"; } > "$out/$name.txt" 2>&1
+    python3 -c "import sys; from pathlib import Path; from impala.bench import run_scalars
+print(f'median agent steps/s per interval after the first two {run_scalars(Path(sys.argv[1]))[\"steady_steps_per_s\"]:,.0f}')" \
+      "$runs/$name"; } > "$out/$name.txt" 2>&1
 }
 # The issue's GPU targets in one call of under 10 minutes (a session's device time is 15 minutes, start included),
 # the most telling first: the correctness tests of the paths never run on a GPU before (page-locked slots, the

@@ -24,6 +24,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.backend_bases import FigureCanvasBase
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
@@ -95,7 +96,7 @@ def main() -> int:
     if min(args.actors) < 1 or args.total_steps < 1:
         parser.error(f"--actors and --total_steps take numbers >= 1, got --actors {' '.join(map(str, args.actors))} "
                      f"--total_steps {args.total_steps}")
-    formats = plt.figure().canvas.get_supported_filetypes()
+    formats = FigureCanvasBase.get_supported_filetypes()
     if args.out.suffix.lstrip(".").lower() not in formats:
         parser.error(f"--out {args.out}: name a figure file ({', '.join('.' + name for name in sorted(formats))})")
     if not os.access(args.out.resolve().parent, os.W_OK):

@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from impala import atari5  # the repository root is on the path only now
 from impala.plotting import CSV_RETURN_COLUMN, smooth
+from impala.stopping import Terminated, sigterm_as_ctrl_c
 
 # The commands behind the results; flags not named here are run.py's defaults.
 EXPERIMENTS = {
@@ -89,15 +90,6 @@ def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None,
         process.wait()
         raise
     return process.returncode
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (`kill`, `timeout`, `docker stop`), raised where Ctrl-C raises KeyboardInterrupt: the run is stopped
-    in order and waited for, and an Atari-5 session's record is written, as on Ctrl-C."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise Terminated
 
 
 def greedy_test(env: str, savedir: Path, xpid: str, episodes: int) -> tuple[float, str]:
@@ -556,9 +548,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        sys.exit(main())
+        with sigterm_as_ctrl_c():
+            sys.exit(main())
     except KeyboardInterrupt as stopped:  # the run saved its checkpoint; the same command resumes it
         terminated = isinstance(stopped, Terminated)
         print(f"results: stopped by {'SIGTERM' if terminated else 'Ctrl-C'}; the same command resumes the run",
