@@ -373,7 +373,8 @@ def _update_steps(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str,
     elif config.policy_loss == "ppo" and config.advantage_norm == "batch" and parts > 1:
         with _autocast(device.type, amp, cache):
             moments = batch_advantage_moments(model, batch, core_state, config, reducer)
-    totals: dict[str, torch.Tensor] = {}
+    names: list[str] = []
+    sums: torch.Tensor | None = None  # the steps' stats side by side, summed as they come: two kernels a step
     for order in orders:
         for columns in torch.tensor_split(order, parts):  # near-equal parts, sizes differing by at most one
             if samples:  # steps along the first axis; no LSTM state
@@ -383,12 +384,13 @@ def _update_steps(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str,
             else:
                 part = {k: v.index_select(1, columns) for k, v in batch.items()}
                 part_state = tuple(s.index_select(1, columns) for s in core_state)
-            for key, value in _step(model, optimizer, part, part_state, config, amp, reducer, loss_fn,
-                                    moments, skip_all).items():
-                # A copy to start with: a CUDA-graphed loss writes its outputs over at the next step.
-                totals[key] = totals[key] + value if key in totals else value.clone()
-    names = list(totals)
-    return names, torch.stack([totals[name] for name in names])
+            stats = _step(model, optimizer, part, part_state, config, amp, reducer, loss_fn, moments, skip_all)
+            names = list(stats)
+            # A copy either way: a CUDA-graphed loss writes its outputs over at the next step.
+            stacked = torch.stack(list(stats.values()))
+            sums = stacked if sums is None else sums + stacked
+    assert sums is not None  # every update makes at least one step
+    return names, sums
 
 
 def gradient_steps(units: int, config: Config) -> int:
@@ -551,7 +553,8 @@ def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.T
         reducer.reduce(model, loss)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_norm_clipping)
     stats["grad_norm"] = grad_norm.detach()
-    not_finite = (~(torch.isfinite(stats["total_loss"]) & torch.isfinite(stats["grad_norm"]))).float()
+    # One test of both: a sum is finite only where both are (a NaN or an infinity in either carries over).
+    not_finite = (~torch.isfinite(stats["total_loss"].float() + stats["grad_norm"].float())).float()
     stats = {k: v.float() for k, v in stats.items()}
     stats["skipped"] = not_finite
     if _skips_on_device(optimizer):

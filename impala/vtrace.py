@@ -119,16 +119,19 @@ def from_logits(
     )
 
 
+# On a GPU, up to this many elements in [T, T, B], `discounted_sums` forms its sums from a matrix of discount products
+# (a few kernels, whatever T); beyond it (long unrolls: the matrix grows as T squared) and on the CPU it scans by doubling.
+MATRIX_ELEMENTS = 1 << 22
+
+
 def discounted_sums(deltas: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
     """``acc_t = deltas_t + coefficients_t * acc_{t+1}`` with ``acc_T = 0``, for every t at once.
 
-    A scan by doubling: before the round with ``span`` (1, 2, 4, ...), ``acc_t`` holds the recursion's sum
-    over the window of steps ``t .. t + span - 1`` and ``factor_t`` the product of the coefficients over
-    it; the round joins every window with the one after it, doubling the span. ceil(log2 T) rounds of a
-    few whole-tensor operations, where a loop over t launches a few per time step: 5 rounds for T = 32,
-    7 for T = 80.
-    Nothing is divided, so a zero coefficient (an episode end) cuts exactly. Equal to the loop to float
-    rounding (tests/test_vtrace.py keeps the loop as the reference).
+    Two ways, equal to the loop to float rounding (tests/test_vtrace.py keeps the loop as the reference), and
+    neither divides, so a zero coefficient (an episode end) cuts exactly. On a GPU, where a learner's gradient step
+    is bound by the number of kernels it launches rather than by their arithmetic, `_matrix_sums` (about ten kernels
+    whatever T); on the CPU, where the arithmetic is the cost, `_doubling_sums` (some 25 operations for T = 32, on
+    T x B elements each). The choice is `as_matrix`'s.
 
     Args:
         deltas: [T, B].
@@ -137,6 +140,31 @@ def discounted_sums(deltas: torch.Tensor, coefficients: torch.Tensor) -> torch.T
     Returns:
         [T, B] ``acc``.
     """
+    return _matrix_sums(deltas, coefficients) if as_matrix(deltas) else _doubling_sums(deltas, coefficients)
+
+
+def as_matrix(deltas: torch.Tensor) -> bool:
+    """Whether `discounted_sums` uses `_matrix_sums` for `deltas` [T, B]: off the CPU, up to `MATRIX_ELEMENTS`."""
+    steps = deltas.shape[0]
+    return deltas.device.type != "cpu" and steps * steps * deltas[0].numel() <= MATRIX_ELEMENTS
+
+
+def _matrix_sums(deltas: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """`discounted_sums` written out: ``acc_t = sum_{s >= t} w_{t,s} deltas_s``, with the weights
+    ``w_{t,s} = coefficients_t ... coefficients_{s-1}`` (1 for s = t) [T, T, B] from one cumulative product along s."""
+    steps = deltas.shape[0]
+    ahead = torch.ones(steps, steps, dtype=torch.bool, device=deltas.device).triu()[..., None]  # [t, s, 1]: s >= t
+    # [t, s]: coefficients_t ... coefficients_s along s >= t, 1 before t; then shifted one step later
+    products = torch.where(ahead, coefficients[None], 1.0).cumprod(1)
+    weights = F.pad(products[:, :-1], (0, 0, 1, 0), value=1.0)
+    return torch.where(ahead, weights * deltas[None], 0.0).sum(1)
+
+
+def _doubling_sums(deltas: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
+    """`discounted_sums` as a scan by doubling, for long unrolls: before the round with ``span`` (1, 2, 4, ...),
+    ``acc_t`` holds the recursion's sum over the window of steps ``t .. t + span - 1`` and ``factor_t`` the product
+    of the coefficients over it; the round joins every window with the one after it, doubling the span.
+    ceil(log2 T) rounds of a few whole-tensor operations, with memory linear in T."""
     acc, factor = deltas, coefficients
     span = 1
     while span < deltas.shape[0]:

@@ -17,7 +17,7 @@ import pytest
 import torch
 from process_helpers import IMPALA_RULE
 
-from impala import learner
+from impala import learner, vtrace
 from impala.buffers import BufferSpec, create_buffers, pin_observations, unpin_observations
 from impala.config import Config
 from impala.model import FlatWeights, Net, sample_actions, use_amp
@@ -365,3 +365,18 @@ def test_a_graphed_gpu_learner_gives_every_env_two_unrolls_of_slots(tmp_path, gr
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     # graphed, 2 x 3 x 2 = 12; eager, the fewest that cannot deadlock, 3 x 2 + 2 = 8 (as on the CPU)
     assert f"3 actors x 2 envs, {slots} slots, T=5, B=2, device cuda" in result.stdout
+
+
+def test_discounted_sums_on_the_gpu_are_the_matrix_and_equal_the_cpus():
+    """On a GPU V-trace's sums come from the matrix of discount products (`vtrace.as_matrix`), at the learner's shapes
+    and an episode end in every column; the CPU's scan by doubling is the reference (tests/test_vtrace.py holds it to
+    the loop)."""
+    generator = torch.Generator().manual_seed(3)
+    for steps, batch in ((32, 4), (32, 32), (80, 32)):
+        deltas = torch.randn(steps, batch, generator=generator)
+        coefficients = 0.99 * torch.rand(steps, batch, generator=generator)
+        coefficients[steps // 2] = 0.0
+        on_gpu = deltas.cuda()
+        assert vtrace.as_matrix(on_gpu)
+        torch.testing.assert_close(vtrace.discounted_sums(on_gpu, coefficients.cuda()).cpu(),
+                                   vtrace.discounted_sums(deltas, coefficients), rtol=0, atol=1e-5)

@@ -20,6 +20,7 @@ backward recursion in the implementation.
 """
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -355,9 +356,12 @@ def loop_discounted_sums(deltas: torch.Tensor, coefficients: torch.Tensor) -> to
     return out
 
 
+@pytest.mark.parametrize("sums", [vtrace._matrix_sums, vtrace._doubling_sums], ids=["matrix", "doubling"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("num_steps", [1, 2, 32, 80, 200])
-def test_closed_form_sums_equal_the_recursion(num_steps: int, dtype: torch.dtype) -> None:
+def test_closed_form_sums_equal_the_recursion(num_steps: int, dtype: torch.dtype, sums: Callable[..., torch.Tensor]
+                                              ) -> None:
+    """Both ways `discounted_sums` forms the sums: from a matrix of discount products (on a GPU), and by doubling."""
     generator = torch.Generator().manual_seed(num_steps)
     batch = 64
     deltas = torch.randn(num_steps, batch, generator=generator, dtype=dtype) * 3
@@ -366,22 +370,34 @@ def test_closed_form_sums_equal_the_recursion(num_steps: int, dtype: torch.dtype
     coefficients = 0.99 * rhos.clamp(max=1.0)
     coefficients[torch.rand(num_steps, batch, generator=generator) < 0.05] = 0.0
     coefficients[:, 0] = 0.99  # one column that never ends: the longest products
-    out = vtrace.discounted_sums(deltas, coefficients)
+    out = sums(deltas, coefficients)
     assert out.dtype == dtype and out.shape == (num_steps, batch)
     torch.testing.assert_close(out, loop_discounted_sums(deltas, coefficients), rtol=0, atol=1e-5)
 
 
-def test_closed_form_sums_by_hand() -> None:
+def test_the_sums_are_a_matrix_off_the_cpu_up_to_its_size_and_a_scan_by_doubling_on_it() -> None:
+    assert vtrace.as_matrix(torch.empty(80, 32, device="meta"))  # 204,800 elements
+    assert not vtrace.as_matrix(torch.empty(80, 32))
+    steps = int(vtrace.MATRIX_ELEMENTS ** 0.5)
+    assert vtrace.as_matrix(torch.empty(steps, 1, device="meta"))
+    assert not vtrace.as_matrix(torch.empty(steps + 1, 1, device="meta"))
+
+
+@pytest.mark.parametrize("sums", [vtrace._matrix_sums, vtrace._doubling_sums], ids=["matrix", "doubling"])
+def test_closed_form_sums_by_hand(sums: Callable[..., torch.Tensor]) -> None:
     deltas = torch.tensor([[1.0], [2.0], [3.0], [4.0]])
     coefficients = torch.tensor([[0.5], [0.0], [0.5], [0.5]])  # the trace is cut after t = 1
     # acc_3 = 4; acc_2 = 3 + 0.5 * 4 = 5; acc_1 = 2 + 0 * 5 = 2; acc_0 = 1 + 0.5 * 2 = 2
-    torch.testing.assert_close(vtrace.discounted_sums(deltas, coefficients),
-                               torch.tensor([[2.0], [2.0], [5.0], [4.0]]), rtol=0, atol=0)
+    torch.testing.assert_close(sums(deltas, coefficients), torch.tensor([[2.0], [2.0], [5.0], [4.0]]), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("matrix", [True, False], ids=["matrix", "doubling"])
 @pytest.mark.parametrize("lambda_", [1.0, 0.95])
-def test_from_importance_weights_equals_the_loop_at_learner_shapes(lambda_: float) -> None:
-    """float32 at the learner's shapes ([T=80, B=32]), against the recursion written out in the test."""
+def test_from_importance_weights_equals_the_loop_at_learner_shapes(lambda_: float, matrix: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """float32 at the learner's shapes ([T=80, B=32]), against the recursion written out in the test, with the sums
+    as a GPU forms them and as the CPU does."""
+    monkeypatch.setattr(vtrace, "as_matrix", lambda deltas: matrix)
     generator = torch.Generator().manual_seed(7)
     num_steps, batch = 80, 32
     log_rhos = torch.empty(num_steps, batch).uniform_(-2, 1, generator=generator)
