@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from impala import distributed, learner
 from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
@@ -113,6 +114,31 @@ class Rate:
         return {"steps": self.steps, "wall_s": self.wall_s, "cpu_s": self.cpu_s,
                 "steps_per_s": self.steps / self.wall_s, "steps_per_cpu_s": self.steps / self.cpu_s,
                 "cpu_ms_per_step": 1000.0 * self.cpu_s / self.steps}
+
+
+class DispatchCount(TorchDispatchMode):
+    """Counts the tensor operations dispatched below autograd, views left out, while it is entered: on a GPU each
+    launches about one kernel, so that a learner bound by launching work (an eager update, or a CUDA graph of many
+    small kernels) costs in proportion to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not func.is_view:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def operations_per_gradient_step(model: Net, optimizer: torch.optim.Optimizer,
+                                 scheduler: torch.optim.lr_scheduler.LRScheduler, batch: dict[str, torch.Tensor],
+                                 core_state: tuple[torch.Tensor, ...], config: Config, amp: bool) -> float:
+    """The operations (`DispatchCount`) of one eager `learner.update` of `batch`, per gradient step: what a CUDA
+    graph of the update replays, without `--compile`'s fusions. The update is applied."""
+    with DispatchCount() as dispatched:
+        learner.update(model, optimizer, scheduler, batch, core_state, config, amp)
+    return dispatched.count / learner.gradient_steps(learner.minibatch_units(batch, config), config)
 
 
 def timed_loop(step: Callable[[], int], seconds: float, lockstep: bool = False) -> Rate:
@@ -289,6 +315,11 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
 
         with gpu_busy(_cuda_index(device)) as busy:  # the warm-up's 10% included
             rate = timed_loop(step, seconds, lockstep=coordinator is not None)
+        operations = {}
+        if coordinator is None:  # counted after the timing: the ranks' all-reduces are left out of it
+            staging.fill(buffers, slots)
+            operations["operations_per_gradient_step"] = operations_per_gradient_step(
+                model, optimizer, scheduler, *staging.to(device), config, amp)
         if pinned:
             unpin_observations(buffers, device)
         distributed.leave(coordinator)
@@ -304,7 +335,7 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
             # stacking B slots, their copy to the device (started; observations copied straight from page-locked
             # slots are read by then), and the update until its stats are read.
             "median_ms_per_batch": {name: statistics.median(times) for name, times in phases_ms.items()},
-            **rate.to_dict(), **busy}
+            **operations, **rate.to_dict(), **busy}
 
 
 def _cuda_index(device: torch.device) -> int | None:
@@ -786,6 +817,8 @@ def format_table(results: dict[str, Any]) -> str:
             detail += f", GPU busy {c['gpu_busy']:.0%}" if "gpu_busy" in c else ""
             if "median_ms_per_batch" in c:
                 detail += "; ms per batch: " + ", ".join(f"{name} {ms:.1f}" for name, ms in c["median_ms_per_batch"].items())
+            if "operations_per_gradient_step" in c:
+                detail += f"; {c['operations_per_gradient_step']:.0f} operations per gradient step (eager)"
             lines.append(f"{name:<10} {c['steps_per_s']:>10.0f} {c['steps_per_cpu_s']:>12.0f} "
                          f"{c['cpu_ms_per_step']:>12.3f}  {detail}")
     if (limit := results["ceiling"]) is not None:

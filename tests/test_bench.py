@@ -20,7 +20,9 @@ import pytest
 import torch
 from process_helpers import REPO_ROOT, children, runs_started_by, sigterm_to_it_alone, wait_until_gone
 
-from impala import bench
+from impala import bench, learner, vtrace
+from impala.config import Config
+from impala.model import Net
 
 RATE_KEYS = {"steps", "wall_s", "cpu_s", "steps_per_s", "steps_per_cpu_s", "cpu_ms_per_step"}
 
@@ -51,6 +53,7 @@ def test_micro_benchmarks_report_every_component_with_consistent_rates(micro_res
     assert set(shares) == {"slot_wait", "policy", "env", "write"} and sum(shares.values()) == pytest.approx(1)
     assert shares["policy"] > 0 and shares["env"] > 0
     assert components["learner"]["steps"] % (5 * 8) == 0  # T * B per update
+    assert components["learner"]["operations_per_gradient_step"] > 50  # forward, losses, backward, Adam
     phases = components["learner"]["median_ms_per_batch"]  # stack, copy, update: within one call's wall time
     assert set(phases) == {"stack", "copy", "update"} and all(ms >= 0 for ms in phases.values())
     assert phases["update"] > 0 and sum(phases.values()) < 1000.0 * components["learner"]["wall_s"]
@@ -64,6 +67,31 @@ def test_micro_benchmarks_report_every_component_with_consistent_rates(micro_res
     machine = micro_results["machine"]
     assert machine["cores_usable"] >= 1 and machine["cpu"] and machine["torch"] == torch.__version__
     assert len(micro_results["load_average_start"]) == 3
+
+
+def _operations_per_gradient_step(unroll_length: int) -> float:
+    """The bench's count for the default rule (PPO, 2 passes x min(8, B) minibatches) on CartPole's MLP, B = 4."""
+    config = Config(env="CartPole-v1", unroll_length=unroll_length, batch_size=4, disable_cuda=True)
+    shape = bench.EnvShape((4,), torch.float32, 2, "mlp")
+    model = Net(shape.observation_shape, shape.num_actions, "mlp", False, 8)
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    slots = bench._synthetic_slots(config, shape, model)
+    staging = learner.BatchStaging(slots, config.batch_size, pin=False)
+    staging.fill(slots, list(range(config.batch_size)))
+    batch, core_state = staging.to(torch.device("cpu"))
+    learner.update(model, optimizer, scheduler, batch, core_state, config)  # the optimiser's state, made once
+    return bench.operations_per_gradient_step(model, optimizer, scheduler, batch, core_state, config, amp=False)
+
+
+def test_a_gradient_step_launches_as_many_operations_for_any_unroll_length_with_the_gpus_sums(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What keeps a GPU learner from being bound by launches as T grows: with V-trace's sums as a GPU forms them
+    (`vtrace.as_matrix`), no operation of a gradient step is repeated per time step; the CPU's scan by doubling
+    adds a round of a few operations each time T doubles."""
+    monkeypatch.setattr(vtrace, "as_matrix", lambda deltas: True)
+    assert _operations_per_gradient_step(16) == _operations_per_gradient_step(64) > 50
+    monkeypatch.setattr(vtrace, "as_matrix", lambda deltas: False)
+    assert _operations_per_gradient_step(64) - _operations_per_gradient_step(16) == 2 * 5  # two rounds of five
 
 
 def test_ceiling_is_the_sum_of_cpu_per_step_times_the_cores(micro_results: dict) -> None:
