@@ -42,6 +42,19 @@ def learner_threads(config: Config, device: torch.device, local_ranks: int = 1) 
     return max(1, usable_cores() // local_ranks - actors_here)
 
 
+class OutOfDeviceMemory(TrainingError):
+    """A learner ran out of device memory: the run's sizes need more than the device has. Not a bug, and the weights
+    are whole (an allocation fails before a gradient step is applied, not halfway through one)."""
+
+
+def out_of_memory(exc: torch.OutOfMemoryError, device: torch.device) -> OutOfDeviceMemory:
+    """The one line a learner that ran out of device memory ends the run with: the allocator's first two sentences
+    (what ran out, what it tried to allocate) and the flags that make an update smaller."""
+    first = ". ".join(str(exc).strip().splitlines()[0].split(". ")[:2]) if str(exc).strip() else type(exc).__name__
+    return OutOfDeviceMemory(f"the learner ran out of memory on {device} ({first}): a smaller update fits, "
+                             "with a lower --batch_size or --unroll_length, or more --minibatches")
+
+
 class Learners:
     """`config.num_learner_threads` threads updating `state` from the slots `pool` fills.
 
@@ -74,6 +87,11 @@ class Learners:
         # When each thread took the batch it is working on (absent while it waits for slots): --learner_timeout_s.
         self.busy_since: dict[threading.Thread, float] = {}
 
+    def weights_whole(self) -> bool:
+        """Whether a final checkpoint may save the weights: no thread failed, or only for want of device memory.
+        After a bug or `max_bad_updates` non-finite updates the last checkpoint is the one to keep."""
+        return all(isinstance(error, OutOfDeviceMemory) for error in self.errors)
+
     def start(self) -> None:
         """Start the threads; on a GPU, first page-lock the slots' observations for them (`--pin_slots`)."""
         if self.device.type == "cuda" and self.config.pin_slots:
@@ -100,6 +118,11 @@ class Learners:
         except TrainingError as exc:  # not a bug: another learner process (torchrun) is gone; one line
             log.error("Learner thread %s stopped: %s", threading.current_thread().name, exc)
             self.errors.append(exc)
+            self.stop_event.set()
+        except torch.OutOfMemoryError as exc:  # not a bug either: the run's sizes need more than the device has
+            error = out_of_memory(exc, self.device)
+            log.error("Learner thread %s stopped: %s", threading.current_thread().name, error)
+            self.errors.append(error)
             self.stop_event.set()
         except Exception as exc:  # logged here with its traceback; the monitor stops the run
             log.exception("Learner thread %s failed", threading.current_thread().name)

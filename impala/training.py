@@ -547,7 +547,7 @@ def _run(run: Run) -> Path:
         log.error("Stopping: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         raise
     finally:
-        save_error = _end(run, reason, save=started and not run.learners.errors)
+        save_error = _end(run, reason, save=started and run.learners.weights_whole())
     if save_error is not None:
         raise TrainingError(f"could not save the final checkpoint to {run.run_dir / CHECKPOINT_NAME}: "
                             f"{save_error} ({_last_saved(run)})")

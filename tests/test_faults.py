@@ -371,6 +371,30 @@ def test_a_central_inference_thread_hung_inside_a_batch_ends_the_process_too(
     assert "in _act_on_then_hang" in text
 
 
+def test_a_learner_out_of_device_memory_ends_the_run_in_one_line_naming_the_flags_with_a_final_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a bug but sizes too big for the GPU (the ResNet with a big batch): no traceback, the flags that make an
+    update smaller, and a final checkpoint (the weights are whole), from which the run resumes."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "tests"))
+    monkeypatch.setenv("HANG_IN", "oom")
+    monkeypatch.setenv("HANG_AFTER", "10")
+    run = Training(tmp_path, "oom", "--env", "hanging_learner_env:HangingLearnerCartPole-v1",
+                   "--checkpoint_interval_s", "0.1", total_steps=10_000_000)
+    try:
+        assert run.wait(timeout=60) == 1, run.text()
+    finally:
+        run.close()
+    text = run.text()
+    line = ("run.py: training failed: the learner ran out of memory on cpu (CUDA out of memory. Tried to allocate "
+            "2.00 GiB): a smaller update "
+            "fits, with a lower --batch_size or --unroll_length, or more --minibatches")
+    assert [row for row in text.splitlines() if row.startswith("run.py:")] == [line], text
+    assert "Traceback" not in text, text
+    ended = re.search(r"Run ended \(error\) at step (\d+)", text)
+    assert ended and 0 < int(ended[1]) <= 10 * 20, text  # 10 updates of 20 agent steps at most
+    assert checkpoint_step(run.run_dir) == int(ended[1])  # the final checkpoint, at the step it ended
+
+
 def test_a_crash_of_the_main_process_prints_where_its_threads_were(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A segfault in the main process (here in the env the run probes; a GPU driver's in the learner would do as
