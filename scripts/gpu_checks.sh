@@ -56,9 +56,12 @@ if [ "$what" = targets ]; then
   exit 0
 fi
 # The README's Pong command for 200 s each, as it is and with $EXTRA (e.g. EXTRA="--num_actors 15"), one after
-# the other in one call: each one's time to a mean of 18 and median agent steps/s.
+# the other in one call: each one's time to a mean of 18 and median agent steps/s. First, the default learner alone
+# (its agent steps/s and operations per gradient step), under a minute.
 if [ "$what" = pong_ab ]; then
   runs=${RUNS:-/tmp/gpu-runs}
+  timeout 90 python3 -m impala.bench --only learner --seconds 10 > "$out/learner_graph.txt" 2>&1  # its JSON too: 8 files
+  grep -E "^learner " "$out/learner_graph.txt" || tail -n 5 "$out/learner_graph.txt"
   pong_for 200 pong
   # shellcheck disable=SC2086  # $EXTRA is flags, split on purpose
   pong_for 200 pong_extra ${EXTRA:-}
