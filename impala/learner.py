@@ -553,9 +553,9 @@ def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.T
         reducer.reduce(model, loss)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_norm_clipping)
     stats["grad_norm"] = grad_norm.detach()
-    # One test of both: a sum is finite only where both are (a NaN or an infinity in either carries over).
-    not_finite = (~torch.isfinite(stats["total_loss"].float() + stats["grad_norm"].float())).float()
     stats = {k: v.float() for k, v in stats.items()}
+    # One test of both: a sum is finite only where both are (a NaN or an infinity in either carries over).
+    not_finite = (~torch.isfinite(stats["total_loss"] + stats["grad_norm"])).float()
     stats["skipped"] = not_finite
     if _skips_on_device(optimizer):
         found_inf = not_finite if skip_all is None else torch.maximum(not_finite, skip_all)

@@ -161,7 +161,7 @@ def _matrix_sums(deltas: torch.Tensor, coefficients: torch.Tensor) -> torch.Tens
 
 
 def _doubling_sums(deltas: torch.Tensor, coefficients: torch.Tensor) -> torch.Tensor:
-    """`discounted_sums` as a scan by doubling, for long unrolls: before the round with ``span`` (1, 2, 4, ...),
+    """`discounted_sums` as a scan by doubling, on the CPU and for long unrolls: before the round with ``span`` (1, 2, 4, ...),
     ``acc_t`` holds the recursion's sum over the window of steps ``t .. t + span - 1`` and ``factor_t`` the product
     of the coefficients over it; the round joins every window with the one after it, doubling the span.
     ceil(log2 T) rounds of a few whole-tensor operations, with memory linear in T."""
