@@ -113,15 +113,17 @@ def gather_slots(source: torch.Tensor, slots: Sequence[int], device: torch.devic
 def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config,
                  reducer: GradientReducer | None = None, advantage_moments: Moments | None = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The IMPALA loss of one batch ([T + 1, B, ...], see `buffers.py` for the row alignment). PPO normalises its
+    """The IMPALA loss of one batch ([T + 1, B, ...], see `buffers.py` for the row alignment), as staged or as
+    `vtrace_inputs` gives it (an update calls that once for all its gradient steps). PPO normalises its
     advantages with `advantage_moments` (mean, deviation) where given (`--advantage_norm batch`), else with their
     own, over the batches of all learner processes with `reducer`."""
+    batch = vtrace_inputs(batch, config)
     output, _ = model(batch["obs"], batch["done"], core_state)
     logits = output.policy_logits.float()
     values = output.baseline.float()
-    rewards, discounts, returns = _vtrace(logits, values, batch, config)
+    returns = _vtrace(logits, values, batch, config)
     if config.policy_loss == "ppo":
-        advantages = _ppo_advantages(values, rewards, discounts, returns)
+        advantages = returns.advantages
         if advantage_moments is None and reducer is not None:
             advantage_moments = reducer.moments(advantages)
         pg_loss, clip_fraction = losses.ppo_loss(returns.log_rhos, advantages, config.ppo_clip, config.ppo_dual_clip,
@@ -153,9 +155,14 @@ def _total_and_stats(pg_loss: torch.Tensor, baseline_loss: torch.Tensor, entropy
     return total_loss, stats
 
 
-def _vtrace(logits: torch.Tensor, values: torch.Tensor, batch: dict[str, torch.Tensor], config: Config
-            ) -> tuple[torch.Tensor, torch.Tensor, vtrace.VTraceFromLogitsReturns]:
-    """The rewards and discounts of the batch's T steps (rows 1..T) and its V-trace returns."""
+def vtrace_inputs(batch: dict[str, torch.Tensor], config: Config) -> dict[str, torch.Tensor]:
+    """A staged batch ([T + 1, B, ...]) as the loss takes it: its `obs`, `done` and `action` as they are, and, [T, B],
+    what V-trace needs of it that no weights change: the `rewards` of its T steps (clipped, a time limit's bootstrap
+    added), their `discounts` (0 at an episode end) and the `behaviour_log_probs` of the actions taken. An update
+    computes them once for the whole batch, not once per gradient step: on a GPU, some ten fewer kernels a step.
+    A batch already through it comes back as it is."""
+    if "discounts" in batch:
+        return batch
     # Action t was chosen at obs t and produced reward t + 1 and done t + 1.
     rewards = batch["reward"][1:]
     if config.reward_clipping == "abs_one":
@@ -163,25 +170,28 @@ def _vtrace(logits: torch.Tensor, values: torch.Tensor, batch: dict[str, torch.T
     # A time limit cut the episode: the trace stops there (done), but the state it stopped in still had a
     # value, which the actor computed; added unclipped, it is the bootstrap of that episode.
     rewards = torch.where(batch["truncated"][1:], rewards + config.discounting * batch["truncation_value"][1:], rewards)
-    discounts = (~batch["done"][1:]).float() * config.discounting
-    returns = vtrace.from_logits(
-        behaviour_policy_logits=batch["policy_logits"][:-1],
-        target_policy_logits=logits[:-1],
-        actions=batch["action"][:-1],
-        discounts=discounts,
-        rewards=rewards,
+    return {
+        "obs": batch["obs"],
+        "done": batch["done"],
+        "action": batch["action"],
+        "rewards": rewards,
+        "discounts": (~batch["done"][1:]).float() * config.discounting,
+        "behaviour_log_probs": vtrace.action_log_probs(batch["policy_logits"][:-1], batch["action"][:-1]),
+    }
+
+
+def _vtrace(logits: torch.Tensor, values: torch.Tensor, batch: dict[str, torch.Tensor], config: Config
+            ) -> vtrace.VTraceFromLogitsReturns:
+    """The V-trace returns of a `vtrace_inputs` batch under the policy and values of `logits` and `values`."""
+    return vtrace.from_action_log_probs(
+        behaviour_action_log_probs=batch["behaviour_log_probs"],
+        target_action_log_probs=vtrace.action_log_probs(logits[:-1], batch["action"][:-1]),
+        discounts=batch["discounts"],
+        rewards=batch["rewards"],
         values=values[:-1],
         bootstrap_value=values[-1],  # the value of obs T, after the last action
         lambda_=config.vtrace_lambda,
     )
-    return rewards, discounts, returns
-
-
-def _ppo_advantages(values: torch.Tensor, rewards: torch.Tensor, discounts: torch.Tensor,
-                    returns: vtrace.VTraceFromLogitsReturns) -> torch.Tensor:
-    """PPO's advantages: V-trace's without its rho weight (PPO's clipped ratio does the importance weighting)."""
-    next_vs = torch.cat([returns.vs[1:], values[-1:].detach()])
-    return rewards + discounts * next_vs - values[:-1].detach()
 
 
 @torch.no_grad()
@@ -191,27 +201,26 @@ def batch_advantage_moments(model: Net, batch: dict[str, torch.Tensor], core_sta
     processes with `reducer`), with the model as it is: `--advantage_norm batch` normalises every minibatch's
     advantages with them. In a game whose rewards are rare, most minibatches of a few unrolls hold none, and
     normalised on their own their advantages would be value noise scaled up to the size of a real signal."""
+    batch = vtrace_inputs(batch, config)
     output, _ = model(batch["obs"], batch["done"], core_state)
-    values = output.baseline.float()
-    rewards, discounts, returns = _vtrace(output.policy_logits.float(), values, batch, config)
-    advantages = _ppo_advantages(values, rewards, discounts, returns)
+    advantages = _vtrace(output.policy_logits.float(), output.baseline.float(), batch, config).advantages
     return reducer.moments(advantages) if reducer is not None else (advantages.mean(), advantages.std())
 
 
 @torch.no_grad()
 def batch_samples(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config,
                   reducer: GradientReducer | None = None) -> tuple[dict[str, torch.Tensor], Moments | None]:
-    """`--minibatch_mode samples`: the batch's T x B steps as single samples ([T x B, ...]: frames, action,
-    behaviour logits, V-trace target `vs` and PPO advantage), the targets and advantages from one forward with
-    the model as it is, held for every pass of the update as CleanRL's PPO holds its GAE. With
+    """`--minibatch_mode samples`: a batch's T x B steps as single samples ([T x B, ...]: frames, action, its
+    log-probability under the behaviour policy, V-trace target `vs` and PPO advantage), the targets and advantages
+    from one forward with the model as it is, held for every pass of the update as CleanRL's PPO holds its GAE. With
     `--advantage_norm batch` also their mean and deviation over the batch (over all learner processes' with
     `reducer`), else None."""
+    batch = vtrace_inputs(batch, config)
     output, _ = model(batch["obs"], batch["done"], core_state)
-    values = output.baseline.float()
-    rewards, discounts, returns = _vtrace(output.policy_logits.float(), values, batch, config)
-    advantages = _ppo_advantages(values, rewards, discounts, returns)
-    samples = {"obs": batch["obs"][:-1], "action": batch["action"][:-1], "policy_logits": batch["policy_logits"][:-1],
-               "vs": returns.vs, "advantage": advantages}
+    returns = _vtrace(output.policy_logits.float(), output.baseline.float(), batch, config)
+    advantages = returns.advantages
+    samples = {"obs": batch["obs"][:-1], "action": batch["action"][:-1],
+               "behaviour_log_probs": batch["behaviour_log_probs"], "vs": returns.vs, "advantage": advantages}
     moments = None
     if config.advantage_norm == "batch":
         moments = reducer.moments(advantages) if reducer is not None else (advantages.mean(), advantages.std())
@@ -228,8 +237,7 @@ def compute_sample_loss(model: Net, samples: dict[str, torch.Tensor], core_state
     output, _ = model(obs, torch.zeros(obs.shape[:2], dtype=torch.bool, device=obs.device), core_state)
     logits = output.policy_logits[0].float()
     values = output.baseline[0].float()
-    log_rhos = (vtrace.action_log_probs(logits, samples["action"])
-                - vtrace.action_log_probs(samples["policy_logits"], samples["action"]))
+    log_rhos = vtrace.action_log_probs(logits, samples["action"]) - samples["behaviour_log_probs"]
     advantages = samples["advantage"]
     if advantage_moments is None and reducer is not None:
         advantage_moments = reducer.moments(advantages)
@@ -367,6 +375,8 @@ def _update_steps(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str,
     device = batch["obs"].device
     cache = skip_all is None  # autocast's cache of cast weights must not outlive a CUDA graph's capture
     moments = None  # one part is the whole batch: its own moments are the batch's
+    with _autocast(device.type, amp, cache):  # as a step would compute them
+        batch = vtrace_inputs(batch, config)
     if samples:  # the targets and advantages of every step, once, with the weights the update starts from
         with _autocast(device.type, amp, cache):
             batch, moments = batch_samples(model, batch, core_state, config, reducer)

@@ -7,6 +7,8 @@ dimension ``B``. The API follows scalable_agent / TorchBeast:
   policy-gradient advantages from log importance weights.
 * ``from_logits`` derives those log importance weights from behaviour and target
   policy logits and then calls ``from_importance_weights``.
+* ``from_action_log_probs`` does the same from the log-probabilities of the
+  actions taken, for a learner that computes the behaviour's once per batch.
 
 Everything returned is a constant (computed under ``torch.no_grad()``): the
 targets are regression targets / advantage weights, not something to
@@ -28,16 +30,19 @@ class VTraceReturns(NamedTuple):
     vs: [T, B] value targets v_s.
     pg_advantages: [T, B] advantages for the policy-gradient term,
         ``clipped_rho_s * (r_s + gamma_s * v_{s+1} - V(x_s))``.
+    advantages: [T, B] the same before the rho weight, ``r_s + gamma_s * v_{s+1} - V(x_s)``:
+        PPO's, whose clipped ratio does the importance weighting.
     """
 
     vs: torch.Tensor
     pg_advantages: torch.Tensor
+    advantages: torch.Tensor
 
 
 class VTraceFromLogitsReturns(NamedTuple):
     """V-trace outputs plus the log-probabilities used to form the importance weights.
 
-    vs, pg_advantages: as in ``VTraceReturns``.
+    vs, pg_advantages, advantages: as in ``VTraceReturns``.
     log_rhos: [T, B] ``target_action_log_probs - behaviour_action_log_probs``.
     behaviour_action_log_probs: [T, B] log mu(a_t | x_t).
     target_action_log_probs: [T, B] log pi(a_t | x_t); keeps its autograd graph so
@@ -46,6 +51,7 @@ class VTraceFromLogitsReturns(NamedTuple):
 
     vs: torch.Tensor
     pg_advantages: torch.Tensor
+    advantages: torch.Tensor
     log_rhos: torch.Tensor
     behaviour_action_log_probs: torch.Tensor
     target_action_log_probs: torch.Tensor
@@ -98,8 +104,41 @@ def from_logits(
         ``VTraceFromLogitsReturns``. ``vs`` and ``pg_advantages`` carry no gradient;
         ``target_action_log_probs`` keeps the graph of ``target_policy_logits``.
     """
-    target_action_log_probs = action_log_probs(target_policy_logits, actions)
-    behaviour_action_log_probs = action_log_probs(behaviour_policy_logits, actions)
+    return from_action_log_probs(
+        behaviour_action_log_probs=action_log_probs(behaviour_policy_logits, actions),
+        target_action_log_probs=action_log_probs(target_policy_logits, actions),
+        discounts=discounts,
+        rewards=rewards,
+        values=values,
+        bootstrap_value=bootstrap_value,
+        clip_rho_threshold=clip_rho_threshold,
+        clip_pg_rho_threshold=clip_pg_rho_threshold,
+        lambda_=lambda_,
+    )
+
+
+def from_action_log_probs(
+    behaviour_action_log_probs: torch.Tensor,
+    target_action_log_probs: torch.Tensor,
+    discounts: torch.Tensor,
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    bootstrap_value: torch.Tensor,
+    clip_rho_threshold: float | None = 1.0,
+    clip_pg_rho_threshold: float | None = 1.0,
+    lambda_: float = 1.0,
+) -> VTraceFromLogitsReturns:
+    """``from_logits`` from the log-probabilities of the actions taken (``action_log_probs``).
+
+    Args:
+        behaviour_action_log_probs: [T, B] log mu(a_t | x_t); a constant.
+        target_action_log_probs: [T, B] log pi(a_t | x_t), with its graph if any.
+        discounts, rewards, values, bootstrap_value, clip_rho_threshold,
+        clip_pg_rho_threshold, lambda_: see ``from_importance_weights``.
+
+    Returns:
+        ``VTraceFromLogitsReturns``, as ``from_logits``'s.
+    """
     log_rhos = target_action_log_probs - behaviour_action_log_probs
     vtrace_returns = from_importance_weights(
         log_rhos=log_rhos,
@@ -220,7 +259,7 @@ def from_importance_weights(
     rhos = torch.exp(log_rhos)
     clipped_rhos = _clip(rhos, clip_rho_threshold)
     # The trace coefficients are always truncated at 1 (the paper's c_bar = 1).
-    cs = lambda_ * torch.clamp(rhos, max=1.0)
+    cs = lambda_ * (clipped_rhos if clip_rho_threshold == 1.0 else torch.clamp(rhos, max=1.0))
 
     # V(x_{t+1}) for every t: shift values by one and append the bootstrap.
     values_t_plus_1 = torch.cat([values[1:], bootstrap_value.unsqueeze(0)], dim=0)
@@ -232,7 +271,9 @@ def from_importance_weights(
 
     # Advantage for the policy gradient uses the V-trace target of the next state.
     vs_t_plus_1 = torch.cat([vs[1:], bootstrap_value.unsqueeze(0)], dim=0)
-    clipped_pg_rhos = _clip(rhos, clip_pg_rho_threshold)
-    pg_advantages = clipped_pg_rhos * (rewards + discounts * vs_t_plus_1 - values)
+    advantages = rewards + discounts * vs_t_plus_1 - values
+    same_clip = clip_pg_rho_threshold == clip_rho_threshold
+    clipped_pg_rhos = clipped_rhos if same_clip else _clip(rhos, clip_pg_rho_threshold)
+    pg_advantages = clipped_pg_rhos * advantages
 
-    return VTraceReturns(vs=vs, pg_advantages=pg_advantages)
+    return VTraceReturns(vs=vs, pg_advantages=pg_advantages, advantages=advantages)

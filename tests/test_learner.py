@@ -199,14 +199,14 @@ def test_losses_off_policy_match_a_hand_computation() -> None:
 
 def _capture_vtrace(model: Net, batch: dict[str, torch.Tensor], config: Config) -> vtrace.VTraceFromLogitsReturns:
     captured = []
-    original = vtrace.from_logits
+    original = vtrace.from_action_log_probs
 
     def recording(**kwargs: torch.Tensor) -> vtrace.VTraceFromLogitsReturns:
         captured.append(original(**kwargs))
         return captured[-1]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(vtrace, "from_logits", recording)
+        patch.setattr(vtrace, "from_action_log_probs", recording)
         learner.compute_loss(model, batch, (), config)
     assert len(captured) == 1
     return captured[0]
@@ -746,6 +746,50 @@ def test_minibatches_split_the_batch_along_its_unrolls() -> None:
     opt, sched = _sgd(whole, config.learning_rate)
     learner.update(whole, opt, sched, batch, (), _config(batch_size=2))
     assert not all(torch.allclose(p, q) for p, q in zip(model.parameters(), whole.parameters()))
+
+
+@pytest.mark.parametrize("reward_clipping", ["none", "abs_one"])
+def test_vtrace_inputs_are_the_steps_rewards_discounts_and_behaviour_log_probs(reward_clipping: str) -> None:
+    """Rows 1..T's rewards (clipped, a time limit's bootstrap added unclipped) and discounts, and log mu of the
+    actions of rows 0..T-1; the row-0 and row-T poison of `_batch` reaches none of them. A second call changes
+    nothing."""
+    model = _model()
+    config = _config(reward_clipping=reward_clipping)
+    batch = _batch(model, rewards=[[0.5, -3.0], [4.0, 0.0], [0.0, 2.0]], dones=[[False, False], [False, True],
+                   [True, False]], actions=[[0, 1], [2, 2], [1, 0]], off_policy=True, truncations={(2, 1): -3.0})
+    inputs = learner.vtrace_inputs(batch, config)
+    clip = (lambda r: max(-1.0, min(1.0, r))) if reward_clipping == "abs_one" else (lambda r: r)
+    gamma = config.discounting
+    expected_rewards = [[0.5, clip(-3.0)], [clip(4.0), gamma * -3.0], [0.0, clip(2.0)]]
+    torch.testing.assert_close(inputs["rewards"], torch.tensor(expected_rewards), rtol=0, atol=1e-6)
+    torch.testing.assert_close(inputs["discounts"], torch.tensor([[gamma, gamma], [gamma, 0.0], [0.0, gamma]]))
+    log_mu = F.log_softmax(batch["policy_logits"][:-1], -1).gather(-1, batch["action"][:-1, :, None])[..., 0]
+    torch.testing.assert_close(inputs["behaviour_log_probs"], log_mu)
+    assert {key: inputs[key] is batch[key] for key in ("obs", "done", "action")} == {"obs": True, "done": True,
+                                                                                     "action": True}
+    assert learner.vtrace_inputs(inputs, config) is inputs
+
+
+def test_an_update_takes_the_behaviour_log_probs_once_and_the_targets_once_per_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two passes of two minibatches: the behaviour policy's log-probabilities of the batch's actions are taken
+    once for the update (nothing the steps change moves them), the learned policy's once per gradient step."""
+    config = _config(batch_size=2, minibatches=2, epochs=2, policy_loss="ppo")
+    model = _model()
+    batch = _batch_for_update(model)
+    calls: list[torch.Tensor] = []
+    original = vtrace.action_log_probs
+
+    def recording(policy_logits: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        calls.append(policy_logits)
+        return original(policy_logits, actions)
+
+    monkeypatch.setattr(vtrace, "action_log_probs", recording)
+    optimizer, scheduler = _sgd(model, config.learning_rate)
+    learner.update(model, optimizer, scheduler, batch, (), config)
+    behaviour = [logits for logits in calls if not logits.requires_grad]
+    assert len(behaviour) == 1 and torch.equal(behaviour[0], batch["policy_logits"][:-1])
+    assert len(calls) - len(behaviour) == 4
 
 
 def test_adam_is_chosen_with_the_flags_epsilon() -> None:

@@ -139,6 +139,25 @@ def test_matches_paper_reference(
     np.testing.assert_allclose(pg, ref_pg, rtol=0, atol=ATOL)
 
 
+@pytest.mark.parametrize("clip_rho, clip_pg_rho", THRESHOLDS)
+def test_advantages_are_the_pg_advantages_before_their_rho_weight(
+    clip_rho: float | None, clip_pg_rho: float | None
+) -> None:
+    """``advantages`` (PPO's) is r_s + gamma_s v_{s+1} - V(x_s) from the reference's vs, and
+    ``pg_advantages`` is it times rho clipped at clip_pg_rho, whether or not that equals clip_rho."""
+    inputs = make_inputs(17, seed=5)
+    kwargs = {"clip_rho_threshold": clip_rho, "clip_pg_rho_threshold": clip_pg_rho, "lambda_": 0.9}
+    out = vtrace.from_importance_weights(**to_torch(inputs), **kwargs)
+    ref_vs, _ = reference_vtrace(**inputs, **kwargs)
+    next_vs = np.concatenate([ref_vs[1:], inputs["bootstrap_value"][None]])
+    expected = inputs["rewards"] + inputs["discounts"] * next_vs - inputs["values"]
+    np.testing.assert_allclose(out.advantages.numpy(), expected, rtol=0, atol=ATOL)
+    rhos = np.exp(inputs["log_rhos"])
+    pg_rhos = rhos if clip_pg_rho is None else np.minimum(rhos, clip_pg_rho)
+    assert (rhos > 1).any() and (rhos < 1).any()
+    np.testing.assert_allclose(out.pg_advantages.numpy(), pg_rhos * expected, rtol=0, atol=ATOL)
+
+
 @pytest.mark.parametrize("lambda_", [1.0, 0.5, 0.9])
 def test_float32_matches_reference(lambda_: float) -> None:
     inputs = make_inputs(40, seed=7)
@@ -414,3 +433,4 @@ def test_from_importance_weights_equals_the_loop_at_learner_shapes(lambda_: floa
     torch.testing.assert_close(out.vs, vs, rtol=0, atol=1e-5)
     torch.testing.assert_close(out.pg_advantages, rhos.clamp(max=1) * (rewards + discounts * next_vs - values),
                                rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.advantages, rewards + discounts * next_vs - values, rtol=0, atol=1e-5)
