@@ -119,7 +119,9 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
     own, over the batches of all learner processes with `reducer`."""
     batch = vtrace_inputs(batch, config)
     output, _ = model(batch["obs"], batch["done"], core_state)
-    logits = output.policy_logits.float()
+    # Rows 0..T-1, whose actions are learned from (row T's obs only bootstraps the value): sliced once, one
+    # gradient to pad back in the backward pass.
+    logits = output.policy_logits[:-1].float()
     values = output.baseline.float()
     returns = _vtrace(logits, values, batch, config)
     if config.policy_loss == "ppo":
@@ -129,12 +131,12 @@ def compute_loss(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSta
         pg_loss, clip_fraction = losses.ppo_loss(returns.log_rhos, advantages, config.ppo_clip, config.ppo_dual_clip,
                                                  moments=advantage_moments)
         baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1]) / returns.vs.numel()
-        entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1]) / returns.vs.numel()
+        entropy_loss = config.entropy_cost * losses.entropy_loss(logits) / returns.vs.numel()
     else:
-        pg_loss = losses.policy_gradient_loss(logits[:-1], batch["action"][:-1], returns.pg_advantages)
+        pg_loss = losses.policy_gradient_loss(logits, batch["action"][:-1], returns.pg_advantages)
         clip_fraction = torch.zeros((), device=logits.device)
         baseline_loss = config.baseline_cost * losses.baseline_loss(returns.vs, values[:-1])
-        entropy_loss = config.entropy_cost * losses.entropy_loss(logits[:-1])
+        entropy_loss = config.entropy_cost * losses.entropy_loss(logits)
     return _total_and_stats(pg_loss, baseline_loss, entropy_loss, returns.log_rhos, clip_fraction)
 
 
@@ -182,10 +184,11 @@ def vtrace_inputs(batch: dict[str, torch.Tensor], config: Config) -> dict[str, t
 
 def _vtrace(logits: torch.Tensor, values: torch.Tensor, batch: dict[str, torch.Tensor], config: Config
             ) -> vtrace.VTraceFromLogitsReturns:
-    """The V-trace returns of a `vtrace_inputs` batch under the policy and values of `logits` and `values`."""
+    """The V-trace returns of a `vtrace_inputs` batch under the policy of `logits` (rows 0..T-1, [T, B, A]) and the
+    values of `values` ([T + 1, B])."""
     return vtrace.from_action_log_probs(
         behaviour_action_log_probs=batch["behaviour_log_probs"],
-        target_action_log_probs=vtrace.action_log_probs(logits[:-1], batch["action"][:-1]),
+        target_action_log_probs=vtrace.action_log_probs(logits, batch["action"][:-1]),
         discounts=batch["discounts"],
         rewards=batch["rewards"],
         values=values[:-1],
@@ -203,7 +206,7 @@ def batch_advantage_moments(model: Net, batch: dict[str, torch.Tensor], core_sta
     normalised on their own their advantages would be value noise scaled up to the size of a real signal."""
     batch = vtrace_inputs(batch, config)
     output, _ = model(batch["obs"], batch["done"], core_state)
-    advantages = _vtrace(output.policy_logits.float(), output.baseline.float(), batch, config).advantages
+    advantages = _vtrace(output.policy_logits[:-1].float(), output.baseline.float(), batch, config).advantages
     return reducer.moments(advantages) if reducer is not None else (advantages.mean(), advantages.std())
 
 
@@ -217,7 +220,7 @@ def batch_samples(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSt
     `reducer`), else None."""
     batch = vtrace_inputs(batch, config)
     output, _ = model(batch["obs"], batch["done"], core_state)
-    returns = _vtrace(output.policy_logits.float(), output.baseline.float(), batch, config)
+    returns = _vtrace(output.policy_logits[:-1].float(), output.baseline.float(), batch, config)
     advantages = returns.advantages
     samples = {"obs": batch["obs"][:-1], "action": batch["action"][:-1],
                "behaviour_log_probs": batch["behaviour_log_probs"], "vs": returns.vs, "advantage": advantages}
