@@ -44,7 +44,10 @@ def learner_threads(config: Config, device: torch.device, local_ranks: int = 1) 
 
 class OutOfDeviceMemory(TrainingError):
     """A learner ran out of device memory: the run's sizes need more than the device has. Not a bug, and the weights
-    are whole (an allocation fails before a gradient step is applied, not halfway through one)."""
+    are whole: an allocation fails between the in-place writes of a gradient step's weights, not among them. An
+    update cut short may have applied some of its gradient steps (and RMSprop may have moved its averages for the
+    step that failed) without being counted: a final checkpoint then holds a few steps more than its counters say,
+    a state training could have reached, not a corrupt one."""
 
 
 def out_of_memory(exc: torch.OutOfMemoryError, device: torch.device) -> OutOfDeviceMemory:
