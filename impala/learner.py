@@ -455,8 +455,9 @@ def update_function(config: Config, device: torch.device, world_size: int = 1) -
 class GraphedUpdate:
     """`update` as one CUDA graph: every gradient step of a batch (the minibatches' gathers, forward, V-trace,
     losses, backward, clipping, fused Adam and the stats' sums) captured once, then replayed with one launch
-    per batch. Eagerly, PyTorch launches some 600 small kernels per gradient step and the host, not the GPU,
-    sets the pace (6-8 ms per step on an H100 machine whatever the step's size).
+    per batch. Eagerly, PyTorch launches a small kernel or so for each of a gradient step's operations (about 200
+    for the default rule, `bench.operations_per_gradient_step`; 600 before V-trace lost its loop over time) and the
+    host, not the GPU, sets the pace (6-8 ms per step on an H100 machine whatever the step's size, then).
 
     Called as `update`. Each batch is copied into the graph's inputs and the minibatch orders are drawn as
     `update` draws them, so a replay computes what the eager update would, from the same random stream. The
@@ -492,7 +493,9 @@ class GraphedUpdate:
         if key != self._key:
             try:
                 self._capture(model, optimizer, batch, core_state, config, amp, loss_fn)
-            except RuntimeError as exc:  # nothing was applied: the run goes on, launching as without the flag
+            # Nothing was applied: the run goes on, launching as without the flag. Out of memory too: the eager
+            # update needs no graph pool, and if it does not fit either, it ends the run as `OutOfDeviceMemory`.
+            except RuntimeError as exc:
                 log.warning("Could not capture the update as a CUDA graph (%s); updating without one",
                             str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
                 self.failed = True
@@ -567,8 +570,9 @@ def _step(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str, torch.T
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_norm_clipping)
     stats["grad_norm"] = grad_norm.detach()
     stats = {k: v.float() for k, v in stats.items()}
-    # One test of both: a sum is finite only where both are (a NaN or an infinity in either carries over).
-    not_finite = (~torch.isfinite(stats["total_loss"] + stats["grad_norm"])).float()
+    # One test of both: loss x 0 is 0 where the loss is finite and NaN where not, and adding it leaves a finite
+    # gradient norm exactly as it is (a plain sum of two huge finite values could overflow).
+    not_finite = (~torch.isfinite(stats["total_loss"] * 0 + stats["grad_norm"])).float()
     stats["skipped"] = not_finite
     if _skips_on_device(optimizer):
         found_inf = not_finite if skip_all is None else torch.maximum(not_finite, skip_all)

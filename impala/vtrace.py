@@ -158,8 +158,9 @@ def from_action_log_probs(
     )
 
 
-# On a GPU, up to this many elements in [T, T, B], `discounted_sums` forms its sums from a matrix of discount products
-# (a few kernels, whatever T); beyond it (long unrolls: the matrix grows as T squared) and on the CPU it scans by doubling.
+# Off the CPU (on a GPU), up to this many elements in [T, T, B], `discounted_sums` forms its sums from a matrix of discount
+# products (a few kernels, whatever T); beyond it (long unrolls: the matrix grows as T squared) and on the CPU it scans
+# by doubling.
 MATRIX_ELEMENTS = 1 << 22
 
 

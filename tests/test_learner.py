@@ -408,6 +408,26 @@ def test_a_non_finite_batch_is_skipped(where: str, optimizer_name: str) -> None:
     assert any(not torch.equal(p.detach(), before[name]) for name, p in model.named_parameters())
 
 
+@pytest.mark.parametrize("optimizer_name", ["rmsprop", "adam"])
+def test_a_step_whose_loss_and_gradient_norm_are_huge_but_finite_is_applied(optimizer_name: str) -> None:
+    """A loss of 3e38 and a gradient norm of 1e38 are both finite (float32 ends near 3.4e38), though their sum is
+    not: the step is applied, clipped, and not counted as skipped."""
+    model = _model()
+    config = _config(optimizer=optimizer_name, grad_norm_clipping=1.0)
+    optimizer, _ = learner.make_optimizer(model, config)
+    weight = model.baseline.bias
+
+    def huge_loss(model: Net, *_: object) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = 3e38 + 1e38 * (weight - weight.detach()).sum()  # 3e38, and d loss / d bias = 1e38
+        return loss, {"total_loss": loss.detach()}
+
+    before = weight.detach().clone()
+    stats = learner._step(model, optimizer, _batch_for_update(model), (), config, False, loss_fn=huge_loss)
+    assert float(stats["total_loss"]) == pytest.approx(3e38) and float(stats["grad_norm"]) == pytest.approx(1e38)
+    assert float(stats["skipped"]) == 0.0
+    assert not torch.equal(weight.detach(), before)
+
+
 def test_slots_gathered_one_by_one_equal_the_stacked_batch() -> None:
     """`gather_slots`, how a GPU learner copies page-locked observations (slot by slot, then time-major on the
     device), gives what stacking the same slots does, in the order the slots were taken."""
