@@ -17,7 +17,7 @@ import threading
 from typing import NoReturn
 
 from impala.config import UserError, given_flags, parse_config
-from impala.stopping import ignore_stop_signals
+from impala.stopping import exit_after_runs, ignore_stop_signals
 
 # How long the interpreter's own exit may take once the run has ended (its final checkpoint and logs
 # written and closed): atexit handlers, the threads it joins, finalizers. Longer, and the process ends anyway.
@@ -83,4 +83,5 @@ if __name__ == "__main__":
     # A crash of this process (a segfault or abort in a library, a GPU driver's) prints every thread's Python
     # stack to stderr before it dies, as the actors' and the evaluator's do: where the learner was, for one.
     faulthandler.enable()
+    exit_after_runs()
     exit_within(main())

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from process_helpers import checkpoint_step
 
-from impala import actor_pool, training
+from impala import actor_pool, stopping, training
 from impala.config import Config
 from impala.stopping import Stopped, stop_requests
 
@@ -32,6 +32,23 @@ def test_the_first_signal_is_recorded_and_the_ones_after_it_change_nothing() -> 
             stop.check()
         assert stopped.value.exit_code == 143
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_in_a_program_that_exits_after_its_run_the_signals_after_it_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run.py: between the run's orderly end and the process's exit, a late SIGTERM of the process group
+    (`timeout`'s second, or a third) must not kill the process with the default handler put back."""
+    previous = {signum: signal.getsignal(signum) for signum in stopping.STOP_SIGNALS}
+    monkeypatch.setattr(stopping, "_exit_after_runs", False)
+    try:
+        stopping.exit_after_runs()
+        with stop_requests() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.reason == "terminated"
+        assert all(signal.getsignal(signum) == signal.SIG_IGN for signum in stopping.STOP_SIGNALS)
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored: the test goes on
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def test_a_hangup_is_a_stop_unless_the_process_started_with_it_ignored() -> None:
