@@ -78,6 +78,18 @@ def ignore_stop_signals() -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+_exit_after_runs = False  # set by `exit_after_runs`
+
+
+def exit_after_runs() -> None:
+    """For a program that exits when its run has ended (run.py): from now on, leaving `stop_requests` ignores
+    Ctrl-C, SIGTERM and SIGHUP instead of putting back the handlers that were there. Put back, the default
+    handler would let a late signal of the process group (`timeout`'s second, a third after a pause) kill the
+    process between the run's orderly end and its exit, its exit code lost."""
+    global _exit_after_runs
+    _exit_after_runs = True
+
+
 @contextlib.contextmanager
 def stop_requests() -> Iterator[StopRequests]:
     """Record Ctrl-C, SIGTERM and SIGHUP inside, then put back the handlers that were there (ignore the three,
@@ -95,18 +107,6 @@ def stop_requests() -> Iterator[StopRequests]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_IGN if _exit_after_runs else handler)
-
-
-_exit_after_runs = False  # set by `exit_after_runs`
-
-
-def exit_after_runs() -> None:
-    """For a program that exits when its run has ended (run.py): from now on, leaving `stop_requests` ignores
-    Ctrl-C, SIGTERM and SIGHUP instead of putting back the handlers that were there. Put back, the default
-    handler would let a late signal of the process group (`timeout`'s second, a third after a pause) kill the
-    process between the run's orderly end and its exit, its exit code lost."""
-    global _exit_after_runs
-    _exit_after_runs = True
 
 
 class Terminated(KeyboardInterrupt):
