@@ -9,8 +9,10 @@ final checkpoint.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
 import faulthandler
-import gc
 import os
 import sys
 import threading
@@ -19,8 +21,8 @@ from typing import NoReturn
 from impala.config import UserError, given_flags, parse_config
 from impala.stopping import exit_after_runs, ignore_stop_signals
 
-# How long the interpreter's own exit may take once the run has ended (its final checkpoint and logs
-# written and closed): atexit handlers, the threads it joins, finalizers. Longer, and the process ends anyway.
+# How long the exit may take once the run has ended (its final checkpoint and logs written and closed): the
+# threads it waits for, the atexit handlers. Longer, and the process ends anyway (`exit_within`).
 EXIT_GRACE_S = 60.0
 
 
@@ -57,10 +59,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def exit_within(exit_code: int) -> NoReturn:
-    """Exit with `exit_code`, and never hang doing it: if the interpreter's exit still runs EXIT_GRACE_S
-    later (a thread it waits for, an atexit handler, a library's finalizer stuck on a lock), print every
-    thread's stack to stderr, so that the culprit is named, and end the process with the same code. Nothing
-    is lost: the run wrote its final checkpoint and closed its files before `main` returned."""
+    """Exit with `exit_code` once the run has ended, and never hang or crash doing it.
+
+    This does what the interpreter's exit does for a program (wait for the threads that are not daemons, run
+    the atexit handlers: multiprocessing's, logging's, finalizers; flush stdout and stderr), then ends the
+    process without the interpreter's own teardown. There, a daemon thread still inside a torch call when the
+    interpreter stops is ended in the middle of a C++ destructor, and the whole process aborts ("terminate
+    called without an active exception", killed by SIGABRT: the run's exit code lost). Nothing needs that
+    teardown: the run wrote its final checkpoint and closed its files before `main` returned.
+
+    If that work still runs EXIT_GRACE_S later (a thread it waits for, an atexit handler stuck on a lock),
+    every thread's stack goes to stderr, so that the culprit is named, and the process ends with the same code.
+    """
 
     def force() -> None:
         print(f"run.py: the process had not exited {EXIT_GRACE_S:g} s after the run ended; the stacks of its "
@@ -70,13 +80,18 @@ def exit_within(exit_code: int) -> NoReturn:
 
     ignore_stop_signals()  # done: a late signal of the process group (`timeout`'s second) must not kill the exit
     timer = threading.Timer(EXIT_GRACE_S, force)
-    timer.daemon = True  # the interpreter's exit does not wait for it
+    timer.daemon = True
     timer.start()
-    # The exit's garbage collections would walk every object that importing torch made (0.7 of the 1.0 s that
-    # exiting took after a run on 2 cores); objects still go when their last reference does, and the files
-    # were closed before `main` returned.
-    gc.freeze()
-    sys.exit(exit_code)
+    for thread in threading.enumerate():
+        if not thread.daemon and thread is not threading.current_thread():
+            thread.join()
+    atexit._run_exitfuncs()  # prints, and goes past, a handler's exception, as the interpreter's exit does
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # closed, or a pipe whose reader is gone
+            stream.flush()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)  # what C and C++ libraries printed through the C library's buffers
+    os._exit(exit_code)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,31 @@ def test_the_process_exits_even_when_the_interpreter_exit_hangs(tmp_path: Path) 
     assert json.loads((run_dir / "meta.json").read_text())["end_reason"] == "finished"
 
 
+def test_a_daemon_thread_inside_torch_at_the_exit_does_not_abort_it(tmp_path: Path) -> None:
+    """The interpreter's teardown ends a daemon thread that is inside a torch call with pthread_exit, from a C++
+    destructor, which aborts the process ("terminate called without an active exception", SIGABRT) and loses
+    the run's exit code (a CI run of the back-to-back SIGTERM test, once). `run.exit_within` ends the process
+    without that teardown, after doing the rest of an exit: atexit handlers, stdout flushed. Before it, this
+    driver aborted 10 times in 10."""
+    marker = tmp_path / "atexit-ran"
+    driver = ("import atexit, pathlib, sys, threading, torch, run\n"
+              "a = torch.ones(64, 64)\n"
+              "def spin():\n"
+              "    while True:\n"
+              "        a @ a\n"
+              "threading.Thread(target=spin, daemon=True).start()\n"
+              f"atexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
+              "print('last words', end='')\n"  # left in the buffer of a pipe
+              "run.exit_within(143)\n")
+    for _ in range(3):
+        marker.unlink(missing_ok=True)
+        result = subprocess.run([sys.executable, "-c", driver], cwd=REPO_ROOT, capture_output=True, text=True,
+                                timeout=60, check=False)
+        assert result.returncode == 143, result.stderr
+        assert result.stdout == "last words"
+        assert marker.read_text() == "yes"
+
+
 def test_a_rank_that_cannot_leave_its_process_group_still_ends(monkeypatch: pytest.MonkeyPatch,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     """Under torchrun the last step of `train` is leaving the process group (`destroy_process_group`), which
