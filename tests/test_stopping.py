@@ -34,7 +34,8 @@ def test_the_first_signal_is_recorded_and_the_ones_after_it_change_nothing() -> 
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
-def test_in_a_program_that_exits_after_its_run_the_signals_after_it_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_in_a_program_that_exits_after_its_run_the_signals_after_it_are_ignored(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """run.py: between the run's orderly end and the process's exit, a late SIGTERM of the process group
     (`timeout`'s second, or a third) must not kill the process with the default handler put back."""
     previous = {signum: signal.getsignal(signum) for signum in stopping.STOP_SIGNALS}

@@ -149,10 +149,10 @@ def test_an_image_env_laid_out_hwc_learns_with_the_atari_net_and_plays_in_test_m
 def test_an_env_with_discrete_observations_learns_from_them_one_hot(tmp_path: Path) -> None:
     """FrozenLake without slipping, cut at 20 steps: its square is all a policy sees. Random play rarely reaches the
     goal (mean return 0.05 at 5,520 steps in one run), and the best policy blind to its square, one fixed choice of
-    action, reaches it in 16.3% of games at best (every such choice searched in steps of 0.01). At 16,000 steps on 2 cores: 30 runs ended at 0.94-1.0;
-    12 with two busy processes beside them at 0.9-1.0 (dipping to 0.82 at times); seeds 100-119 with three busy
-    processes at 0.87-1.0, two of them under 0.9; one run in CI at 0.0. At 24,000 steps, 8 runs with two busy
-    processes ended at 0.98-1.0."""
+    action, reaches it in 16.3% of games at best (every such choice searched in steps of 0.01). At 16,000 steps on
+    2 cores: 30 runs ended at 0.94-1.0; 12 with two busy processes beside them at 0.9-1.0 (dipping to 0.82 at
+    times); seeds 100-119 with three busy processes at 0.87-1.0, two of them under 0.9; one run in CI at 0.0. At
+    24,000 steps, 8 runs with two busy processes ended at 0.98-1.0."""
     result = _run_odd_spaces_env("FrozenLakeNotSlippery-v1", "--savedir", str(tmp_path), "--xpid", "lake",
                                  "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "10",
                                  "--batch_size", "8", "--total_steps", "24000")
