@@ -16,7 +16,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import torch
 
-from impala.buffers import Buffers
+from impala.buffers import Buffers, write_row
 from impala.channels import ErrorQueue, SharedFloats, SharedInt, SlotQueue, StopSignal
 from impala.config import Config
 from impala.environment import EnvBatch, Step
@@ -286,8 +286,7 @@ def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChann
         for i, state in enumerate(policy.core_state):
             buffers[f"core_state_{i}"][index] = state.transpose(0, 1)  # [layers, N, H] -> [N, layers, H]
         for t in range(T + 1):
-            for key, value in row.items():
-                buffers[key][index, t] = value
+            write_row(buffers, slots, index, t, row)
             if t == T:
                 break
             clock.lap(WRITE)

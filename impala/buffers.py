@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +72,21 @@ class BufferSpec:
 
 
 Buffers = dict[str, torch.Tensor]
+
+
+def write_row(buffers: Buffers, slots: Sequence[int], index: torch.Tensor, t: int,
+              row: dict[str, torch.Tensor]) -> None:
+    """Write `row`'s fields ([N, ...], one entry per env) into row t of `slots` (N slot numbers; `index` the same
+    as a tensor). Observations go slot by slot: each is one contiguous copy (a frame stack, 28 KB for Atari),
+    which takes a quarter of the time an indexed write of all N does (38 against 151 us for 8 Atari envs, one
+    thread, BENCHMARKS.md); the other fields are a few bytes per env, one indexed write each."""
+    for key, value in row.items():
+        if key == "obs":
+            target = buffers[key]
+            for i, slot in enumerate(slots):
+                target[slot, t].copy_(value[i])
+        else:
+            buffers[key][index, t] = value
 
 
 def check_shared_memory(needed_bytes: int, path: str = "/dev/shm") -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from impala.actor import ACTOR_PHASES, ENV, POLICY, ActorChannels, PhaseClock, run_actor
-from impala.buffers import Buffers, BufferSpec, create_buffers
+from impala.buffers import Buffers, BufferSpec, create_buffers, write_row
 from impala.config import Config
 from impala.environment import EnvBatch
 from impala.inference import InferenceServer
@@ -239,6 +239,25 @@ def test_a_set_stop_event_stops_before_writing() -> None:
     run_actor(0, config, buffers, model, channels, max_unrolls=1)
     assert channels.full_queue.empty()
     assert torch.isnan(buffers["reward"]).all()
+
+
+def test_a_row_written_slot_by_slot_is_the_indexed_write() -> None:
+    """`write_row` puts each env's fields in row t of its own slot, as an indexed write does, and nothing else."""
+    spec = BufferSpec(6, 4, (4, 84, 84), torch.uint8, 3)
+    written, reference = create_buffers(spec, shared=False), create_buffers(spec, shared=False)
+    generator = torch.Generator().manual_seed(0)
+    slots = [4, 1, 5]
+    index = torch.tensor(slots)
+    row = {"obs": torch.randint(0, 255, (3, 4, 84, 84), dtype=torch.uint8, generator=generator),
+           "done": torch.tensor([True, False, True]), "reward": torch.randn(3, generator=generator),
+           "episode_step": torch.tensor([3, 0, 9])}
+    write_row(written, slots, index, 2, row)
+    for key, value in row.items():
+        reference[key][index, 2] = value
+    for key in spec.fields():
+        torch.testing.assert_close(written[key], reference[key], rtol=0, atol=0, equal_nan=True, msg=key)
+    assert torch.equal(written["obs"][1, 2], row["obs"][1])
+    assert (written["obs"][:, [0, 1, 3, 4]] == 255).all()  # other rows keep their poison
 
 
 def test_lstm_core_state_lets_the_learner_reproduce_the_behaviour_logits() -> None:
