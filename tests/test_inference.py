@@ -269,3 +269,26 @@ def test_a_dead_actors_pipe_is_dropped_not_waited_on_again_and_its_replacement_i
     request(buffers, positions, 0, new_actor_end, t=1)
     assert server.serve_once(timeout_s=1.0) == 1
     assert new_actor_end.poll(1.0) and set(buffers["action"][:ENVS, 1].tolist()) <= {0, 1}
+
+
+def test_a_client_that_asks_then_dies_while_a_batch_gathers_is_left_out_of_it():
+    """Its pipe turns readable with the end of the actor: the server drops it and serves the others, or nobody."""
+    server, buffers, positions, _, ends = make_server(num_actors=2, wait_s=5.0)
+    request(buffers, positions, 0, ends[0], t=0)
+
+    def die_then_the_other_asks() -> None:
+        ends[0].close()
+        request(buffers, positions, 1, ends[1], t=0)
+
+    other = threading.Timer(0.2, die_then_the_other_asks)
+    other.start()
+    assert server.serve_once(timeout_s=1.0) == 1  # client 1 alone, once it asked: not the 5 s wait
+    other.join()
+    assert ends[1].poll(1.0) and list(server.connections) == [1]
+    assert server.batches == 1 and server.served == 1
+
+    server, buffers, positions, _, ends = make_server(num_actors=2, wait_s=0.3)
+    request(buffers, positions, 0, ends[0], t=0)
+    threading.Timer(0.1, ends[0].close).start()
+    assert server.serve_once(timeout_s=1.0) == 0  # the only client that asked died: no batch
+    assert list(server.connections) == [1] and server.batches == 0
