@@ -10,7 +10,7 @@
 # its time to a mean of 18; $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|actors|pong|pong_ab|atari5]
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|actors|onednn|pong|pong_ab|atari5]
 #        [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -133,6 +133,44 @@ fi
 # Where an actor's time goes on this machine's cores, and what each actor-side option buys: one actor alone
 # and `--num_actors auto` actors together (`actor`, `actors`), as the defaults have them, then with one option
 # changed each: float32 acting (--no-amp), two env splits, 16 envs per actor.
+# What an actor's bfloat16 forward runs on this machine's CPU (the GPU machines' Xeons have AMX, the development VMs
+# do not): oneDNN's kernels for the inference component (ONEDNN_VERBOSE), and the torso's forward at batch 8, one
+# thread, with frames and weights as they are (NCHW) and channels last. Under a minute.
+if [ "$what" = onednn ]; then
+  ONEDNN_VERBOSE=1 timeout 60 python3 -m impala.bench --only inference --seconds 1 2>&1 | grep -v "^onednn_verbose" \
+    > "$out/onednn.txt"  # the bench's lines; oneDNN's first 60 below them (one forward's are about 20)
+  ONEDNN_VERBOSE=1 timeout 60 python3 -m impala.bench --only inference --seconds 0.2 2>&1 | grep "^onednn_verbose" \
+    | head -n 60 >> "$out/onednn.txt"
+  timeout 120 python3 - > "$out/layouts.txt" 2>&1 <<'PY'
+import copy, time
+import torch
+from impala.model import CastTorso, Net
+torch.set_num_threads(1)
+net = CastTorso(Net((4, 84, 84), 6, "shallow").eval(), torch.bfloat16).refresh(0)
+last = copy.deepcopy(net)
+last.torso.to(memory_format=torch.channels_last)
+obs = torch.randint(0, 255, (1, 8, 4, 84, 84), dtype=torch.uint8)
+obs_last = obs[0].contiguous(memory_format=torch.channels_last)[None]
+done = torch.zeros(1, 8, dtype=torch.bool)
+def forward(model, frames):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(frames, done)[0].policy_logits
+def cpu_ms(model, frames, calls=300):
+    for _ in range(20):
+        forward(model, frames)
+    start = time.process_time()
+    for _ in range(calls):
+        forward(model, frames)
+    return 1000 * (time.process_time() - start) / calls
+for round_ in range(3):
+    print(f"round {round_}: CPU-ms per forward at batch 8, NCHW {cpu_ms(net, obs):.3f}, channels last {cpu_ms(last, obs_last):.3f}")
+print("largest logit difference", (forward(net, obs) - forward(last, obs_last)).abs().max().item())
+PY
+  grep -m 12 "exec" "$out/onednn.txt" | cut -c1-220
+  grep "^inference " "$out/onednn.txt"
+  cat "$out/layouts.txt"
+  exit 0
+fi
 if [ "$what" = actors ]; then
   for v in "" "--no-amp" "--env_splits 2" "--envs_per_actor 16"; do
     name=$(echo "base $v" | tr -c 'a-z0-9\n' '_' | tr -s _)
