@@ -130,9 +130,6 @@ if [ "$what" = pong ]; then
   tail -n 8 "$out"/*.txt
   exit 0
 fi
-# Where an actor's time goes on this machine's cores, and what each actor-side option buys: one actor alone
-# and `--num_actors auto` actors together (`actor`, `actors`), as the defaults have them, then with one option
-# changed each: float32 acting (--no-amp), two env splits, 16 envs per actor.
 # What an actor's bfloat16 forward runs on this machine's CPU (the GPU machines' Xeons have AMX, the development VMs
 # do not): oneDNN's kernels for the inference component (ONEDNN_VERBOSE), and the torso's forward at batch 8, one
 # thread, with frames and weights as they are (NCHW) and channels last. Under a minute.
@@ -171,6 +168,9 @@ PY
   cat "$out/layouts.txt"
   exit 0
 fi
+# Where an actor's time goes on this machine's cores, and what each actor-side option buys: one actor alone
+# and `--num_actors auto` actors together (`actor`, `actors`), as the defaults have them, then with one option
+# changed each: float32 acting (--no-amp), two env splits, 16 envs per actor.
 if [ "$what" = actors ]; then
   for v in "" "--no-amp" "--env_splits 2" "--envs_per_actor 16"; do
     name=$(echo "base $v" | tr -c 'a-z0-9\n' '_' | tr -s _)
