@@ -14,6 +14,7 @@ import struct
 import sys
 import termios
 import time
+from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any, Protocol
 
@@ -138,3 +139,19 @@ class RecordQueue:
     def close(self) -> None:
         self._reader.close()
         self._writer.close()
+
+
+# --inference central: an actor asks for actions and the inference thread answers, each with one byte on the pair's
+# pipe (`multiprocessing.Pipe`, made by `actor_pool.py`). Each side writes only after reading the other's byte, so
+# one read takes all there is. The byte goes straight to the pipe's file descriptor, not through `send_bytes` and
+# `recv_bytes`, whose framing (a length, then the data) costs two reads: a round trip takes half the time (2.3
+# against 5.2 us on the 2-core VM; the server pays it once per client per batch, BENCHMARKS.md).
+def signal(connection: Connection) -> None:
+    """Ask, or answer, on `connection`. Raises OSError where the other end is gone."""
+    os.write(connection.fileno(), b"a")
+
+
+def take_signal(connection: Connection) -> bool:
+    """Read what came on `connection`, whose other end has signalled (its pipe is readable): False where that end
+    was closed instead (its process died or shut down). Raises OSError for a pipe broken otherwise."""
+    return bool(os.read(connection.fileno(), 64))

@@ -22,6 +22,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from impala.buffers import Buffers
+from impala.channels import signal, take_signal
 from impala.model import Net, sample_actions
 
 
@@ -154,7 +155,7 @@ class InferenceServer:
             self._act(pending)
             for client in pending:
                 try:
-                    connections[client].send_bytes(b"a")
+                    signal(connections[client])
                 except OSError:
                     pass  # the actor died; the monitor restarts it with a new pipe
         finally:
@@ -202,8 +203,10 @@ class InferenceServer:
                  connections: dict[int, Connection]) -> None:
         for client, connection in ready:
             try:
-                connection.recv_bytes()
-            except (EOFError, OSError):
+                asked = take_signal(connection)
+            except OSError:
+                asked = False
+            if not asked:
                 self._drop(client, connection, connections)  # the actor died
                 if client in pending:  # it asked, then died before the batch was served: nobody to answer
                     pending.remove(client)

@@ -321,6 +321,7 @@ def test_a_short_run_learns_on_the_gpu(tmp_path, inference):
 def test_central_inference_on_the_gpu_serves_the_models_outputs_from_pinned_staging():
     from multiprocessing import Pipe
 
+    from impala.channels import signal, take_signal
     from impala.inference import InferenceServer
 
     device = torch.device("cuda")
@@ -335,7 +336,7 @@ def test_central_inference_on_the_gpu_serves_the_models_outputs_from_pinned_stag
     assert server._stream is not None and server._stream.priority < 0  # ahead of the learner's default stream
     main_end, actor_end = Pipe()
     server.connect(0, main_end)
-    actor_end.send_bytes(b"a")
+    signal(actor_end)
     assert server.serve_once(timeout_s=5.0) == 1 and actor_end.poll(5.0)
     slots = torch.tensor([4, 1, 3])
     with torch.no_grad():
@@ -348,8 +349,8 @@ def test_central_inference_on_the_gpu_serves_the_models_outputs_from_pinned_stag
         for param in model.parameters():
             param.mul_(1.5)
     server.load_weights(model)
-    actor_end.recv_bytes()
-    actor_end.send_bytes(b"a")
+    assert take_signal(actor_end)
+    signal(actor_end)
     assert server.serve_once(timeout_s=5.0) == 1 and actor_end.poll(5.0)
     with torch.no_grad():
         expected, _ = model(buffers["obs"][slots, 2][None].to(device), buffers["done"][slots, 2][None].to(device))

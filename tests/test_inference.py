@@ -14,11 +14,14 @@ import types
 from multiprocessing import Pipe
 from pathlib import Path
 
+import pytest
 import torch
 from process_helpers import IMPALA_RULE
 
-from impala.actor import RemotePolicy
+from impala import inference
+from impala.actor import RemotePolicy, StopActing
 from impala.buffers import BufferSpec, create_buffers
+from impala.channels import signal, take_signal
 from impala.inference import InferenceServer
 from impala.model import Net
 
@@ -48,7 +51,7 @@ def request(buffers: dict, positions: torch.Tensor, actor_index: int, actor_end,
     buffers["done"][slots, t] = False
     positions[actor_index, :-1] = slots
     positions[actor_index, -1] = t
-    actor_end.send_bytes(b"a")
+    signal(actor_end)
     return slots
 
 
@@ -81,8 +84,7 @@ def test_the_server_acts_with_the_published_weights_not_those_being_changed():
         slots = request(buffers, positions, 0, ends[0], t=t)
         while not server.serve_once(timeout_s=1.0):
             pass
-        assert ends[0].poll(1.0)
-        ends[0].recv_bytes()
+        assert ends[0].poll(1.0) and take_signal(ends[0])
         return buffers["obs"][slots, t][None], buffers["policy_logits"][slots, t]
 
     with torch.no_grad():
@@ -154,6 +156,31 @@ def test_remote_policy_returns_the_actions_the_server_wrote():
         thread.join(5)
 
 
+def test_a_signal_is_read_once_and_a_closed_end_reads_as_no_signal():
+    main_end, actor_end = Pipe()
+    signal(actor_end)
+    assert main_end.poll(1.0) and take_signal(main_end)
+    assert not main_end.poll(0), "one read took the whole signal"
+    signal(main_end)
+    assert actor_end.poll(1.0) and take_signal(actor_end)
+    actor_end.close()
+    assert main_end.poll(1.0) and not take_signal(main_end)
+
+
+def test_remote_policy_stops_when_asked_and_fails_when_the_servers_end_is_closed():
+    server, buffers, positions, _, ends = make_server(num_actors=1, wait_s=0.0)  # kept open, never serving
+    index = torch.arange(ENVS)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    with pytest.raises(StopActing):  # nobody answers: it waits until the run stops
+        RemotePolicy(ends[0], positions[0], stop)(buffers, index, 0, {})
+    assert server.connections[0].poll(0), "it had asked"
+    main_end, actor_end = Pipe()
+    main_end.close()  # the main process is gone
+    with pytest.raises((EOFError, OSError)):
+        RemotePolicy(actor_end, positions[0], threading.Event())(buffers, index, 0, {})
+
+
 def test_training_with_central_inference_learns_cartpole(tmp_path):
     command = [sys.executable, "run.py", "--env", "CartPole-v1", "--inference", "central", "--num_actors", "2",
                "--envs_per_actor", "4", "--unroll_length", "5", "--batch_size", "8", "--learning_rate", "0.001", *IMPALA_RULE,
@@ -219,30 +246,19 @@ def test_an_actor_with_two_splits_is_served_as_two_clients():
     torch.testing.assert_close(buffers["baseline"][:, :5], expected.baseline.transpose(0, 1))
 
 
-class _ReconnectOnReceive:
-    """A client's pipe whose next request arrives just as the monitor replaces another client's pipe:
-    the moment `serve_once` still holds the replaced pipe in its snapshot of the connections."""
-
-    def __init__(self, connection, on_receive) -> None:
-        self._connection = connection
-        self._on_receive = on_receive
-
-    def fileno(self) -> int:
-        return self._connection.fileno()
-
-    def recv_bytes(self) -> bytes:
-        self._on_receive()
-        return self._connection.recv_bytes()
-
-    def send_bytes(self, data: bytes) -> None:
-        self._connection.send_bytes(data)
-
-
-def test_a_pipe_replaced_while_a_batch_gathers_is_served_afterwards_not_waited_on_closed():
+def test_a_pipe_replaced_while_a_batch_gathers_is_served_afterwards_not_waited_on_closed(monkeypatch):
+    """Client 1's request arrives just as the monitor replaces client 0's pipe: the moment `serve_once` still holds
+    the replaced pipe in its snapshot of the connections."""
     server, buffers, positions, _, ends = make_server(num_actors=2, wait_s=0.3)
-    old_main_end = server.connections[0]
+    old_main_end, asking = server.connections[0], server.connections[1]
     new_main_end, new_actor_end = Pipe()
-    server.connections[1] = _ReconnectOnReceive(server.connections[1], lambda: server.connect(0, new_main_end))
+
+    def take_signal_as_client_0_restarts(connection) -> bool:
+        if connection is asking and server.connections[0] is old_main_end:
+            server.connect(0, new_main_end)
+        return take_signal(connection)
+
+    monkeypatch.setattr(inference, "take_signal", take_signal_as_client_0_restarts)
     request(buffers, positions, 1, ends[1], t=0)
     assert server.serve_once(timeout_s=1.0) == 1  # gathers with client 0's replaced pipe still in its snapshot
     assert ends[1].poll(1.0), "the client that asked is answered"
