@@ -132,7 +132,8 @@ if [ "$what" = pong ]; then
 fi
 # What an actor's bfloat16 forward runs on this machine's CPU (the GPU machines' Xeons have AMX, the development VMs
 # do not): oneDNN's kernels for the inference component (ONEDNN_VERBOSE), and the torso's forward at batch 8, one
-# thread, with frames and weights as they are (NCHW) and channels last. Under a minute.
+# thread, with frames and weights as they are (NCHW), channels last, and in float32 (--no-amp); and what an actor's
+# start costs: making its 8 Pong envs, then their seeded first reset (each loads the ROM again). Under a minute.
 if [ "$what" = onednn ]; then
   ONEDNN_VERBOSE=1 timeout 60 python3 -m impala.bench --only inference --seconds 1 2>&1 | grep -v "^onednn_verbose" \
     > "$out/onednn.txt"  # the bench's lines; oneDNN's first 60 below them (one forward's are about 20)
@@ -143,25 +144,35 @@ import copy, time
 import torch
 from impala.model import CastTorso, Net
 torch.set_num_threads(1)
-net = CastTorso(Net((4, 84, 84), 6, "shallow").eval(), torch.bfloat16).refresh(0)
+model = Net((4, 84, 84), 6, "shallow").eval()  # float32: what an actor acts with under --no-amp
+net = CastTorso(model, torch.bfloat16).refresh(0)
 last = copy.deepcopy(net)
 last.torso.to(memory_format=torch.channels_last)
 obs = torch.randint(0, 255, (1, 8, 4, 84, 84), dtype=torch.uint8)
 obs_last = obs[0].contiguous(memory_format=torch.channels_last)[None]
 done = torch.zeros(1, 8, dtype=torch.bool)
-def forward(model, frames):
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+def forward(model, frames, bf16=True):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         return model(frames, done)[0].policy_logits
-def cpu_ms(model, frames, calls=300):
+def cpu_ms(model, frames, bf16=True, calls=300):
     for _ in range(20):
-        forward(model, frames)
+        forward(model, frames, bf16)
     start = time.process_time()
     for _ in range(calls):
-        forward(model, frames)
+        forward(model, frames, bf16)
     return 1000 * (time.process_time() - start) / calls
 for round_ in range(3):
-    print(f"round {round_}: CPU-ms per forward at batch 8, NCHW {cpu_ms(net, obs):.3f}, channels last {cpu_ms(last, obs_last):.3f}")
+    print(f"round {round_}: CPU-ms per forward at batch 8, bfloat16 NCHW {cpu_ms(net, obs):.3f}, bfloat16 channels "
+          f"last {cpu_ms(last, obs_last):.3f}, float32 (channels last, as --no-amp acts) {cpu_ms(model, obs, False):.3f}")
 print("largest logit difference", (forward(net, obs) - forward(last, obs_last)).abs().max().item())
+from impala.environment import EnvBatch
+for round_ in range(2):
+    start = time.process_time()
+    env = EnvBatch("PongNoFrameskip-v4", 8, list(range(8)))
+    made = time.process_time()
+    env.reset()
+    print(f"8 Pong envs: made in {made - start:.3f} CPU-s, first (seeded) reset {time.process_time() - made:.3f}")
+    env.close()
 PY
   grep -m 12 "exec" "$out/onednn.txt" | cut -c1-220
   grep "^inference " "$out/onednn.txt"
