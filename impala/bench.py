@@ -60,7 +60,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from multiprocessing import resource_tracker
+from multiprocessing import Pipe, resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +69,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from impala import distributed, learner
+from impala import channels, distributed, learner
 from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.actor_pool import keep_freed_memory
-from impala.buffers import BufferSpec, pin_observations, unpin_observations
+from impala.buffers import BufferSpec, create_buffers, pin_observations, unpin_observations
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import Config, UserError, add_flags, cpu_quota, parse_config, to_flags
 from impala.environment import EnvBatch, probe_env
+from impala.inference import InferenceServer
 from impala.learners import learner_threads, select_device
 from impala.model import CastTorso, Net, sample_actions, use_amp
 from impala.seeding import first_life
@@ -246,33 +247,74 @@ def bench_env(config: Config, seconds: float) -> dict[str, Any]:
 
 
 def bench_inference(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
-    """The policy forward and action sampling one actor does per step (or the central thread, for all actors)."""
+    """The policy forward and action sampling one actor does per step, or with --inference central one batch of
+    the central thread for every actor's env split at once (`_bench_server`)."""
     if config.inference == "central":
-        device = select_device(config)
-        batch, threads = config.num_actors * config.envs_per_actor, learner_threads(config, device)
-    else:
-        device, batch, threads = torch.device("cpu"), config.envs_per_actor // config.env_splits, 1  # as an actor
-    amp = use_amp(config.amp, device, shape.model)
-    model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm, config.hidden_size)
-    model = model.to(device).eval()
+        return _bench_server(config, shape, seconds)
+    batch = config.envs_per_actor // config.env_splits  # as an actor
+    amp = use_amp(config.amp, torch.device("cpu"), shape.model)
+    model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm, config.hidden_size).eval()
     obs = _random_tensor((1, batch, *shape.observation_shape), shape.observation_dtype)
     done = torch.zeros((1, batch), dtype=torch.bool)
-    core_state = tuple(s.to(device) for s in model.initial_state(batch))
-    generator = torch.Generator(device=device).manual_seed(config.seed)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=amp)
-    net = CastTorso(model, torch.bfloat16).refresh(0) if amp else model  # the torso's weights cast once, as both do
+    core_state = model.initial_state(batch)
+    generator = torch.Generator().manual_seed(config.seed)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp)
+    net = CastTorso(model, torch.bfloat16).refresh(0) if amp else model  # the torso's weights cast once, as actors do
 
     def step() -> int:
         with torch.no_grad(), autocast:
-            output, _ = net(obs.to(device), done.to(device), core_state)
-        sample_actions(output.policy_logits[0], generator).cpu()
+            output, _ = net(obs, done, core_state)
+        sample_actions(output.policy_logits[0], generator)
         return batch
 
-    with torch_threads(threads):
+    with torch_threads(1):
         rate = timed_loop(step, seconds)
-    where = "central thread, all actors' envs" if config.inference == "central" else "one actor"
-    return {"what": f"{shape.model} forward + sampling at batch {batch} ({where})", "batch": batch,
-            "device": str(device), "threads": threads, "amp": amp, **rate.to_dict()}
+    return {"what": f"{shape.model} forward + sampling at batch {batch} (one actor)", "batch": batch,
+            "device": "cpu", "threads": 1, "amp": amp, **rate.to_dict()}
+
+
+def _bench_server(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
+    """`InferenceServer.serve_once` on the learner's device, every actor's env split asking at once: the
+    observations gathered from slots in shared memory, the forward and sampling (a CUDA graph on a GPU with
+    --cuda_graph), the answers written back, each request and answer a byte on a pipe (both ends in this thread)."""
+    device = select_device(config)
+    clients, envs = config.num_actors * config.env_splits, config.envs_per_actor // config.env_splits
+    amp = use_amp(config.amp, device, shape.model)
+    model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm, config.hidden_size)
+    model = model.to(device).eval()
+    buffers = create_buffers(BufferSpec(clients * envs, 1, shape.observation_shape, shape.observation_dtype,
+                                        shape.num_actions))
+    buffers["obs"].copy_(_random_tensor(buffers["obs"].shape, shape.observation_dtype))
+    buffers["done"].zero_()
+    positions = torch.zeros((clients, envs + 1), dtype=torch.int64)  # client c: slots c x envs..., row 0
+    positions[:, :-1] = torch.arange(clients * envs).view(clients, envs)
+    server = InferenceServer(model, buffers, positions, device, amp, wait_s=1.0, seed=config.seed,
+                             graphed=config.cuda_graph)
+    ends = []
+    for client in range(clients):
+        server_end, actor_end = Pipe()
+        server.connect(client, server_end)
+        ends.append(actor_end)
+
+    def step() -> int:
+        for end in ends:
+            channels.signal(end)
+        served = server.serve_once(timeout_s=5.0)
+        if served != clients or not all(channels.take_signal(end) for end in ends):
+            raise RuntimeError(f"the inference server answered {served} of {clients} clients")
+        return clients * envs
+
+    try:
+        with torch_threads(learner_threads(config, device)):
+            rate = timed_loop(step, seconds)
+    finally:
+        for end in ends:
+            end.close()
+        server.serve_once(timeout_s=0.0)  # drops the closed clients, closing the server's ends
+    graphed = " as CUDA graphs" if server.graphed else ""
+    return {"what": f"{shape.model} forward + sampling{graphed}, {clients} clients x {envs} envs (central thread)",
+            "batch": clients * envs, "device": str(device), "threads": learner_threads(config, device), "amp": amp,
+            "graphed": server.graphed, **rate.to_dict()}
 
 
 def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:

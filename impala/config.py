@@ -239,8 +239,9 @@ class Config:
     compile: bool = _flag(False, "torch.compile the learner's loss and its backward as one region "
                                  "(replayed as CUDA graphs on a GPU)")
     cuda_graph: bool = _flag(True, "a GPU learner with --optimizer adam replays each update (every gradient step "
-                             "of a batch) as one CUDA graph instead of launching every kernel from Python; "
-                             "--no-cuda_graph to launch them one by one", negatable=True)
+                             "of a batch) as one CUDA graph instead of launching every kernel from Python, and "
+                             "--inference central its forwards; --no-cuda_graph to launch them one by one",
+                             negatable=True)
     pin_slots: bool = _flag(True, "a GPU learner page-locks the slots' observations in shared memory and copies each "
                             "batch's straight to the GPU, instead of stacking them on the host first; "
                             "--no-pin_slots to stack them", negatable=True)

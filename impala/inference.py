@@ -8,22 +8,30 @@ actions, logits and baselines back into the slots and answers each actor with on
 
 How long to wait for a fuller batch is `--inference_wait_ms`: 0 serves whoever is ready; a longer
 wait trades actor idle time for bigger, cheaper batches. `training.py` runs `serve` in a thread.
+
+On a GPU with --cuda_graph (the default) the forward and the sampling are replayed as CUDA graphs, one per batch
+size served (the clients' count rounded up to a power of two) and weight copy, captured when first needed: eagerly,
+the host launched some 30 kernels per batch from Python while every actor waited.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import selectors
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
 from impala.buffers import Buffers
 from impala.channels import signal, take_signal
-from impala.model import Net, sample_actions
+from impala.model import Net, actions_from_noise
+
+log = logging.getLogger(__name__)
 
 
 class InferenceServer:
@@ -36,7 +44,7 @@ class InferenceServer:
     """
 
     def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
-                 wait_s: float, seed: int) -> None:
+                 wait_s: float, seed: int, graphed: bool = False) -> None:
         self.model = copy.deepcopy(model).requires_grad_(False)  # what the forwards use
         self._next_model = copy.deepcopy(self.model)  # where the next published weights go
         if amp:  # the torsos' weights held in bfloat16: cast once as they are published (`load_weights` copies
@@ -56,6 +64,11 @@ class InferenceServer:
         self.amp = amp
         self.wait_s = wait_s
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # (id of the weight copy acted with, rows) -> its captured forward; {} and False off a GPU, or after a
+        # capture failed (then every batch is eager, as without --cuda_graph)
+        self._graphs: dict[tuple[int, int], _GraphedForward] = {}
+        self._graphed = graphed and device.type == "cuda"
+        self._graph_pool = torch.cuda.graph_pool_handle() if self._graphed else None
         # Observations are gathered by one index_select of (slot, row) pairs, into host tensors pinned for
         # CUDA so their copy to the device is asynchronous; the next gather waits for this forward's results.
         obs, done = buffers["obs"], buffers["done"]
@@ -238,18 +251,86 @@ class InferenceServer:
         slots = positions[:, :-1].flatten()
         rows = positions[:, -1:].expand(-1, positions.shape[1] - 1).flatten()
         flat_index = slots * self._rows_per_slot + rows
-        inputs = {}
-        for key, flat in self._flat.items():
-            staged = torch.index_select(flat, 0, flat_index, out=self._staging[key][:len(flat_index)])
-            inputs[key] = staged.to(self.device, non_blocking=True)
-        with torch.no_grad():
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
-                output, _ = self.model(inputs["obs"][None], inputs["done"][None])
-            logits = output.policy_logits[0].float()
-            action = sample_actions(logits, self.generator)
-            # One copy back to the host (one wait for the device): logits, baseline, action side by side.
-            result = torch.cat([logits, output.baseline[0].float()[:, None], action.float()[:, None]], dim=1).cpu()
-        num_actions = logits.shape[1]
+        staged = {key: torch.index_select(flat, 0, flat_index, out=self._staging[key][:len(flat_index)])
+                  for key, flat in self._flat.items()}
+        graph = self._graph_for(len(clients)) if self._graphed else None
+        if graph is not None:
+            result = graph(staged, self.generator)
+        else:
+            inputs = {key: value.to(self.device, non_blocking=True) for key, value in staged.items()}
+            with torch.no_grad():
+                noise = torch.empty((len(flat_index), self.num_actions), device=self.device)
+                noise.exponential_(generator=self.generator)
+                result = _outputs(self.model, inputs["obs"], inputs["done"], noise, self.amp).cpu()
+        num_actions = self.num_actions
         self.buffers["policy_logits"][slots, rows] = result[:, :num_actions]
         self.buffers["baseline"][slots, rows] = result[:, num_actions]
         self.buffers["action"][slots, rows] = result[:, num_actions + 1].long()
+
+    @property
+    def graphed(self) -> bool:
+        """Whether batches are replayed as CUDA graphs (a GPU, --cuda_graph, no capture failed)."""
+        return self._graphed
+
+    @property
+    def num_actions(self) -> int:
+        return self.buffers["policy_logits"].shape[-1]
+
+    def _graph_for(self, clients: int) -> _GraphedForward | None:
+        """The captured forward that serves `clients` with the current weights, captured now if it is the first
+        such batch; None, and eager batches from now on, if the capture failed."""
+        envs = self.positions.shape[1] - 1
+        rows = min(1 << (clients - 1).bit_length(), self.positions.shape[0]) * envs
+        key = (id(self.model), rows)
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = _GraphedForward(self.model, rows, self._flat, self.num_actions, self.amp,
+                                                    self._stream, self._graph_pool)
+            except RuntimeError as exc:  # nothing depends on it: the eager forward computes the same
+                log.warning("Could not capture central inference's forward as a CUDA graph (%s); serving without one",
+                            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+                self._graphed = False
+                self._graphs.clear()
+                return None
+        return self._graphs[key]
+
+
+def _outputs(model: Net, obs: torch.Tensor, done: torch.Tensor, noise: torch.Tensor, amp: bool) -> torch.Tensor:
+    """The forward of N observations and actions drawn with `noise`: [N, actions + 2], the policy logits, the
+    baseline and the action side by side (float32), so that one copy brings them to the host."""
+    with torch.autocast(obs.device.type, dtype=torch.bfloat16, enabled=amp, cache_enabled=False):
+        output, _ = model(obs[None], done[None])
+    logits = output.policy_logits[0].float()
+    action = actions_from_noise(logits, noise)
+    return torch.cat([logits, output.baseline[0].float()[:, None], action.float()[:, None]], dim=1)
+
+
+class _GraphedForward:
+    """`_outputs` for up to `rows` observations as one CUDA graph, acting with `model`'s weights where they are.
+
+    Called with the staged (page-locked) observations of a batch: they are copied into the graph's inputs, its
+    draws made, the graph replayed and the batch's rows of the results copied back. The rows past the batch's
+    hold an earlier batch's inputs; their results are computed and ignored.
+    """
+
+    def __init__(self, model: Net, rows: int, flat: dict[str, torch.Tensor], num_actions: int, amp: bool,
+                 stream: torch.cuda.Stream | None, pool: Any) -> None:
+        device = next(model.parameters()).device
+        self.obs = torch.zeros((rows, *flat["obs"].shape[1:]), dtype=flat["obs"].dtype, device=device)
+        self.done = torch.zeros((rows,), dtype=torch.bool, device=device)
+        self.noise = torch.ones((rows, num_actions), device=device)
+        with torch.no_grad():
+            for _ in range(2):  # kernels chosen and workspaces allocated outside the capture
+                _outputs(model, self.obs, self.done, self.noise, amp)
+            self.graph = torch.cuda.CUDAGraph()
+            # Thread-local: the learner threads go on launching and copying meanwhile.
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                self.result = _outputs(model, self.obs, self.done, self.noise, amp)
+
+    def __call__(self, staged: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+        n = len(staged["done"])
+        self.obs[:n].copy_(staged["obs"], non_blocking=True)
+        self.done[:n].copy_(staged["done"], non_blocking=True)
+        self.noise.exponential_(generator=generator)
+        self.graph.replay()
+        return self.result[:n].cpu()

@@ -123,6 +123,7 @@ class Net(nn.Module):
                 in_features *= size
             self.torso = MLPTorso(in_features, hidden_size)
         self.model = model
+        self.channels_last_frames = False  # under CPU autocast too (`_cpu_layout`)
         core_size = self.torso.out_size
         self.core = nn.LSTM(core_size, hidden_size, num_layers=1) if use_lstm else None
         if self.core is not None:
@@ -176,14 +177,16 @@ class Net(nn.Module):
             baseline = self.baseline(features).view(T, B)
         return AgentOutput(logits, baseline), core_state
 
-    @staticmethod
-    def _cpu_layout(x: torch.Tensor) -> torch.Tensor:
+    def _cpu_layout(self, x: torch.Tensor) -> torch.Tensor:
         """Images that the CPU convolves in float32 go to the torso channels last (NHWC), the layout oneDNN
         computes in: the shallow net's forward and backward take 10-20% less time, the ResNet's 30%, and the
-        ResNet acting at batch 8 half (BENCHMARKS.md). The values are the same up to float32 rounding. Reordered
-        here, before scaling, a uint8 frame moves a quarter of the bytes. On a GPU and under autocast, where it
-        was not measured, frames stay as they are."""
-        if x.dim() == 4 and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu"):
+        ResNet acting at batch 8 half (BENCHMARKS.md). So do an actor's under autocast (`CastTorso`, which sets
+        `channels_last_frames`): its bfloat16 forward at batch 8 takes 3-20% less for the shallow net and a third
+        of the time for the ResNet. The values are the same up to rounding. Reordered here, before scaling, a
+        uint8 frame moves a quarter of the bytes. On a GPU, and in a learner under autocast (the shallow net's
+        update was 3.5% slower so), frames stay as they are."""
+        if x.dim() == 4 and x.device.type == "cpu" and (self.channels_last_frames
+                                                        or not torch.is_autocast_enabled("cpu")):
             return x.contiguous(memory_format=torch.channels_last)
         return x
 
@@ -271,6 +274,9 @@ class CastTorso:
         self.net = copy.deepcopy(model)
         self.net.policy, self.net.baseline, self.net.core = model.policy, model.baseline, model.core
         self.net.torso.to(dtype)
+        if model.model in ("shallow", "resnet"):  # its convolutions' weights and frames channels last (`_cpu_layout`)
+            self.net.torso.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+            self.net.channels_last_frames = True
         self.version: int | None = None
 
     def refresh(self, version: int) -> Net:
@@ -310,5 +316,12 @@ def sample_actions(policy_logits: torch.Tensor, generator: torch.Generator | Non
     10 us per call at [4, 2], one thread) and made the host wait for a GPU twice per call. A NaN logit (a NaN
     observation) is acted on as action 0 rather than failing the actor; the learner then skips the update.
     """
+    noise = torch.empty(policy_logits.shape, device=policy_logits.device).exponential_(generator=generator)
+    return actions_from_noise(policy_logits, noise)
+
+
+def actions_from_noise(policy_logits: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`sample_actions` given its draws `noise` (float32 Exp(1), the shape of `policy_logits`): what a CUDA graph
+    replays, its noise drawn before each replay."""
     probs = F.softmax(policy_logits.float(), dim=-1)
-    return (probs / torch.empty_like(probs).exponential_(generator=generator)).argmax(-1)
+    return (probs / noise).argmax(-1)

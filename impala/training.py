@@ -186,7 +186,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         assert positions is not None, "made by the pool for --inference central"
         server = InferenceServer(model, buffers, positions, device, run.amp,
                                  config.inference_wait_ms / 1000,
-                                 seed=sampling_seed(config.seed, session, INFERENCE_STREAM, 0))
+                                 seed=sampling_seed(config.seed, session, INFERENCE_STREAM, 0), graphed=config.cuda_graph)
         run.inference, run.pool.inference = InferenceThread(server), server
     return run
 

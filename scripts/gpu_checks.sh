@@ -10,7 +10,7 @@
 # its time to a mean of 18; $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|actors|onednn|pong|pong_ab|atari5]
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|inference|actors|onednn|pong|pong_ab|atari5]
 #        [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -122,6 +122,28 @@ if [ "$what" = placement ]; then
   pong_for 200 pong_placement ${PLACEMENT:---inference central --env_splits 2}
   if grep -q '^{' "$out/placement.txt"; then sed -n '1,/^{/p' "$out/placement.txt"; else tail -n 25 "$out/placement.txt"; fi
   cat "$out/pong_placement.txt"
+  exit 0
+fi
+# Central inference's forward replayed as CUDA graphs, and an actor's bfloat16 forward channels last: the gpu-marked
+# central-inference tests; the server alone, every env split of 14 actors asking at once, graphed and eager
+# (--no-cuda_graph); one actor's forward at batch 8, shallow net and ResNet; the trainer with inference in the actors
+# and central with two env splits, $2 steps each (default 200,000). About 3.5 minutes.
+if [ "$what" = inference ]; then
+  timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -k central_inference > "$out/pytest_gpu.txt" 2>&1
+  echo "pytest rc $?" >> "$out/pytest_gpu.txt"
+  for graph in --cuda_graph --no-cuda_graph; do
+    timeout 60 python3 -m impala.bench --only inference --inference central --num_actors 14 --env_splits 2 \
+      --seconds 5 "$graph" 2>&1 | grep -E "^inference|Error" >> "$out/forwards.txt"
+  done
+  for model in shallow resnet; do
+    timeout 60 python3 -m impala.bench --only inference --model "$model" --seconds 3 2>&1 \
+      | grep -E "^inference|Error" >> "$out/forwards.txt"
+  done
+  timeout 200 python3 -m impala.bench --num_actors auto --total_steps "${2:-200000}" --only e2e \
+    --variants "--inference actor " "--inference central --env_splits 2" --json "$out/inference.json" \
+    > "$out/inference.txt" 2>&1
+  tail -n 3 "$out/pytest_gpu.txt"; cat "$out/forwards.txt"
+  if grep -q '^{' "$out/inference.txt"; then sed -n '1,/^{/p' "$out/inference.txt"; else tail -n 25 "$out/inference.txt"; fi
   exit 0
 fi
 if [ "$what" = pong ]; then

@@ -100,6 +100,15 @@ def test_ceiling_is_the_sum_of_cpu_per_step_times_the_cores(micro_results: dict)
     assert limit["steps_per_s"] == pytest.approx(limit["steps_per_cpu_s"] * limit["cores"])
 
 
+def test_the_central_inference_component_serves_every_actors_env_split_through_the_server() -> None:
+    config = Config(env="CartPole-v1", num_actors=3, envs_per_actor=4, env_splits=2, inference="central",
+                    disable_cuda=True)
+    result = bench.bench_inference(config, bench.EnvShape((4,), torch.float32, 2, "mlp"), seconds=0.05)
+    assert result["batch"] == 12 and result["device"] == "cpu" and not result["graphed"]
+    assert "6 clients x 2 envs (central thread)" in result["what"]
+    assert result["steps"] > 0 and result["steps"] % 12 == 0  # whole batches, every client answered each time
+
+
 def test_ceiling_worked_by_hand() -> None:
     # env 1 ms + inference 2 ms + learner 5 ms of CPU per agent step = 8 ms: 125 steps per CPU-second,
     # 375 steps/s on 3 cores. The actor row (env and inference together) is not part of the sum.

@@ -357,6 +357,71 @@ def test_central_inference_on_the_gpu_serves_the_models_outputs_from_pinned_stag
     torch.testing.assert_close(buffers["policy_logits"][slots, 2], expected.policy_logits[0].cpu())
 
 
+@pytest.mark.parametrize("amp", [False, True])
+def test_central_inference_replays_a_cuda_graph_per_batch_size_and_weight_copy(amp):
+    """The graphed server (--cuda_graph) answers as the eager one does, for batches of 1, 3 and all 6 clients (padded
+    to 1, 4 and 6 clients' rows), with the weights published after its graphs were captured."""
+    from multiprocessing import Pipe
+
+    from impala.channels import signal, take_signal
+    from impala.inference import InferenceServer
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = Net((4, 84, 84), 6).to(device).eval()
+    clients, envs = 6, 2
+    buffers = create_buffers(BufferSpec(clients * envs, 3, (4, 84, 84), torch.uint8, 6))
+    buffers["obs"].random_(0, 255)
+    buffers["done"].copy_(torch.rand(buffers["done"].shape) < 0.5)
+    positions = torch.zeros((clients, envs + 1), dtype=torch.int64)
+    positions[:, :-1] = torch.arange(clients * envs).flip(0).view(clients, envs)  # client c: two slots, row 1
+    positions[:, -1] = 1
+    servers = {graphed: InferenceServer(model, buffers, positions, device, amp, wait_s=0.0, seed=0, graphed=graphed)
+               for graphed in (True, False)}
+    assert servers[True].graphed and not servers[False].graphed
+    ends = {}
+    for graphed, server in servers.items():
+        for client in range(clients):
+            server_end, actor_end = Pipe()
+            server.connect(client, server_end)
+            ends[graphed, client] = actor_end
+
+    def serve(graphed: bool, asking: list[int]) -> dict[str, torch.Tensor]:
+        slots = positions[asking, :-1].flatten()
+        for field in ("policy_logits", "baseline", "action"):
+            buffers[field][slots, 1] = -1
+        for client in asking:
+            signal(ends[graphed, client])
+        assert servers[graphed].serve_once(timeout_s=5.0) == len(asking)
+        assert all(take_signal(ends[graphed, client]) for client in asking)
+        return {field: buffers[field][slots, 1].clone() for field in ("policy_logits", "baseline", "action")}
+
+    def check(asking: list[int]) -> None:
+        graphed, eager = serve(True, asking), serve(False, asking)
+        tolerance = {"atol": 2e-2, "rtol": 2e-2} if amp else {"atol": 1e-3, "rtol": 1e-3}
+        torch.testing.assert_close(graphed["policy_logits"], eager["policy_logits"], **tolerance)
+        torch.testing.assert_close(graphed["baseline"], eager["baseline"], **tolerance)
+        assert ((graphed["action"] >= 0) & (graphed["action"] < 6)).all()
+
+    for asking in ([0], [1, 4, 5], list(range(clients))):
+        check(asking)
+    assert sorted(rows for _, rows in servers[True]._graphs) == [2, 8, 12]
+    with torch.no_grad():  # an update, published: the next batch acts with it from the other weight copy's graph
+        for param in model.parameters():
+            param.mul_(1.5)
+    for server in servers.values():
+        server.load_weights(model)
+    check([1, 4, 5])
+    assert len(servers[True]._graphs) == 4
+    with torch.no_grad():  # a policy that always picks action 4, published into the first copy, graphed already
+        model.policy.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 1e4, 0.0]))
+    for server in servers.values():
+        server.load_weights(model)
+    check(list(range(clients)))
+    assert (serve(True, list(range(clients)))["action"] == 4).all()
+    assert len(servers[True]._graphs) == 4
+
+
 @pytest.mark.parametrize("graphed, slots", [(True, 12), (False, 8)])
 def test_a_graphed_gpu_learner_gives_every_env_two_unrolls_of_slots(tmp_path, graphed, slots):
     command = [sys.executable, "run.py", "--env", "CartPole-v1", "--num_actors", "3", "--envs_per_actor", "2",
