@@ -10,8 +10,9 @@ How long to wait for a fuller batch is `--inference_wait_ms`: 0 serves whoever i
 wait trades actor idle time for bigger, cheaper batches. `training.py` runs `serve` in a thread.
 
 On a GPU with --cuda_graph (the default) the forward and the sampling are replayed as CUDA graphs, one per batch
-size served (the clients' count rounded up to a power of two) and weight copy, captured when first needed: eagerly,
-the host launched some 30 kernels per batch from Python while every actor waited.
+size served (the clients' count rounded up to a power of two) and weight copy, captured when first needed. Eagerly
+the host dispatches some 30 operations a batch from Python (26 in the bfloat16 forward and sampling) while every
+actor waits: 1.46 against 0.95 ms per batch of 28 env splits on an H200 machine (BENCHMARKS.md).
 """
 
 from __future__ import annotations
