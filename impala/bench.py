@@ -705,6 +705,8 @@ LOGGED = (("charts/SPS", "steady_steps_per_s", "steady", "median agent steps/s p
           ("timing/stack_ms", "stack_ms", "mean", "of which stacking", ".1f"),
           ("timing/forward_backward_ms", "forward_backward_ms", "mean", "learner ms per batch updating", ".1f"),
           ("timing/inference_batch_ms", "inference_batch_ms", "mean", "central inference ms per batch", ".2f"),
+          ("timing/inference_forward_ms", "inference_forward_ms", "mean", "of which the forward", ".2f"),
+          ("timing/inference_slots_ms", "inference_slots_ms", "mean", "the slots' gather and writes", ".2f"),
           ("stats/inference_actors_per_batch", "inference_actors_per_batch", "mean", "actors per batch", ".1f"),
           ("stats/inference_busy_share", "inference_busy_share", "mean", "its thread's time serving", ".0%"),
           ("actors/slot_wait_share", "actor_slot_wait_share", "mean", "actors' time waiting for slots", ".0%"),

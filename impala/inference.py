@@ -89,8 +89,10 @@ class InferenceServer:
         self.batches = 0  # forwards run
         self.served = 0  # client requests answered
         self.busy_s = 0.0  # spent serving: from a batch's first request read to its last answer sent
+        self.slots_s = 0.0  # of it, gathering observations from the slots and writing the answers into them
+        self.forward_s = 0.0  # of it, the forward and sampling: inputs to the device, results back on the host
         self.serving_since: float | None = None  # when the batch being served began (--learner_timeout_s)
-        self._taken = (time.monotonic(), 0, 0, 0.0)  # (time, batches, served, busy_s) at the last `take_stats`
+        self._taken = (time.monotonic(), 0, 0, 0.0, 0.0, 0.0)  # (time, batches, served, busy_s, slots_s, forward_s)
 
     def connect(self, client: int, connection: Connection) -> None:
         """Serve `client` (one env split of one actor) on `connection`. A restarted actor gets new pipes: a
@@ -166,7 +168,7 @@ class InferenceServer:
                 self._receive(self._ready(remaining), pending, connections)
             if not pending:  # the one client that asked died meanwhile
                 return 0
-            self._act(pending)
+            slots_s, forward_s = self._act(pending)
             for client in pending:
                 try:
                     signal(connections[client])
@@ -178,24 +180,30 @@ class InferenceServer:
             self.batches += 1
             self.served += len(pending)
             self.busy_s += time.monotonic() - start
+            self.slots_s += slots_s
+            self.forward_s += forward_s
         return len(pending)
 
     def take_stats(self) -> dict[str, float]:
         """Since the last call (or the start): actors (env splits) served per forward, ms per batch (from its first
-        request read to its last answer sent, the wait for a fuller batch included), and the share of the time spent
-        serving. Near 1, the server is what the actors wait for; well below, its batches' latency is (the GPU's
-        queue, a small batch's fixed cost). Empty when no batch was served."""
+        request read to its last answer sent, the wait for a fuller batch included) and two parts of it (the slots'
+        gather and writes; the forward, from the inputs' copy to the device to the results on the host), and the
+        share of the time spent serving. Near 1, the server is what the actors wait for; well below, its batches'
+        latency is (the GPU's queue, a small batch's fixed cost). What the parts leave of a batch is its pipes and
+        its Python, and the wait for a fuller batch. Empty when no batch was served."""
         now = time.monotonic()
         with self._lock:
-            then, batches, served, busy_s = self._taken
-            self._taken = (now, self.batches, self.served, self.busy_s)
-            batches, served, busy_s = self.batches - batches, self.served - served, self.busy_s - busy_s
+            then, *before = self._taken
+            after = (self.batches, self.served, self.busy_s, self.slots_s, self.forward_s)
+            self._taken = (now, *after)
+        batches, served, busy_s, slots_s, forward_s = (a - b for a, b in zip(after, before, strict=True))
         if not batches:
             return {}
         # A batch counts where it ended, so a share over a short interval can pass 1 by part of one batch.
         share = min(1.0, busy_s / (now - then)) if now > then else 0.0
         return {"stats/inference_actors_per_batch": served / batches, "timing/inference_batch_ms": 1000 * busy_s / batches,
-                "stats/inference_busy_share": share}
+                "timing/inference_slots_ms": 1000 * slots_s / batches,
+                "timing/inference_forward_ms": 1000 * forward_s / batches, "stats/inference_busy_share": share}
 
     def _watch(self, connections: dict[int, Connection]) -> None:
         """Wait on exactly the pipes of `connections` from now on: those replaced or gone out, the new in."""
@@ -242,18 +250,21 @@ class InferenceServer:
                 del self.connections[client]
         connection.close()
 
-    def _act(self, clients: list[int]) -> None:
+    def _act(self, clients: list[int]) -> tuple[float, float]:
+        """Act for `clients`; returns the seconds spent on their slots (gather and writes) and on the forward."""
         self._take_new_weights()
         with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
-            self._act_on(clients)
+            return self._act_on(clients)
 
-    def _act_on(self, clients: list[int]) -> None:
+    def _act_on(self, clients: list[int]) -> tuple[float, float]:
+        start = time.monotonic()
         positions = self.positions[clients]  # [M, envs + 1]
         slots = positions[:, :-1].flatten()
         rows = positions[:, -1:].expand(-1, positions.shape[1] - 1).flatten()
         flat_index = slots * self._rows_per_slot + rows
         staged = {key: torch.index_select(flat, 0, flat_index, out=self._staging[key][:len(flat_index)])
                   for key, flat in self._flat.items()}
+        gathered = time.monotonic()
         graph = self._graph_for(len(clients)) if self._graphed else None
         if graph is not None:
             result = graph(staged, self.generator)
@@ -263,10 +274,12 @@ class InferenceServer:
                 noise = torch.empty((len(flat_index), self.num_actions), device=self.device)
                 noise.exponential_(generator=self.generator)
                 result = _outputs(self.model, inputs["obs"], inputs["done"], noise, self.amp).cpu()
+        answered = time.monotonic()
         num_actions = self.num_actions
         self.buffers["policy_logits"][slots, rows] = result[:, :num_actions]
         self.buffers["baseline"][slots, rows] = result[:, num_actions]
         self.buffers["action"][slots, rows] = result[:, num_actions + 1].long()
+        return gathered - start + time.monotonic() - answered, answered - gathered
 
     @property
     def graphed(self) -> bool:

@@ -131,6 +131,9 @@ def test_the_servers_stats_are_those_of_the_batches_since_they_were_last_taken()
     stats = server.take_stats()
     assert stats["stats/inference_actors_per_batch"] == 1.5
     assert 150 <= stats["timing/inference_batch_ms"] < 450  # (0.3 s + two forwards) / 2
+    # the forwards and the slots' part are inside the batches, and the 0.3 s wait in neither
+    assert 0 < stats["timing/inference_forward_ms"] and 0 < stats["timing/inference_slots_ms"]
+    assert stats["timing/inference_forward_ms"] + stats["timing/inference_slots_ms"] < stats["timing/inference_batch_ms"] - 100
     assert 0.4 < stats["stats/inference_busy_share"] < 0.95
     assert server.take_stats() == {}  # nothing served since
     request(buffers, positions, 1, ends[1], t=2)
