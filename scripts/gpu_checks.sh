@@ -10,7 +10,7 @@
 # its time to a mean of 18; $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|inference|actors|onednn|pong|pong_ab|atari5]
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|inference|profile|actors|onednn|pong|pong_ab|atari5]
 #        [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -144,6 +144,37 @@ if [ "$what" = inference ]; then
     > "$out/inference.txt" 2>&1
   tail -n 3 "$out/pytest_gpu.txt"; cat "$out/forwards.txt"
   if grep -q '^{' "$out/inference.txt"; then sed -n '1,/^{/p' "$out/inference.txt"; else tail -n 25 "$out/inference.txt"; fi
+  exit 0
+fi
+# Where the main process's threads spend a run (the README's Pong command with $PROFILE, default central inference
+# with two env splits): after 40 s, py-spy samples its threads for 15 s, idle included, then for 10 s only the thread
+# holding the GIL (--gil); scripts/pyspy_summary.py gives each thread's innermost frames, and the run's logs.csv
+# its server's ms per batch and their parts. .whl needs py-spy: ../shared/tools/gpu-wheels.sh py-spy==0.4.3.
+# About 1.5 minutes.
+if [ "$what" = profile ]; then
+  runs=${RUNS:-/tmp/gpu-runs}
+  spy=${PYSPY:-$(command -v py-spy || echo /tmp/site/bin/py-spy)}
+  rm -rf "${runs:?}/profile"
+  # shellcheck disable=SC2086  # $PROFILE is flags, split on purpose
+  python3 run.py --env PongNoFrameskip-v4 --savedir "$runs" --xpid profile ${PROFILE:---inference central --env_splits 2} \
+    > /dev/null 2>&1 &
+  pid=$!
+  sleep "${PROFILE_AFTER_S:-40}"
+  "$spy" record -p "$pid" -d 15 -r 200 --threads --idle --format raw -o "$out/profile_idle.txt" > "$out/pyspy.txt" 2>&1
+  "$spy" record -p "$pid" -d 10 -r 200 --threads --gil --format raw -o "$out/profile_gil.txt" >> "$out/pyspy.txt" 2>&1
+  kill -INT "$pid"; wait "$pid"
+  cp "$runs/profile/logs.csv" "$out/profile_logs.csv"
+  { echo "== every sample (idle included)"; python3 scripts/pyspy_summary.py "$out/profile_idle.txt" 3 10
+    echo "== holding the GIL"; python3 scripts/pyspy_summary.py "$out/profile_gil.txt" 3 10; } > "$out/profile.txt" 2>&1
+  python3 - "$out/profile_logs.csv" >> "$out/profile.txt" <<'PY'
+import csv, statistics, sys
+rows = list(csv.DictReader(open(sys.argv[1])))[2:]
+for key in ("charts/SPS", "timing/inference_batch_ms", "timing/inference_forward_ms", "timing/inference_slots_ms",
+            "stats/inference_actors_per_batch", "stats/inference_busy_share", "actors/policy_share", "actors/env_share"):
+    values = [float(row[key]) for row in rows if row.get(key)]
+    print(f"{key}: median {statistics.median(values):.3f} over {len(values)} intervals" if values else f"{key}: none")
+PY
+  tail -n 3 "$out/pyspy.txt"; cut -c1-250 "$out/profile.txt"
   exit 0
 fi
 if [ "$what" = pong ]; then
