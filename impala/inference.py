@@ -75,15 +75,23 @@ class InferenceServer:
         obs, done = buffers["obs"], buffers["done"]
         self._rows_per_slot = obs.shape[1]
         self._flat = {"obs": obs.view(-1, *obs.shape[2:]), "done": done.view(-1)}
+        # The answers' fields viewed the same way, [slots x rows, ...]: written by one index_copy_ each
+        self._flat_out = {key: buffers[key].view(-1, *buffers[key].shape[2:])
+                          for key in ("policy_logits", "baseline", "action")}
         most = positions.shape[0] * (positions.shape[1] - 1)
         self._staging = {key: torch.empty((most, *flat.shape[1:]), dtype=flat.dtype) for key, flat in self._flat.items()}
         if device.type == "cuda":
             self._staging = {key: tensor.pin_memory() for key, tensor in self._staging.items()}
         self._lock = threading.Lock()
         self._replaced: list[Connection] = []  # pipes of dead actors, for the serving thread to close
+        # The serving thread's copy of `connections`, taken again only after `connect` changed them (a dead
+        # client's pipe is dropped from both at once, by that thread)
+        self._snapshot: dict[int, Connection] = {}
+        self._connected = 0  # calls of `connect`
+        self._snapshot_at = 0  # the `_connected` of the snapshot
         # What the serving thread waits on: its pipes registered once with epoll, not once per batch as
         # `multiprocessing.connection.wait` does (53 against 3 us a call for 28 pipes, BENCHMARKS.md). Only that
-        # thread touches it: `_watch` brings it up to date with each snapshot of `connections`.
+        # thread touches it: `_watch` brings it up to date with each new snapshot of `connections`.
         self._selector = selectors.DefaultSelector()
         self._watched: dict[int, Connection] = {}  # client -> the pipe registered for it
         self.batches = 0  # forwards run
@@ -104,6 +112,7 @@ class InferenceServer:
         with self._lock:
             old = self.connections.get(client)
             self.connections[client] = connection
+            self._connected += 1
             if old is not None:
                 self._replaced.append(old)
 
@@ -143,9 +152,11 @@ class InferenceServer:
         Returns the number of clients (actor env splits) served.
         """
         with self._lock:
-            connections = dict(self.connections)
+            if self._snapshot_at != self._connected:
+                self._snapshot, self._snapshot_at = dict(self.connections), self._connected
+                self._watch(self._snapshot)
             replaced, self._replaced = self._replaced, []
-        self._watch(connections)
+        connections = self._snapshot
         for connection in replaced:  # no snapshot holds them any more
             connection.close()
         if not connections:
@@ -258,10 +269,8 @@ class InferenceServer:
 
     def _act_on(self, clients: list[int]) -> tuple[float, float]:
         start = time.monotonic()
-        positions = self.positions[clients]  # [M, envs + 1]
-        slots = positions[:, :-1].flatten()
-        rows = positions[:, -1:].expand(-1, positions.shape[1] - 1).flatten()
-        flat_index = slots * self._rows_per_slot + rows
+        positions = torch.index_select(self.positions, 0, torch.tensor(clients))  # [M, envs + 1]: slots..., row
+        flat_index = (positions[:, :-1] * self._rows_per_slot + positions[:, -1:]).view(-1)
         staged = {key: torch.index_select(flat, 0, flat_index, out=self._staging[key][:len(flat_index)])
                   for key, flat in self._flat.items()}
         gathered = time.monotonic()
@@ -276,9 +285,9 @@ class InferenceServer:
                 result = _outputs(self.model, inputs["obs"], inputs["done"], noise, self.amp).cpu()
         answered = time.monotonic()
         num_actions = self.num_actions
-        self.buffers["policy_logits"][slots, rows] = result[:, :num_actions]
-        self.buffers["baseline"][slots, rows] = result[:, num_actions]
-        self.buffers["action"][slots, rows] = result[:, num_actions + 1].long()
+        self._flat_out["policy_logits"].index_copy_(0, flat_index, result[:, :num_actions])
+        self._flat_out["baseline"].index_copy_(0, flat_index, result[:, num_actions])
+        self._flat_out["action"].index_copy_(0, flat_index, result[:, num_actions + 1].long())
         return gathered - start + time.monotonic() - answered, answered - gathered
 
     @property
