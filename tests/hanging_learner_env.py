@@ -52,10 +52,10 @@ def _finish_update_then_hang(*args: Any, **kwargs: Any) -> Any:
     return _real_finish_update(*args, **kwargs)
 
 
-def _act_on_then_hang(self: InferenceServer, clients: list[int]) -> None:
+def _act_on_then_hang(self: InferenceServer, clients: list[int]) -> tuple[float, float]:
     if HANG_IN == "inference":
         _hang_after_some_calls()
-    _real_act_on(self, clients)
+    return _real_act_on(self, clients)
 
 
 learner._finish_update = _finish_update_then_hang

@@ -131,7 +131,7 @@ def failing_act(self, clients):
     calls.append(clients)
     if len(calls) == 200:
         raise RuntimeError("injected fault")
-    act(self, clients)
+    return act(self, clients)
 InferenceServer._act = failing_act
 sys.exit(run.main(sys.argv[1:]))
 """
