@@ -180,11 +180,11 @@ class Net(nn.Module):
     def _cpu_layout(self, x: torch.Tensor) -> torch.Tensor:
         """Images that the CPU convolves in float32 go to the torso channels last (NHWC), the layout oneDNN
         computes in: the shallow net's forward and backward take 10-20% less time, the ResNet's 30%, and the
-        ResNet acting at batch 8 half (BENCHMARKS.md). So do an actor's under autocast (`CastTorso`, which sets
-        `channels_last_frames`): its bfloat16 forward at batch 8 takes 3-20% less for the shallow net and a third
-        of the time for the ResNet. The values are the same up to rounding. Reordered here, before scaling, a
-        uint8 frame moves a quarter of the bytes. On a GPU, and in a learner under autocast (the shallow net's
-        update was 3.5% slower so), frames stay as they are."""
+        ResNet acting at batch 8 half (BENCHMARKS.md). So does a ResNet actor's under autocast (`CastTorso`, which
+        sets `channels_last_frames`): its bfloat16 forward at batch 8 takes a third of the time. The values are the
+        same up to rounding. Reordered here, before scaling, a uint8 frame moves a quarter of the bytes. On a GPU,
+        in a learner under autocast (the shallow net's update was 3.5% slower so) and in a shallow net's actor (the
+        reorder cost what its convolutions gained), frames stay as they are."""
         if x.dim() == 4 and x.device.type == "cpu" and (self.channels_last_frames
                                                         or not torch.is_autocast_enabled("cpu")):
             return x.contiguous(memory_format=torch.channels_last)
@@ -274,7 +274,9 @@ class CastTorso:
         self.net = copy.deepcopy(model)
         self.net.policy, self.net.baseline, self.net.core = model.policy, model.baseline, model.core
         self.net.torso.to(dtype)
-        if model.model in ("shallow", "resnet"):  # its convolutions' weights and frames channels last (`_cpu_layout`)
+        # The ResNet's convolutions' weights and frames channels last (`_cpu_layout`): a third of its acting time in
+        # bfloat16. Not the shallow net's: reordering its frames costs about what its convolutions gain (BENCHMARKS.md).
+        if model.model == "resnet":
             self.net.torso.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
             self.net.channels_last_frames = True
         self.version: int | None = None

@@ -7,7 +7,6 @@ env's previous slot.
 
 from __future__ import annotations
 
-import copy
 import queue
 import threading
 import time
@@ -296,20 +295,15 @@ def test_atari_actor_writes_uint8_frames() -> None:
 def test_atari_actor_writes_the_logits_of_the_shared_model_under_its_autocast_setting(acting: str, amp: bool) -> None:
     """With bfloat16 autocast the actor acts with its torso cast once per policy version (model.CastTorso), the
     inference server with its snapshots' torsos in bfloat16: the logits and values written are those of the
-    shared model's forward under autocast, bit for bit (an actor's in its layout, channels last)."""
+    shared model's forward under autocast, bit for bit."""
     rollout = Rollout(env="PongNoFrameskip-v4", envs_per_actor=2, unroll_length=4, max_unrolls=2, extra_buffers=0,
                       amp=amp, central=acting == "central")
     assert rollout.errors == []
-    model = rollout.model
-    if amp and acting == "actor":
-        model = copy.deepcopy(model)
-        model.torso.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-        model.channels_last_frames = True
     for slots in rollout.slots:
         for t in range(4):  # the actor's forward: one row of both envs
             obs, done = rollout.buffers["obs"][slots, t], rollout.buffers["done"][slots, t]
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                output, _ = model(obs[None], done[None])
+                output, _ = rollout.model(obs[None], done[None])
             assert torch.equal(output.policy_logits[0], rollout.buffers["policy_logits"][slots, t])
             assert torch.equal(output.baseline[0], rollout.buffers["baseline"][slots, t])
 

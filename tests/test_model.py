@@ -139,14 +139,18 @@ def test_a_torso_cast_once_per_version_acts_as_autocast_does_and_follows_new_ver
     def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
         return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
-    # The cast torso acts channels last (`Net._cpu_layout`): so must the reference, for the same bits.
+    # The ResNet's cast torso acts channels last (`Net._cpu_layout`): so must its reference, for the same bits.
     reference = copy.deepcopy(net)
-    reference.torso.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
-    reference.channels_last_frames = True
+    if model == "resnet":
+        reference.torso.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+        reference.channels_last_frames = True
     before = outputs(reference)
     assert same(outputs(cast.refresh(0)), before)  # bit for bit
     assert all(p.dtype == torch.bfloat16 for p in cast.net.torso.parameters())
-    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in cast.net.torso.parameters() if p.dim() == 4)
+    convolutions = [p for p in cast.net.torso.parameters() if p.dim() == 4]
+    layout = torch.channels_last if model == "resnet" else torch.contiguous_format
+    assert convolutions and all(p.is_contiguous(memory_format=layout) for p in convolutions)
+    assert cast.net.channels_last_frames == (model == "resnet")
     torch.testing.assert_close(before[0], outputs(net)[0], atol=2e-2, rtol=2e-2)  # the layouts differ by rounding
     assert cast.net.policy is net.policy and cast.net.core is net.core  # the heads and LSTM are the model's own
     with torch.no_grad():
