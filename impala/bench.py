@@ -279,6 +279,7 @@ def _bench_server(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
     --cuda_graph), the answers written back, each request and answer a byte on a pipe (both ends in this thread)."""
     device = select_device(config)
     clients, envs = config.num_actors * config.env_splits, config.envs_per_actor // config.env_splits
+    threads = learner_threads(config, device)
     amp = use_amp(config.amp, device, shape.model)
     model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm, config.hidden_size)
     model = model.to(device).eval()
@@ -305,7 +306,7 @@ def _bench_server(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
         return clients * envs
 
     try:
-        with torch_threads(learner_threads(config, device)):
+        with torch_threads(threads):
             rate = timed_loop(step, seconds)
     finally:
         for end in ends:
@@ -313,7 +314,7 @@ def _bench_server(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
         server.serve_once(timeout_s=0.0)  # drops the closed clients, closing the server's ends
     graphed = " as CUDA graphs" if server.graphed else ""
     return {"what": f"{shape.model} forward + sampling{graphed}, {clients} clients x {envs} envs (central thread)",
-            "batch": clients * envs, "device": str(device), "threads": learner_threads(config, device), "amp": amp,
+            "batch": clients * envs, "device": str(device), "threads": threads, "amp": amp,
             "graphed": server.graphed, **rate.to_dict()}
 
 
