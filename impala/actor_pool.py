@@ -41,7 +41,7 @@ from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.buffers import Buffers
 from impala.channels import RecordQueue, SharedFloats, StopFlag
 from impala.config import Config, TrainingError
-from impala.inference import InferenceServer
+from impala.inference import InferenceServers
 from impala.model import FlatWeights, Net
 from impala.seeding import ActorLives
 from impala.slots import SlotLedger
@@ -141,7 +141,7 @@ class LocalActorPool:
         self.actor_model = actor_model  # shared CPU copy the actors act with
         self.actor_weights = FlatWeights(actor_model)  # its parameters, views of one tensor in shared memory
         self.lives = lives  # numbers every actor start and hands it its seeds
-        self.inference: InferenceServer | None = None  # --inference central: set before `start`
+        self.inference: InferenceServers | None = None  # --inference central: set before `start`
         # Slot numbers and episodes travel in RecordQueues, which survive an actor killed at any instant.
         # Only tracebacks, sent by an actor that is dying anyway, use a multiprocessing.Queue.
         full_queue = RecordQueue(ctx, "q", capacity=len(buffers["slot_owner"]))

@@ -157,6 +157,9 @@ class Config:
                            choices=("actor", "central"))
     inference_wait_ms: float = _flag(0.0, "central inference: how long to wait for more actors before "
                                      "running a partial batch (0: serve whoever is ready)")
+    inference_threads: int = _flag(1, "central inference: threads that serve the actors, each its share of the env "
+                                   "splits, with its own CUDA stream and weight copies, so that several batches run "
+                                   "at once (pays where a batch waits on the GPU rather than on the host)")
 
     # Remote actors on a Ray cluster (impala/ray_pool.py; needs `pip install -r requirements-ray.txt`).
     ray: str | None = _flag(None, "also act on a Ray cluster: auto (the running cluster, or RAY_ADDRESS), local "
@@ -338,7 +341,7 @@ class Config:
     def validate(self) -> list[str]:
         """Every problem with these values, each with the numbers involved; empty when all is well."""
         problems = []
-        positive_ints = ("envs_per_actor", "env_splits", "unroll_length", "total_steps", "batch_size",
+        positive_ints = ("envs_per_actor", "env_splits", "inference_threads", "unroll_length", "total_steps", "batch_size",
                          "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches",
                          "eval_episodes", "eval_max_steps", "ray_actors", "ray_envs_per_actor", "ray_publish_every",
                          "ray_steps_per_request")
@@ -393,6 +396,10 @@ class Config:
         if self.minibatch_mode == "samples" and (self.policy_loss != "ppo" or self.use_lstm):
             problems.append("--minibatch_mode samples needs --policy_loss ppo and a model without --use_lstm "
                             "(single steps drawn from the batch have no sequence for an LSTM)")
+        clients = self.num_actors * self.env_splits  # what central inference serves: each actor's env splits
+        if self.inference == "central" and 1 <= clients < self.inference_threads:
+            problems.append(f"--inference_threads {self.inference_threads} is more than the {clients} env splits "
+                            f"there are to serve (--num_actors {self.num_actors} x --env_splits {self.env_splits})")
         if self.use_lstm and self.inference == "central":
             problems.append("--use_lstm is not supported with --inference central; use --inference actor")
         if not self.savedir:

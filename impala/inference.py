@@ -7,7 +7,9 @@ observations straight out of shared memory, runs one forward for all the actors 
 actions, logits and baselines back into the slots and answers each actor with one byte.
 
 How long to wait for a fuller batch is `--inference_wait_ms`: 0 serves whoever is ready; a longer
-wait trades actor idle time for bigger, cheaper batches. `training.py` runs `serve` in a thread.
+wait trades actor idle time for bigger, cheaper batches. `training.py` runs `serve` in a thread, or with
+--inference_threads K each of K servers (`InferenceServers`) in a thread of its own, every one answering its share
+of the actors' env splits.
 
 On a GPU with --cuda_graph (the default) the forward and the sampling are replayed as CUDA graphs, one per batch
 size served (the clients' count rounded up to a power of two) and weight copy, captured when first needed. Eagerly
@@ -45,7 +47,7 @@ class InferenceServer:
     """
 
     def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
-                 wait_s: float, seed: int, graphed: bool = False) -> None:
+                 wait_s: float, seed: int, graphed: bool = False, max_clients: int | None = None) -> None:
         self.model = copy.deepcopy(model).requires_grad_(False)  # what the forwards use
         self._next_model = copy.deepcopy(self.model)  # where the next published weights go
         if amp:  # the torsos' weights held in bfloat16: cast once as they are published (`load_weights` copies
@@ -59,6 +61,8 @@ class InferenceServer:
         self._stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         self.buffers = buffers
         self.positions = positions  # [clients, envs per client + 1]: slots..., row
+        # the most clients this server answers at once: all of `positions`, or its share (`InferenceServers`)
+        self.max_clients = positions.shape[0] if max_clients is None else max_clients
         # client (actor index x env_splits + split) -> the main process's end of its pipe
         self.connections: dict[int, Connection] = {}
         self.device = device
@@ -78,7 +82,7 @@ class InferenceServer:
         # The answers' fields viewed the same way, [slots x rows, ...]: written by one index_copy_ each
         self._flat_out = {key: buffers[key].view(-1, *buffers[key].shape[2:])
                           for key in ("policy_logits", "baseline", "action")}
-        most = positions.shape[0] * (positions.shape[1] - 1)
+        most = self.max_clients * (positions.shape[1] - 1)
         self._staging = {key: torch.empty((most, *flat.shape[1:]), dtype=flat.dtype) for key, flat in self._flat.items()}
         if device.type == "cuda":
             self._staging = {key: tensor.pin_memory() for key, tensor in self._staging.items()}
@@ -202,19 +206,17 @@ class InferenceServer:
         share of the time spent serving. Near 1, the server is what the actors wait for; well below, its batches'
         latency is (the GPU's queue, a small batch's fixed cost). What the parts leave of a batch is its pipes and
         its Python, and the wait for a fuller batch. Empty when no batch was served."""
+        return _stats([self.take_totals()])
+
+    def take_totals(self) -> tuple[float, int, int, float, float, float]:
+        """Since the last call: (seconds, batches, clients served, busy_s, slots_s, forward_s)."""
         now = time.monotonic()
         with self._lock:
             then, *before = self._taken
             after = (self.batches, self.served, self.busy_s, self.slots_s, self.forward_s)
             self._taken = (now, *after)
         batches, served, busy_s, slots_s, forward_s = (a - b for a, b in zip(after, before, strict=True))
-        if not batches:
-            return {}
-        # A batch counts where it ended, so a share over a short interval can pass 1 by part of one batch.
-        share = min(1.0, busy_s / (now - then)) if now > then else 0.0
-        return {"stats/inference_actors_per_batch": served / batches, "timing/inference_batch_ms": 1000 * busy_s / batches,
-                "timing/inference_slots_ms": 1000 * slots_s / batches,
-                "timing/inference_forward_ms": 1000 * forward_s / batches, "stats/inference_busy_share": share}
+        return now - then, int(batches), int(served), busy_s, slots_s, forward_s
 
     def _watch(self, connections: dict[int, Connection]) -> None:
         """Wait on exactly the pipes of `connections` from now on: those replaced or gone out, the new in."""
@@ -303,7 +305,7 @@ class InferenceServer:
         """The captured forward that serves `clients` with the current weights, captured now if it is the first
         such batch; None, and eager batches from now on, if the capture failed."""
         envs = self.positions.shape[1] - 1
-        rows = min(1 << (clients - 1).bit_length(), self.positions.shape[0]) * envs
+        rows = min(1 << (clients - 1).bit_length(), self.max_clients) * envs
         key = (id(self.model), rows)
         if key not in self._graphs:
             try:
@@ -316,6 +318,49 @@ class InferenceServer:
                 self._graphs.clear()
                 return None
         return self._graphs[key]
+
+
+class InferenceServers:
+    """--inference_threads K: K servers, each the body of a thread of its own; client c (actor a's env split s,
+    c = a x env_splits + s) is answered by server c mod K.
+
+    Each server has its own weight snapshots (every publish is copied into each), its own high-priority CUDA stream,
+    graphs and sampling stream, so up to K batches are in flight at once. Where a batch's time goes to waiting (on
+    the GPU's queue behind the learner's kernels, on a copy engine) rather than to the host, K threads answer up to K
+    times the requests. They share the process's interpreter: where a batch is host work (its Python, the slots'
+    copies), more threads add nothing, and each one's batches are smaller than one thread's would be.
+    """
+
+    def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
+                 wait_s: float, seeds: list[int], graphed: bool = False) -> None:
+        clients, threads = positions.shape[0], len(seeds)
+        self.servers = [InferenceServer(model, buffers, positions, device, amp, wait_s, seed, graphed,
+                                        max_clients=len(range(k, clients, threads))) for k, seed in enumerate(seeds)]
+
+    def connect(self, client: int, connection: Connection) -> None:
+        """Serve `client` on `connection` by its server (InferenceServer.connect)."""
+        self.servers[client % len(self.servers)].connect(client, connection)
+
+    def load_weights(self, model: Net) -> None:
+        """Make `model`'s weights the ones every server's next batch acts with."""
+        for server in self.servers:
+            server.load_weights(model)
+
+    def take_stats(self) -> dict[str, float]:
+        """InferenceServer.take_stats over all the servers' batches; the busy share is their mean."""
+        return _stats([server.take_totals() for server in self.servers])
+
+
+def _stats(totals: list[tuple[float, int, int, float, float, float]]) -> dict[str, float]:
+    """The scalars of `InferenceServer.take_stats` from the `take_totals` of one server or several."""
+    seconds, batches, served, busy_s, slots_s, forward_s = (sum(column) for column in zip(*totals, strict=True))
+    if not batches:
+        return {}
+    # A batch counts where it ended, so a share over a short interval can pass 1 by part of one batch.
+    share = min(1.0, busy_s / seconds) if seconds > 0 else 0.0
+    return {"stats/inference_actors_per_batch": served / batches, "timing/inference_batch_ms": 1000 * busy_s / batches,
+            "timing/inference_slots_ms": 1000 * slots_s / batches,
+            "timing/inference_forward_ms": 1000 * forward_s / batches, "stats/inference_busy_share": share}
 
 
 def _outputs(model: Net, obs: torch.Tensor, done: torch.Tensor, noise: torch.Tensor, amp: bool) -> torch.Tensor:

@@ -43,7 +43,7 @@ from impala.config import Config, TrainingError, UserError, changed_flags, cpu_q
 from impala.distributed import Coordinator
 from impala.environment import is_atari, probe_env
 from impala.evaluator import Evaluator, check_evaluator, make_evaluator, start_evaluator, stop_evaluator
-from impala.inference import InferenceServer
+from impala.inference import InferenceServer, InferenceServers
 from impala.learner import LearnerState
 from impala.learners import Learners, learner_threads, select_device
 from impala.metrics import STATUS, IntervalStats, RecentRate, RunLog, close_console, progress_line, setup_console
@@ -71,12 +71,12 @@ NAME_ATTEMPTS = 10  # builds of a run named by default, each under the next free
 
 
 @dataclass
-class InferenceThread:
-    """--inference central: the server, the thread that runs it and why that thread died (the monitor
-    reads `error` and stops the run)."""
+class CentralInference:
+    """--inference central: the servers, the threads that run them (one each, --inference_threads) and why the
+    first of them to die died (the monitor reads `error` and stops the run)."""
 
-    server: InferenceServer
-    thread: threading.Thread | None = None
+    servers: InferenceServers
+    threads: list[threading.Thread] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
     error: Exception | None = None
 
@@ -94,7 +94,7 @@ class Run:
     runlog: RunLog  # TensorBoard and CSV; the monitor's alone
     learners: Learners  # the learner threads
     amp: bool = False  # bfloat16 autocast in the learner and central inference
-    inference: InferenceThread | None = None  # --inference central
+    inference: CentralInference | None = None  # --inference central
     evaluator: Evaluator | None = None  # --eval_interval_s > 0; the monitor's alone
     resumed_from: Path | None = None  # the checkpoint this session started from
     changed_flags: tuple[str, ...] = ()  # flags of this session other than those of the checkpoint it resumes
@@ -184,10 +184,11 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     if config.inference == "central":
         positions = run.pool.channels.inference_positions
         assert positions is not None, "made by the pool for --inference central"
-        server = InferenceServer(model, buffers, positions, device, run.amp,
-                                 config.inference_wait_ms / 1000,
-                                 seed=sampling_seed(config.seed, session, INFERENCE_STREAM, 0), graphed=config.cuda_graph)
-        run.inference, run.pool.inference = InferenceThread(server), server
+        # Server k's sampling stream is the "life" k of the inference stream: one server's is the same as before.
+        seeds = [sampling_seed(config.seed, session, INFERENCE_STREAM, k) for k in range(config.inference_threads)]
+        servers = InferenceServers(model, buffers, positions, device, run.amp, config.inference_wait_ms / 1000, seeds,
+                                   graphed=config.cuda_graph)
+        run.inference, run.pool.inference = CentralInference(servers), servers
     return run
 
 
@@ -212,20 +213,27 @@ def start_actors(run: Run) -> None:
 
 
 def start_inference(run: Run) -> None:
-    """--inference central: the thread that answers actors' requests for actions."""
+    """--inference central: the threads that answer actors' requests for actions, one per server."""
     if run.inference is None:
         return
-    run.inference.thread = threading.Thread(target=_inference_thread, args=(run.inference,), name="inference",
-                                            daemon=True)
-    run.inference.thread.start()
+    servers = run.inference.servers.servers
+    if len(servers) > 1:
+        log.info("Central inference: %d threads, each serving %s env splits", len(servers),
+                 "/".join(str(server.max_clients) for server in servers))
+    for k, server in enumerate(servers):
+        name = "inference" if len(servers) == 1 else f"inference-{k}"
+        thread = threading.Thread(target=_inference_thread, args=(run.inference, server), name=name, daemon=True)
+        run.inference.threads.append(thread)
+        thread.start()
 
 
-def _inference_thread(inference: InferenceThread) -> None:
+def _inference_thread(inference: CentralInference, server: InferenceServer) -> None:
     try:
-        inference.server.serve(inference.stop)
+        server.serve(inference.stop)
     except Exception as exc:  # logged here with its traceback; the monitor stops the run
-        log.exception("The inference thread failed")
-        inference.error = exc
+        log.exception("The inference thread %s failed", threading.current_thread().name)
+        if inference.error is None:
+            inference.error = exc
 
 
 def start_learners(run: Run) -> None:
@@ -257,10 +265,11 @@ def _watch_learners(run: Run) -> None:
         now = time.monotonic()
         step_s, last = min(now - last, 2 * interval_s), now
         busy = dict(run.learners.busy_since)
-        if run.inference is not None and run.inference.thread is not None and run.inference.thread.is_alive():
-            since = run.inference.server.serving_since
-            if since is not None:
-                busy[run.inference.thread] = since
+        if run.inference is not None:  # threads are started one by one: zip stops at the last one started
+            for thread, server in zip(run.inference.threads, run.inference.servers.servers, strict=False):
+                since = server.serving_since
+                if since is not None and thread.is_alive():
+                    busy[thread] = since
         seen_s = {batch: seen_s.get(batch, 0.0) + step_s for batch in busy.items()}
         for (thread, _), busy_s in seen_s.items():
             if busy_s > timeout_s:
@@ -361,7 +370,7 @@ def _log_progress(run: Run, interval_s: float, last_step: int, elapsed_s: float,
     scalars["stats/full_queue_size"] = run.pool.slots.full_size()  # slots waiting for a learner
     scalars["stats/free_queue_size"] = run.pool.slots.free_size()  # and for an actor: which is the bottleneck
     if run.inference is not None:  # actors served per forward (1: no batching across them), its ms, its busy share
-        scalars.update(run.inference.server.take_stats())
+        scalars.update(run.inference.servers.take_stats())
     scalars.update(timing_scalars)
     scalars.update(run.pool.scalars())
     run.runlog.scalars(step, scalars)
@@ -481,8 +490,9 @@ def shutdown(run: Run, save: bool) -> OSError | None:
         stop_evaluator(run)
         if run.inference is not None:
             run.inference.stop.set()
-            if run.inference.thread is not None:
-                run.inference.thread.join(timeout=LEARNER_JOIN_TIMEOUT_S)
+            deadline = time.monotonic() + LEARNER_JOIN_TIMEOUT_S
+            for thread in run.inference.threads:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
         if save:
             try:
                 checkpoint(run)  # waits for a learner still inside an update: it holds update_lock

@@ -10,7 +10,7 @@
 # its time to a mean of 18; $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|inference|profile|actors|onednn|pong|pong_ab|atari5]
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|inference|threads|profile|actors|onednn|pong|pong_ab|atari5]
 #        [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -144,6 +144,17 @@ if [ "$what" = inference ]; then
     > "$out/inference.txt" 2>&1
   tail -n 3 "$out/pytest_gpu.txt"; cat "$out/forwards.txt"
   if grep -q '^{' "$out/inference.txt"; then sed -n '1,/^{/p' "$out/inference.txt"; else tail -n 25 "$out/inference.txt"; fi
+  exit 0
+fi
+# Central inference in 1, 2 and 4 threads (--inference_threads: several batches in flight, each thread with its own
+# stream and weight copies), two env splits, against inference in the actors: the trainer, $2 agent steps a row
+# (default 200,000). About 2.5 minutes.
+if [ "$what" = threads ]; then
+  timeout 330 python3 -m impala.bench --num_actors auto --total_steps "${2:-200000}" --only e2e \
+    --variants "--inference actor " "--inference central --env_splits 2" \
+    "--inference central --env_splits 2 --inference_threads 2" "--inference central --env_splits 2 --inference_threads 4" \
+    --json "$out/threads.json" > "$out/threads.txt" 2>&1
+  if grep -q '^{' "$out/threads.txt"; then sed -n '1,/^{/p' "$out/threads.txt"; else tail -n 25 "$out/threads.txt"; fi
   exit 0
 fi
 # Where the main process's threads spend a run (the README's Pong command with $PROFILE, default central inference

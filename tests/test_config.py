@@ -261,8 +261,8 @@ def test_validate_reports_non_positive_sizes_with_numbers() -> None:
     assert len(problems) == 4
 
 
-@pytest.mark.parametrize("name", ["num_actors", "envs_per_actor", "env_splits", "unroll_length", "total_steps", "batch_size",
-                                  "num_learner_threads", "hidden_size", "test_episodes"])
+@pytest.mark.parametrize("name", ["num_actors", "envs_per_actor", "env_splits", "inference_threads", "unroll_length",
+                                  "total_steps", "batch_size", "num_learner_threads", "hidden_size", "test_episodes"])
 def test_validate_rejects_each_non_positive_size(name: str) -> None:
     problems = Config(**{name: 0}).validate()
     assert any(f"--{name}" in p and "0" in p for p in problems), problems
@@ -313,6 +313,14 @@ def test_validate_reports_contradictory_flags() -> None:
     for config in (Config(minibatch_mode="samples", use_lstm=True), Config(minibatch_mode="samples", policy_loss="impala")):
         assert any("--minibatch_mode samples needs" in p for p in config.validate())
     assert Config(minibatch_mode="samples").validate() == []
+
+
+def test_validate_reports_more_inference_threads_than_env_splits_to_serve() -> None:
+    central = {"inference": "central", "num_actors": 2, "envs_per_actor": 4, "env_splits": 2}
+    assert Config(**central, inference_threads=5).validate() == [
+        "--inference_threads 5 is more than the 4 env splits there are to serve (--num_actors 2 x --env_splits 2)"]
+    assert Config(**central, inference_threads=4).validate() == []
+    assert Config(**{**central, "inference": "actor"}, inference_threads=5).validate() == []  # unused there
 
 
 def test_validate_reports_every_problem_at_once() -> None:

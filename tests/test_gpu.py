@@ -446,3 +446,54 @@ def test_discounted_sums_on_the_gpu_are_the_matrix_and_equal_the_cpus():
         assert vtrace.as_matrix(on_gpu)
         torch.testing.assert_close(vtrace.discounted_sums(on_gpu, coefficients.cuda()).cpu(),
                                    vtrace.discounted_sums(deltas, coefficients), rtol=0, atol=1e-5)
+
+
+def test_two_graphed_inference_threads_serve_at_once_what_the_model_computes():
+    """--inference_threads 2: two servers capture and replay their graphs in threads of their own, at the same time,
+    each on its stream; every answer is the model's output for its client's observations, before and after a
+    publish."""
+    import threading
+    from multiprocessing import Pipe
+
+    from impala.channels import signal, take_signal
+    from impala.inference import InferenceServers
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = Net((4, 84, 84), 6).to(device).eval()
+    clients, envs = 4, 2
+    buffers = create_buffers(BufferSpec(clients * envs, 2, (4, 84, 84), torch.uint8, 6))
+    buffers["done"].zero_()
+    positions = torch.zeros((clients, envs + 1), dtype=torch.int64)
+    positions[:, :-1] = torch.arange(clients * envs).view(clients, envs)  # client c: slots 2c and 2c + 1, row 0
+    servers = InferenceServers(model, buffers, positions, device, amp=False, wait_s=0.0, seeds=[0, 1], graphed=True)
+    ends = []
+    for client in range(clients):
+        server_end, actor_end = Pipe()
+        servers.connect(client, server_end)
+        ends.append(actor_end)
+    stop = threading.Event()
+    threads = [threading.Thread(target=server.serve, args=(stop,), daemon=True) for server in servers.servers]
+    for thread in threads:
+        thread.start()
+    try:
+        for round_ in range(12):
+            if round_ == 6:
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.mul_(1.5)
+                servers.load_weights(model)
+            buffers["obs"].random_(0, 255)
+            buffers["policy_logits"].fill_(float("nan"))
+            for end in ends:
+                signal(end)
+            assert all(end.poll(10.0) and take_signal(end) for end in ends), f"round {round_}: every client answered"
+            with torch.no_grad():
+                expected, _ = model(buffers["obs"][:, 0][None].to(device), buffers["done"][:, 0][None].to(device))
+            torch.testing.assert_close(buffers["policy_logits"][:, 0], expected.policy_logits[0].cpu(), atol=1e-3, rtol=1e-3)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(5)
+    assert all(server.graphed and server._graphs for server in servers.servers)
+    assert [server.served for server in servers.servers] == [24, 24]

@@ -22,7 +22,7 @@ from impala import inference
 from impala.actor import RemotePolicy, StopActing
 from impala.buffers import BufferSpec, create_buffers
 from impala.channels import signal, take_signal
-from impala.inference import InferenceServer
+from impala.inference import InferenceServer, InferenceServers
 from impala.model import Net
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,6 +141,50 @@ def test_the_servers_stats_are_those_of_the_batches_since_they_were_last_taken()
     assert server.take_stats()["stats/inference_actors_per_batch"] == 1.0
 
 
+def test_several_servers_each_answer_their_share_of_the_clients_with_every_publish():
+    """--inference_threads 2 over 3 clients: server 0 answers clients 0 and 2, server 1 client 1, each in its own
+    thread, each acting with the published weights; their stats are those of all batches."""
+    torch.manual_seed(0)
+    model = Net(OBS_SHAPE, 2, "mlp", hidden_size=16).eval()
+    buffers = create_buffers(BufferSpec(3 * ENVS, 4, OBS_SHAPE, torch.float32, 2))
+    positions = torch.full((3, ENVS + 1), -1, dtype=torch.int64)
+    servers = InferenceServers(model, buffers, positions, torch.device("cpu"), amp=False, wait_s=0.0, seeds=[0, 1])
+    ends = []
+    for client in range(3):
+        main_end, actor_end = Pipe()
+        servers.connect(client, main_end)
+        ends.append(actor_end)
+    assert [sorted(server.connections) for server in servers.servers] == [[0, 2], [1]]
+    assert [server.max_clients for server in servers.servers] == [2, 1]
+    stop = threading.Event()
+    threads = [threading.Thread(target=server.serve, args=(stop,), daemon=True) for server in servers.servers]
+    for thread in threads:
+        thread.start()
+    try:
+        for t, weights in ((0, model), (1, copy.deepcopy(model))):
+            if t == 1:
+                with torch.no_grad():
+                    for param in weights.parameters():
+                        param.add_(0.5)
+                servers.load_weights(weights)  # every server's next batch acts with it
+            asked = [request(buffers, positions, client, ends[client], t=t) for client in range(3)]
+            for client in range(3):
+                assert ends[client].poll(5.0) and take_signal(ends[client]), f"client {client} answered"
+            for slots in asked:
+                with torch.no_grad():
+                    expected, _ = weights(buffers["obs"][slots, t][None], buffers["done"][slots, t][None])
+                torch.testing.assert_close(buffers["policy_logits"][slots, t], expected.policy_logits[0])
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(5)
+    assert [server.served for server in servers.servers] == [4, 2]
+    stats = servers.take_stats()
+    batches = sum(server.batches for server in servers.servers)
+    assert stats["stats/inference_actors_per_batch"] == pytest.approx(6 / batches)
+    assert 0 < stats["stats/inference_busy_share"] < 1
+
+
 def test_remote_policy_returns_the_actions_the_server_wrote():
     server, buffers, positions, _, ends = make_server(num_actors=1, wait_s=0.0)
     stop = threading.Event()
@@ -204,6 +248,22 @@ def test_training_with_central_inference_learns_cartpole(tmp_path):
     assert all(1 <= float(row["stats/inference_actors_per_batch"]) <= 2 for row in served)  # 2 actors, 1 split each
     assert all(0 < float(row["stats/inference_busy_share"]) <= 1 for row in served)
     assert all(float(row["timing/inference_batch_ms"]) > 0 for row in served)
+
+
+def test_a_run_with_two_inference_threads_serves_each_actor_from_its_own_thread(tmp_path):
+    command = [sys.executable, "run.py", "--env", "CartPole-v1", "--inference", "central", "--inference_threads", "2",
+               "--num_actors", "2", "--envs_per_actor", "4", "--unroll_length", "5", "--batch_size", "8",
+               "--total_steps", "4000", "--savedir", str(tmp_path), "--xpid", "two", "--log_interval_s", "0.5"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    meta = json.loads((tmp_path / "two" / "meta.json").read_text())
+    assert meta["end_reason"] == "finished" and meta["final_step"] >= 4000
+    assert "Central inference: 2 threads, each serving 1/1 env splits" in result.stdout + result.stderr
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "two" / "logs.csv").read_text())))
+    served = [row for row in rows if row["stats/inference_actors_per_batch"]]
+    assert served, rows
+    # 2 actors of one split each, one per thread: every batch answers exactly one
+    assert all(float(row["stats/inference_actors_per_batch"]) == 1.0 for row in served)
 
 
 def test_an_actor_with_two_splits_is_served_as_two_clients():

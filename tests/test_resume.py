@@ -112,8 +112,8 @@ def test_a_resumed_run_starts_with_the_checkpoints_weights_in_the_learner_and_th
     assert any(not torch.equal(saved[k], untrained[k]) for k in saved), "the first session learned"
     run = training.build(dataclasses.replace(_cartpole(tmp_path, 800), inference=inference, resume=True))
     try:
-        acting_model = run.inference.server.model if run.inference is not None else run.pool.actor_model
-        for model in (run.state.model, run.learners.state.model, acting_model):  # what is saved, learned, acted with
+        acting = [server.model for server in run.inference.servers.servers] if run.inference else [run.pool.actor_model]
+        for model in (run.state.model, run.learners.state.model, *acting):  # what is saved, learned, acted with
             state = model.state_dict()
             assert state.keys() == saved.keys()
             for key, value in saved.items():
