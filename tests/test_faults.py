@@ -101,12 +101,15 @@ def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None
     assert checkpoint_step(run.run_dir) >= step_at_restart + 2_000
 
 
-def test_a_killed_actor_under_central_inference_is_replaced_and_the_run_ends_at_its_total(tmp_path: Path) -> None:
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_a_killed_actor_under_central_inference_is_replaced_and_the_run_ends_at_its_total(
+        tmp_path: Path, threads: str) -> None:
     total_steps = 6_000
     # While it waits for a fuller batch the inference thread keeps waiting on the dead actor's pipe, which
-    # reads as ready (end of file): the monitor replaces that pipe in the middle of the wait.
+    # reads as ready (end of file): the monitor replaces that pipe in the middle of the wait. With two threads
+    # actor 0 is the only client of the first: it serves nobody until the replacement connects.
     run = Training(tmp_path, "kill-central", "--inference", "central", "--inference_wait_ms", "20",
-                   total_steps=total_steps)
+                   "--inference_threads", threads, total_steps=total_steps)
     try:
         run.wait_for_steps(500)
         victim = run.actor_pids()[0]
