@@ -159,9 +159,10 @@ if [ "$what" = threads ]; then
 fi
 # Where the main process's threads spend a run (the README's Pong command with $PROFILE, default central inference
 # with two env splits): after 40 s, py-spy samples its threads for 15 s, idle included, then for 10 s only the thread
-# holding the GIL (--gil); scripts/pyspy_summary.py gives each thread's innermost frames, and the run's logs.csv
+# holding the GIL (--gil), then 10 s with native frames; scripts/pyspy_summary.py gives each thread's innermost
+# frames, and the run's logs.csv
 # its server's ms per batch and their parts. .whl needs py-spy: ../shared/tools/gpu-wheels.sh py-spy==0.4.3.
-# About 1.5 minutes.
+# About 1.7 minutes.
 if [ "$what" = profile ]; then
   runs=${RUNS:-/tmp/gpu-runs}
   spy=${PYSPY:-$(command -v py-spy || echo /tmp/site/bin/py-spy)}
@@ -173,10 +174,15 @@ if [ "$what" = profile ]; then
   sleep "${PROFILE_AFTER_S:-40}"
   "$spy" record -p "$pid" -d 15 -r 200 --threads --idle --format raw -o "$out/profile_idle.txt" > "$out/pyspy.txt" 2>&1
   "$spy" record -p "$pid" -d 10 -r 200 --threads --gil --format raw -o "$out/profile_gil.txt" >> "$out/pyspy.txt" 2>&1
+  # native frames too: a thread waiting for the GIL shows take_gil, one waiting for the GPU the CUDA call it is in
+  "$spy" record -p "$pid" -d 10 -r 100 --threads --idle --native --format raw -o "$out/profile_native.txt" \
+    >> "$out/pyspy.txt" 2>&1
   kill -INT "$pid"; wait "$pid"
   cp "$runs/profile/logs.csv" "$out/profile_logs.csv"
   { echo "== every sample (idle included)"; python3 scripts/pyspy_summary.py "$out/profile_idle.txt" 3 10
-    echo "== holding the GIL"; python3 scripts/pyspy_summary.py "$out/profile_gil.txt" 3 10; } > "$out/profile.txt" 2>&1
+    echo "== holding the GIL"; python3 scripts/pyspy_summary.py "$out/profile_gil.txt" 3 10
+    echo "== native frames, idle included"; python3 scripts/pyspy_summary.py "$out/profile_native.txt" 6 8
+  } > "$out/profile.txt" 2>&1
   python3 - "$out/profile_logs.csv" >> "$out/profile.txt" <<'PY'
 import csv, statistics, sys
 rows = list(csv.DictReader(open(sys.argv[1])))[2:]
