@@ -10,7 +10,7 @@
 # its time to a mean of 18; $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|inference|threads|profile|actors|onednn|pong|pong_ab|atari5]
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|inference|threads|profile|actors|onednn|pong|pong200|pong_ab|atari5]
 #        [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -192,6 +192,15 @@ for key in ("charts/SPS", "timing/inference_batch_ms", "timing/inference_forward
     print(f"{key}: median {statistics.median(values):.3f} over {len(values)} intervals" if values else f"{key}: none")
 PY
   tail -n 3 "$out/pyspy.txt"; cut -c1-250 "$out/profile.txt"
+  exit 0
+fi
+# The README's Pong command with $EXTRA for $PONG_S seconds (default 200): the time to a mean of 18 and the median
+# rate, against the issue's three minutes (EXTRA="--inference central --env_splits 2 --inference_threads 2", say).
+if [ "$what" = pong200 ]; then
+  runs=${RUNS:-/tmp/gpu-runs}
+  # shellcheck disable=SC2086  # $EXTRA is flags, split on purpose
+  pong_for "${PONG_S:-200}" pong200 ${EXTRA:-}
+  cat "$out/pong200.txt"
   exit 0
 fi
 if [ "$what" = pong ]; then
