@@ -14,6 +14,7 @@ batch's time is waiting (on the GPU) and not work on the host, which one interpr
 
     python scripts/central_model.py                                   # several splits of a batch's time
     python scripts/central_model.py --fixed_ms 1.5 --per_client_ms 0.21  # one
+    python scripts/central_model.py --wait_ms 0.3                        # with --inference_wait_ms 0.3
 
 It counts no cores: where it gives more than the machine's cores can step (some 1,450 agent steps per core-second
 on the GPU machines' Xeons), the cores are the limit.
@@ -26,22 +27,31 @@ import heapq
 import itertools
 
 
-def simulate(fixed_ms: float, per_client_ms: float, threads: int = 1, actors: int = 14, splits: int = 2, envs_per_split: int = 4,
-             step_ms: float = 2.8, write_ms: float = 0.3, ms: float = 30_000.0) -> tuple[float, float]:
-    """(agent steps per second, clients per batch) over `ms` simulated milliseconds."""
+def simulate(fixed_ms: float, per_client_ms: float, threads: int = 1, actors: int = 14, splits: int = 2,
+             envs_per_split: int = 4, step_ms: float = 2.8, write_ms: float = 0.3, wait_ms: float = 0.0,
+             ms: float = 30_000.0) -> tuple[float, float]:
+    """(agent steps per second, clients per batch) over `ms` simulated milliseconds. `wait_ms`: --inference_wait_ms,
+    how long a thread gathers more requests after the first before its batch starts (unless all its clients ask)."""
     events: list[tuple[float, int, str, tuple]] = []
     order = itertools.count()
     pending: list[list[tuple[int, int]]] = [[] for _ in range(threads)]
     busy = [False] * threads
     sent_at = {(a, s): -1e9 for a in range(actors) for s in range(splits)}
     steps = batches = served = 0
+    clients_of = [sum(1 for c in range(actors * splits) if c % threads == k) for k in range(threads)]
 
     def serve(k: int, now: float) -> None:
-        nonlocal batches, served
         if busy[k] or not pending[k]:
             return
-        batch, pending[k] = pending[k], []
         busy[k] = True
+        if wait_ms > 0 and len(pending[k]) < clients_of[k]:
+            heapq.heappush(events, (now + wait_ms, next(order), "gathered", (k,)))
+        else:
+            run_batch(k, now)
+
+    def run_batch(k: int, now: float) -> None:
+        nonlocal batches, served
+        batch, pending[k] = pending[k], []
         batches += 1
         served += len(batch)
         heapq.heappush(events, (now + fixed_ms + per_client_ms * len(batch), next(order), "answered", (k, batch)))
@@ -55,7 +65,9 @@ def simulate(fixed_ms: float, per_client_ms: float, threads: int = 1, actors: in
         now, _, kind, data = heapq.heappop(events)
         if now > ms:
             break
-        if kind == "asks":
+        if kind == "gathered":
+            run_batch(data[0], now)
+        elif kind == "asks":
             a, s = data
             k = (a * splits + s) % threads
             pending[k].append((a, s))
@@ -77,6 +89,7 @@ def main() -> None:
     parser.add_argument("--per_client_ms", type=float, help="ms a batch takes per client in it")
     parser.add_argument("--actors", type=int, default=14)
     parser.add_argument("--step_ms", type=float, default=2.8, help="ms a split's envs take to step")
+    parser.add_argument("--wait_ms", type=float, default=0.0, help="--inference_wait_ms")
     args = parser.parse_args()
     # Splits of the 2.82 ms that a batch of 6.3 clients took in the H200 trainer (BENCHMARKS.md)
     given = args.fixed_ms is not None and args.per_client_ms is not None
@@ -86,7 +99,8 @@ def main() -> None:
     for fixed_ms, per_client_ms in pairs:
         cells = []
         for threads in (1, 2, 4):
-            rate, per_batch = simulate(fixed_ms, per_client_ms, threads, args.actors, step_ms=args.step_ms)
+            rate, per_batch = simulate(fixed_ms, per_client_ms, threads, args.actors, step_ms=args.step_ms,
+                                       wait_ms=args.wait_ms)
             cells.append(f"{threads}: {rate:7,.0f} ({per_batch:.1f})")
         print(f"batch {fixed_ms:.2f} ms + {per_client_ms:.2f} ms per client   " + "   ".join(cells))
 
