@@ -47,7 +47,8 @@ class InferenceServer:
     """
 
     def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
-                 wait_s: float, seed: int, graphed: bool = False, max_clients: int | None = None) -> None:
+                 wait_s: float, seed: int, graphed: bool = False, max_clients: int | None = None,
+                 splits: int = 1) -> None:
         self.model = copy.deepcopy(model).requires_grad_(False)  # what the forwards use
         self._next_model = copy.deepcopy(self.model)  # where the next published weights go
         if amp:  # the torsos' weights held in bfloat16: cast once as they are published (`load_weights` copies
@@ -68,6 +69,9 @@ class InferenceServer:
         self.device = device
         self.amp = amp
         self.wait_s = wait_s
+        # Clients per actor (--env_splits; client c is actor c // splits's split c % splits). An actor asks for one of
+        # its splits at a time, so a batch has all it can get once each actor served has a request in it.
+        self.splits = splits
         self.generator = torch.Generator(device=device).manual_seed(seed)
         # (id of the weight copy acted with, rows) -> its captured forward; {} and False off a GPU, or after a
         # capture failed (then every batch is eager, as without --cuda_graph)
@@ -151,7 +155,8 @@ class InferenceServer:
             self._selector.close()
 
     def serve_once(self, timeout_s: float) -> int:
-        """Wait up to `timeout_s` for a request, gather more for up to `wait_s`, answer them all.
+        """Wait up to `timeout_s` for a request, gather more for up to `wait_s` (less once every actor it serves has
+        asked), answer them all.
 
         Returns the number of clients (actor env splits) served.
         """
@@ -175,7 +180,7 @@ class InferenceServer:
         self.serving_since = start
         try:
             deadline = start + self.wait_s
-            while len(pending) < len(connections):
+            while self.wait_s > 0 and len(pending) < len({client // self.splits for client in connections}):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -332,10 +337,11 @@ class InferenceServers:
     """
 
     def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
-                 wait_s: float, seeds: list[int], graphed: bool = False) -> None:
+                 wait_s: float, seeds: list[int], graphed: bool = False, splits: int = 1) -> None:
         clients, threads = positions.shape[0], len(seeds)
         self.servers = [InferenceServer(model, buffers, positions, device, amp, wait_s, seed, graphed,
-                                        max_clients=len(range(k, clients, threads))) for k, seed in enumerate(seeds)]
+                                        max_clients=len(range(k, clients, threads)), splits=splits)
+                        for k, seed in enumerate(seeds)]
 
     def connect(self, client: int, connection: Connection) -> None:
         """Serve `client` on `connection` by its server (InferenceServer.connect)."""

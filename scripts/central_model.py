@@ -31,26 +31,34 @@ def simulate(fixed_ms: float, per_client_ms: float, threads: int = 1, actors: in
              envs_per_split: int = 4, step_ms: float = 2.8, write_ms: float = 0.3, wait_ms: float = 0.0,
              ms: float = 30_000.0) -> tuple[float, float]:
     """(agent steps per second, clients per batch) over `ms` simulated milliseconds. `wait_ms`: --inference_wait_ms,
-    how long a thread gathers more requests after the first before its batch starts (unless all its clients ask)."""
+    how long a thread gathers more requests after the first before its batch starts, unless every actor it serves
+    has asked sooner."""
     events: list[tuple[float, int, str, tuple]] = []
     order = itertools.count()
     pending: list[list[tuple[int, int]]] = [[] for _ in range(threads)]
     busy = [False] * threads
     sent_at = {(a, s): -1e9 for a in range(actors) for s in range(splits)}
     steps = batches = served = 0
-    clients_of = [sum(1 for c in range(actors * splits) if c % threads == k) for k in range(threads)]
+    # what a thread waits for (--inference_wait_ms): every actor it serves asking, one split each (inference.py)
+    clients_of = [len({c // splits for c in range(actors * splits) if c % threads == k}) for k in range(threads)]
+
+    gathering: list[int | None] = [None] * threads  # the batch a thread is gathering requests for, if any
 
     def serve(k: int, now: float) -> None:
+        if gathering[k] is not None and len(pending[k]) == clients_of[k]:  # all asked: no need to wait longer
+            run_batch(k, now)
         if busy[k] or not pending[k]:
             return
         busy[k] = True
         if wait_ms > 0 and len(pending[k]) < clients_of[k]:
-            heapq.heappush(events, (now + wait_ms, next(order), "gathered", (k,)))
+            gathering[k] = batches
+            heapq.heappush(events, (now + wait_ms, next(order), "gathered", (k, batches)))
         else:
             run_batch(k, now)
 
     def run_batch(k: int, now: float) -> None:
         nonlocal batches, served
+        gathering[k] = None
         batch, pending[k] = pending[k], []
         batches += 1
         served += len(batch)
@@ -66,7 +74,9 @@ def simulate(fixed_ms: float, per_client_ms: float, threads: int = 1, actors: in
         if now > ms:
             break
         if kind == "gathered":
-            run_batch(data[0], now)
+            k, batch_number = data
+            if gathering[k] == batch_number:  # not started already because every client had asked
+                run_batch(k, now)
         elif kind == "asks":
             a, s = data
             k = (a * splits + s) % threads

@@ -31,9 +31,11 @@ def test_one_thread_serves_the_actors_in_two_alternating_halves_and_two_threads_
     assert per_batch_2 < per_batch_1 and rate_2 > 1.5 * rate_1
 
 
-def test_a_wait_as_long_as_an_actors_turn_gathers_both_halves_into_one_batch():
-    # the half just answered asks again 0.3 ms later: a 0.3-ms wait takes it into the batch of the other half
-    rate, per_batch = central_model.simulate(2.5, 0.05, threads=1, wait_ms=0.3)
+@pytest.mark.parametrize("wait_ms", [0.5, 5.0])
+def test_a_wait_gathers_both_halves_into_one_batch_and_ends_when_every_actor_has_asked(wait_ms):
+    # the half just answered asks again 0.3 ms later, into the batch the other half waits in; with every actor in,
+    # the batch starts, however long the wait could have been
+    rate, per_batch = central_model.simulate(2.5, 0.05, threads=1, wait_ms=wait_ms)
     assert per_batch == pytest.approx(14.0, abs=0.01)
-    # one batch of all 14 every 0.3 + 2.5 + 14 x 0.05 ms, and 0.3 ms to ask again: 4 envs per actor per cycle
-    assert rate == pytest.approx(14 * 4 / (0.3 + 2.5 + 14 * 0.05 + 0.3) * 1000, rel=0.02)
+    # one batch of all 14 every 2.5 + 14 x 0.05 ms, and 0.3 ms to ask again: 4 envs per actor per cycle
+    assert rate == pytest.approx(14 * 4 / (2.5 + 14 * 0.05 + 0.3) * 1000, rel=0.02)

@@ -120,6 +120,27 @@ def test_a_wait_gathers_late_actors_into_one_batch():
     assert server.batches == 1 and server.served == 2
 
 
+def test_a_wait_ends_once_every_actor_has_asked_for_one_of_its_splits():
+    """Two actors of two env splits each (clients 0-3): each has one split asking at a time, so once actor 0's split
+    1 and actor 1's split 0 have asked, nobody else can: the batch starts without waiting out the 5 s."""
+    torch.manual_seed(0)
+    model = Net(OBS_SHAPE, 2, "mlp", hidden_size=16).eval()
+    buffers = create_buffers(BufferSpec(4 * ENVS, 4, OBS_SHAPE, torch.float32, 2))
+    positions = torch.full((4, ENVS + 1), -1, dtype=torch.int64)
+    server = InferenceServer(model, buffers, positions, torch.device("cpu"), amp=False, wait_s=5.0, seed=0, splits=2)
+    ends = []
+    for client in range(4):
+        main_end, actor_end = Pipe()
+        server.connect(client, main_end)
+        ends.append(actor_end)
+    request(buffers, positions, 1, ends[1], t=0)  # actor 0, split 1
+    threading.Timer(0.2, request, args=(buffers, positions, 2, ends[2], 0)).start()  # actor 1, split 0
+    start = time.monotonic()
+    assert server.serve_once(timeout_s=1.0) == 2
+    assert time.monotonic() - start < 2.0, "it waited for splits that could not ask"
+    assert ends[1].poll(1.0) and ends[2].poll(1.0)
+
+
 def test_the_servers_stats_are_those_of_the_batches_since_they_were_last_taken():
     server, buffers, positions, _, ends = make_server(num_actors=2, wait_s=0.3)
     request(buffers, positions, 0, ends[0], t=0)
