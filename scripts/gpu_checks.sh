@@ -149,13 +149,14 @@ fi
 # Central inference in 1, 2 and 4 threads (--inference_threads: several batches in flight, each thread with its own
 # stream and weight copies): the gpu-marked central-inference tests (two graphed threads at once among them), then
 # the trainer with two env splits in 1, 2 and 4 threads, and in one thread waiting 0.5 ms for more requests, against
-# inference in the actors, $2 agent steps a row (default 200,000). About 3.5 minutes.
+# inference in the actors, $2 agent steps a row (default 300,000: some five 5-s intervals at the steady rate). About
+# 4 minutes.
 if [ "$what" = threads ]; then
   timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -k "inference_threads or central_inference" \
     > "$out/pytest_gpu.txt" 2>&1
   echo "pytest rc $?" >> "$out/pytest_gpu.txt"
   tail -n 3 "$out/pytest_gpu.txt"
-  timeout 400 python3 -m impala.bench --num_actors auto --total_steps "${2:-200000}" --only e2e \
+  timeout 480 python3 -m impala.bench --num_actors auto --total_steps "${2:-300000}" --only e2e \
     --variants "--inference actor " "--inference central --env_splits 2" \
     "--inference central --env_splits 2 --inference_threads 2" "--inference central --env_splits 2 --inference_threads 4" \
     "--inference central --env_splits 2 --inference_wait_ms 0.5" --json "$out/threads.json" > "$out/threads.txt" 2>&1
