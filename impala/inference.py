@@ -332,11 +332,11 @@ class InferenceServers:
     Each server has its own weight snapshots (every publish is copied into each), its own high-priority CUDA stream,
     graphs and sampling stream, so up to K batches are in flight at once. An actor asks for one split at a time, so
     with one server the actors fall into two halves, each waiting out the other's batch before its own; with two
-    servers and two splits each split has a server and the halves alternate between them
-    (scripts/central_model.py). Where a batch's time goes to waiting (on
-    the GPU's queue behind the learner's kernels, on a copy engine) rather than to the host, K threads answer up to K
-    times the requests. They share the process's interpreter: where a batch is host work (its Python, the slots'
-    copies), more threads add nothing, and each one's batches are smaller than one thread's would be.
+    servers and two splits each split has a server and the halves alternate between them (scripts/central_model.py).
+    Where a batch's time goes to waiting (on the GPU's queue behind the learner's kernels, on a copy engine) rather
+    than to the host, K threads answer up to K times the requests. They share the process's interpreter: where a
+    batch is host work (its Python, the slots' copies), more threads add nothing, and each one's batches are smaller
+    than one thread's would be.
     """
 
     def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
