@@ -61,6 +61,7 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing import Pipe, resource_tracker
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ from impala.buffers import BufferSpec, create_buffers, pin_observations, unpin_o
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import Config, UserError, add_flags, cpu_quota, parse_config, to_flags
 from impala.environment import EnvBatch, probe_env
-from impala.inference import InferenceServer
+from impala.inference import InferenceServer, InferenceServers
 from impala.learners import learner_threads, select_device
 from impala.model import CastTorso, Net, sample_actions, use_amp
 from impala.seeding import first_life
@@ -86,9 +87,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 COMPONENTS = ("env", "inference", "learner", "actor", "actors", "e2e")
 # Config fields the bench takes as flags; every other field keeps its Config default.
 CONFIG_FLAGS = ("env", "model", "use_lstm", "num_actors", "envs_per_actor", "env_splits", "unroll_length",
-                "batch_size", "total_steps", "disable_cuda", "amp", "inference", "inference_wait_ms", "policy_loss",
-                "optimizer", "epochs", "minibatches", "advantage_norm", "minibatch_mode", "compile", "cuda_graph",
-                "pin_slots")
+                "batch_size", "total_steps", "disable_cuda", "amp", "inference", "inference_wait_ms",
+                "inference_threads", "policy_loss", "optimizer", "epochs", "minibatches", "advantage_norm",
+                "minibatch_mode", "compile", "cuda_graph", "pin_slots")
 # Where the bench's defaults differ from the trainer's: a short run sized for two cores.
 BENCH_DEFAULTS = {"num_actors": 2, "total_steps": 60_000}
 POLL_S = 0.1
@@ -276,7 +277,9 @@ def bench_inference(config: Config, shape: EnvShape, seconds: float) -> dict[str
 def _bench_server(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:
     """`InferenceServer.serve_once` on the learner's device, every actor's env split asking at once: the
     observations gathered from slots in shared memory, the forward and sampling (a CUDA graph on a GPU with
-    --cuda_graph), the answers written back, each request and answer a byte on a pipe (both ends in this thread)."""
+    --cuda_graph), the answers written back, each request and answer a byte on a pipe (both ends in this thread).
+    With --inference_threads K, K servers (`InferenceServers`) each in a thread of its own, every one serving its
+    share of the clients at once, as the trainer runs them: what K threads answer together (`_concurrent_loop`)."""
     device = select_device(config)
     clients, envs = config.num_actors * config.env_splits, config.envs_per_actor // config.env_splits
     threads = learner_threads(config, device)
@@ -289,33 +292,92 @@ def _bench_server(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
     buffers["done"].zero_()
     positions = torch.zeros((clients, envs + 1), dtype=torch.int64)  # client c: slots c x envs..., row 0
     positions[:, :-1] = torch.arange(clients * envs).view(clients, envs)
-    server = InferenceServer(model, buffers, positions, device, amp, wait_s=1.0, seed=config.seed,
-                             graphed=config.cuda_graph)
-    ends = []
+    servers = InferenceServers(model, buffers, positions, device, amp, wait_s=1.0,
+                               seeds=[config.seed + k for k in range(config.inference_threads)],
+                               graphed=config.cuda_graph, splits=config.env_splits).servers
+    ends: list[list[Connection]] = [[] for _ in servers]  # each server's clients' actor ends
     for client in range(clients):
         server_end, actor_end = Pipe()
-        server.connect(client, server_end)
-        ends.append(actor_end)
+        servers[client % len(servers)].connect(client, server_end)
+        ends[client % len(servers)].append(actor_end)
 
-    def step() -> int:
-        for end in ends:
-            channels.signal(end)
-        served = server.serve_once(timeout_s=5.0)
-        if served != clients or not all(channels.take_signal(end) for end in ends):
-            raise RuntimeError(f"the inference server answered {served} of {clients} clients")
-        return clients * envs
+    def serve(server: InferenceServer, its_ends: list[Connection]) -> Callable[[], int]:
+        def step() -> int:
+            for end in its_ends:
+                channels.signal(end)
+            served = server.serve_once(timeout_s=5.0)
+            if served != len(its_ends) or not all(channels.take_signal(end) for end in its_ends):
+                raise RuntimeError(f"the inference server answered {served} of {len(its_ends)} clients")
+            return len(its_ends) * envs
+        return step
 
+    steps = [serve(server, its_ends) for server, its_ends in zip(servers, ends, strict=True)]
     try:
         with torch_threads(threads):
-            rate = timed_loop(step, seconds)
+            rate = timed_loop(steps[0], seconds) if len(steps) == 1 else _concurrent_loop(steps, seconds)
     finally:
-        for end in ends:
+        for end in (end for its_ends in ends for end in its_ends):
             end.close()
-        server.serve_once(timeout_s=0.0)  # drops the closed clients, closing the server's ends
-    graphed = " as CUDA graphs" if server.graphed else ""
-    return {"what": f"{shape.model} forward + sampling{graphed}, {clients} clients x {envs} envs (central thread)",
+        for server in servers:
+            server.serve_once(timeout_s=0.0)  # drops the closed clients, closing the server's ends
+    graphed = " as CUDA graphs" if all(server.graphed for server in servers) else ""
+    where = "central thread" if len(servers) == 1 else f"{len(servers)} central threads"
+    return {"what": f"{shape.model} forward + sampling{graphed}, {clients} clients x {envs} envs ({where})",
             "batch": clients * envs, "device": str(device), "threads": threads, "amp": amp,
-            "graphed": server.graphed, **rate.to_dict()}
+            "inference_threads": len(servers), "graphed": bool(graphed), **rate.to_dict()}
+
+
+def _concurrent_loop(steps: Sequence[Callable[[], int]], seconds: float) -> Rate:
+    """Each of `steps` called over and over in a thread of its own, all at once: warmed up as `timed_loop` does,
+    then timed together for `seconds` (every thread at least MIN_CALLS calls). The steps are those of all the
+    threads; the CPU seconds the process's."""
+    ready = threading.Barrier(len(steps) + 1)
+    start, stop = threading.Event(), threading.Event()
+    counts = [0] * len(steps)
+    calls = [0] * len(steps)
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            for _ in range(3):
+                steps[k]()
+            warmup_end = time.perf_counter() + 0.1 * seconds
+            while time.perf_counter() < warmup_end:
+                steps[k]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            errors.append(exc)
+            ready.abort()
+            return
+        try:
+            ready.wait()
+        except threading.BrokenBarrierError:
+            return
+        start.wait()
+        try:
+            while not (stop.is_set() and calls[k] >= MIN_CALLS):
+                counts[k] += steps[k]()
+                calls[k] += 1
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    workers = [threading.Thread(target=run, args=(k,), name=f"bench-server-{k}", daemon=True)
+               for k in range(len(steps))]
+    for worker in workers:
+        worker.start()
+    try:
+        ready.wait()
+    except threading.BrokenBarrierError:
+        pass
+    wall_start, cpu_start = time.perf_counter(), time.process_time()
+    start.set()
+    while not errors and time.perf_counter() - wall_start < seconds:
+        time.sleep(min(0.05, seconds))
+    stop.set()
+    for worker in workers:
+        worker.join()
+    if errors:
+        raise errors[0]
+    return Rate(sum(counts), time.perf_counter() - wall_start, time.process_time() - cpu_start)
 
 
 def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, Any]:

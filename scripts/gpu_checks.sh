@@ -147,15 +147,21 @@ if [ "$what" = inference ]; then
   exit 0
 fi
 # Central inference in 1, 2 and 4 threads (--inference_threads: several batches in flight, each thread with its own
-# stream and weight copies): the gpu-marked central-inference tests (two graphed threads at once among them), then
-# the trainer with two env splits in 1, 2 and 4 threads, and in one thread waiting 0.5 ms for more requests, against
-# inference in the actors, $2 agent steps a row (default 300,000: some five 5-s intervals at the steady rate). About
-# 4 minutes.
+# stream and weight copies): the gpu-marked central-inference tests (two graphed threads at once among them); the
+# servers alone, every env split of 14 actors asking at once, in 1, 2 and 4 threads (do K threads answer more than
+# one, or does the interpreter they share bind them?); then the trainer with two env splits in 1, 2 and 4 threads,
+# and in one thread waiting 0.5 ms for more requests, against inference in the actors, $2 agent steps a row (default
+# 300,000: some five 5-s intervals at the steady rate). About 4.5 minutes.
 if [ "$what" = threads ]; then
   timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -k "inference_threads or central_inference" \
     > "$out/pytest_gpu.txt" 2>&1
   echo "pytest rc $?" >> "$out/pytest_gpu.txt"
   tail -n 3 "$out/pytest_gpu.txt"
+  for k in 1 2 4; do
+    timeout 60 python3 -m impala.bench --only inference --inference central --num_actors 14 --env_splits 2 \
+      --inference_threads "$k" --seconds 4 2>&1 | grep -E "^inference|Error" >> "$out/servers.txt"
+  done
+  cat "$out/servers.txt"
   timeout 480 python3 -m impala.bench --num_actors auto --total_steps "${2:-300000}" --only e2e \
     --variants "--inference actor " "--inference central --env_splits 2" \
     "--inference central --env_splits 2 --inference_threads 2" "--inference central --env_splits 2 --inference_threads 4" \

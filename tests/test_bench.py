@@ -13,7 +13,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -107,6 +107,47 @@ def test_the_central_inference_component_serves_every_actors_env_split_through_t
     assert result["batch"] == 12 and result["device"] == "cpu" and not result["graphed"]
     assert "6 clients x 2 envs (central thread)" in result["what"]
     assert result["steps"] > 0 and result["steps"] % 12 == 0  # whole batches, every client answered each time
+
+
+def test_the_central_inference_component_with_two_threads_serves_each_ones_share_at_once() -> None:
+    config = Config(env="CartPole-v1", num_actors=3, envs_per_actor=4, env_splits=2, inference="central",
+                    inference_threads=2, disable_cuda=True)
+    result = bench.bench_inference(config, bench.EnvShape((4,), torch.float32, 2, "mlp"), seconds=0.05)
+    assert result["batch"] == 12 and result["inference_threads"] == 2
+    assert "6 clients x 2 envs (2 central threads)" in result["what"]
+    assert result["steps"] > 0 and result["steps"] % 6 == 0  # each server's 3 clients x 2 envs, all answered each time
+
+
+def test_the_concurrent_loop_counts_every_threads_steps_and_each_ran_at_once() -> None:
+    running: set[str] = set()
+    overlapped = threading.Event()
+    calls = {"a": 0, "b": 0}
+
+    def step(name: str, steps: int) -> Callable[[], int]:
+        def call() -> int:
+            running.add(name)
+            if len(running) == 2:
+                overlapped.set()
+            time.sleep(0.002)
+            calls[name] += 1
+            running.discard(name)
+            return steps
+        return call
+
+    rate = bench._concurrent_loop([step("a", 1), step("b", 1000)], seconds=0.1)
+    assert overlapped.is_set() and rate.wall_s >= 0.1
+    # the steps are a's timed calls plus a thousand times b's (0.1 s holds far fewer than 1,000 calls of 2 ms)
+    timed = {"a": rate.steps % 1000, "b": rate.steps // 1000}
+    for name in ("a", "b"):  # each timed at least MIN_CALLS times; its three warm-up calls not counted
+        assert bench.MIN_CALLS <= timed[name] <= calls[name] - 3
+
+
+def test_the_concurrent_loop_raises_what_a_thread_raised() -> None:
+    def fails() -> int:
+        raise RuntimeError("the inference server answered 0 of 3 clients")
+
+    with pytest.raises(RuntimeError, match="answered 0 of 3"):
+        bench._concurrent_loop([lambda: 1, fails], seconds=0.05)
 
 
 def test_ceiling_worked_by_hand() -> None:
