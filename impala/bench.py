@@ -330,11 +330,10 @@ def _bench_server(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
 def _concurrent_loop(steps: Sequence[Callable[[], int]], seconds: float) -> Rate:
     """Each of `steps` called over and over in a thread of its own, all at once: warmed up as `timed_loop` does,
     then timed together for `seconds` (every thread at least MIN_CALLS calls). The steps are those of all the
-    threads; the CPU seconds the process's."""
-    ready = threading.Barrier(len(steps) + 1)
-    start, stop = threading.Event(), threading.Event()
-    counts = [0] * len(steps)
-    calls = [0] * len(steps)
+    threads; the CPU seconds the process's. What a thread raises is raised here once all have stopped."""
+    warm = threading.Barrier(len(steps) + 1)  # the timing starts once every thread is warm
+    stop = threading.Event()
+    counts, calls = [0] * len(steps), [0] * len(steps)
     errors: list[BaseException] = []
 
     def run(k: int) -> None:
@@ -344,32 +343,23 @@ def _concurrent_loop(steps: Sequence[Callable[[], int]], seconds: float) -> Rate
             warmup_end = time.perf_counter() + 0.1 * seconds
             while time.perf_counter() < warmup_end:
                 steps[k]()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
-            errors.append(exc)
-            ready.abort()
-            return
-        try:
-            ready.wait()
-        except threading.BrokenBarrierError:
-            return
-        start.wait()
-        try:
+            warm.wait()
             while not (stop.is_set() and calls[k] >= MIN_CALLS):
                 counts[k] += steps[k]()
                 calls[k] += 1
-        except BaseException as exc:  # noqa: BLE001
+        except threading.BrokenBarrierError:
+            pass  # another thread failed while warming up
+        except BaseException as exc:  # noqa: BLE001 - raised again in the calling thread
             errors.append(exc)
+            warm.abort()
 
     workers = [threading.Thread(target=run, args=(k,), name=f"bench-server-{k}", daemon=True)
                for k in range(len(steps))]
     for worker in workers:
         worker.start()
-    try:
-        ready.wait()
-    except threading.BrokenBarrierError:
-        pass
+    with contextlib.suppress(threading.BrokenBarrierError):
+        warm.wait()
     wall_start, cpu_start = time.perf_counter(), time.process_time()
-    start.set()
     while not errors and time.perf_counter() - wall_start < seconds:
         time.sleep(min(0.05, seconds))
     stop.set()
