@@ -320,11 +320,12 @@ def _bench_server(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
             end.close()
         for server in servers:
             server.serve_once(timeout_s=0.0)  # drops the closed clients, closing the server's ends
-    graphed = " as CUDA graphs" if all(server.graphed for server in servers) else ""
+    graphed = all(server.graphed for server in servers)
+    how = " as CUDA graphs" if graphed else ""
     where = "central thread" if len(servers) == 1 else f"{len(servers)} central threads"
-    return {"what": f"{shape.model} forward + sampling{graphed}, {clients} clients x {envs} envs ({where})",
+    return {"what": f"{shape.model} forward + sampling{how}, {clients} clients x {envs} envs ({where})",
             "batch": clients * envs, "device": str(device), "threads": threads, "amp": amp,
-            "inference_threads": len(servers), "graphed": bool(graphed), **rate.to_dict()}
+            "inference_threads": len(servers), "graphed": graphed, **rate.to_dict()}
 
 
 def _concurrent_loop(steps: Sequence[Callable[[], int]], seconds: float) -> Rate:

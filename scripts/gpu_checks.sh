@@ -172,8 +172,7 @@ fi
 # Where the main process's threads spend a run (the README's Pong command with $PROFILE, default central inference
 # with two env splits): after 40 s, py-spy samples its threads for 15 s, idle included, then for 10 s only the thread
 # holding the GIL (--gil), then 10 s with native frames; scripts/pyspy_summary.py gives each thread's innermost
-# frames, and the run's logs.csv
-# its server's ms per batch and their parts. .whl needs py-spy: ../shared/tools/gpu-wheels.sh py-spy==0.4.3.
+# frames, and the run's logs.csv its server's ms per batch and their parts. .whl needs py-spy: ../shared/tools/gpu-wheels.sh py-spy==0.4.3.
 # About 1.7 minutes.
 if [ "$what" = profile ]; then
   runs=${RUNS:-/tmp/gpu-runs}
