@@ -31,10 +31,11 @@ pong_for() {
   cp "$runs/$name/out.log" "$out/${name}_out.log"; cp "$runs/$name/logs.csv" "$out/${name}_logs.csv"
   # The mean as logs.csv holds it, not as the progress line rounds it (17.96 prints as 18.0).
   { echo "$name ($*): first mean of 18 or more:"
-    python3 -c "import csv, sys; from pathlib import Path; from impala.bench import run_scalars
+    python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'scripts'); from results import csv_means
+from impala.bench import run_scalars
 run = Path(sys.argv[1])
-first = next((int(row['step']) for row in csv.DictReader(open(run / 'logs.csv'))
-              if row.get('charts/mean_return_100') and float(row['charts/mean_return_100']) >= 18), None)
+steps, means = csv_means(run)
+first = next((int(step) for step, mean in zip(steps, means) if mean >= 18), None)
 lines = [line for line in open(run / 'out.log') if first is not None and f'step {first:,}/' in line]
 print(lines[0].rstrip() if lines else 'none')
 print(f'median agent steps/s per interval after the first two {run_scalars(run)[\"steady_steps_per_s\"]:,.0f}')" \
