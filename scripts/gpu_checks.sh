@@ -31,12 +31,14 @@ pong_for() {
   cp "$runs/$name/out.log" "$out/${name}_out.log"; cp "$runs/$name/logs.csv" "$out/${name}_logs.csv"
   # The mean as logs.csv holds it, not as the progress line rounds it (17.96 prints as 18.0).
   { echo "$name ($*): first mean of 18 or more:"
-    python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'scripts'); from results import csv_means
+    python3 -c "import re, sys; from pathlib import Path; sys.path.insert(0, 'scripts'); from results import csv_means
 from impala.bench import run_scalars
 run = Path(sys.argv[1])
 steps, means = csv_means(run)
 first = next((int(step) for step, mean in zip(steps, means) if mean >= 18), None)
-lines = [line for line in open(run / 'out.log') if first is not None and f'step {first:,}/' in line]
+# its progress line: the one of the same step, or the first after it (a run may stop between the two writes)
+steps_at = [(int(m.group(1).replace(',', '')), line) for line in open(run / 'out.log') if (m := re.search(r' step ([0-9,]+)/', line))]
+lines = [line for step, line in steps_at if first is not None and step >= first]
 print(lines[0].rstrip() if lines else 'none')
 print(f'median agent steps/s per interval after the first two {run_scalars(run)[\"steady_steps_per_s\"]:,.0f}')" \
       "$runs/$name"; } > "$out/$name.txt" 2>&1
