@@ -180,7 +180,9 @@ class InferenceServer:
         self.serving_since = start
         try:
             deadline = start + self.wait_s
-            while self.wait_s > 0 and len(pending) < len({client // self.splits for client in connections}):
+            # counted once: an actor that dies meanwhile costs this batch at most the rest of the wait
+            actors = len({client // self.splits for client in connections}) if self.wait_s > 0 else 0
+            while len(pending) < actors:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
