@@ -148,11 +148,7 @@ def timed_loop(step: Callable[[], int], seconds: float, lockstep: bool = False) 
     `seconds` and at least MIN_CALLS calls. `lockstep` (torchrun ranks whose steps are collectives): every
     rank calls `step` as often as the others, each stopping when the first wants to; the CPU seconds are
     those of all ranks."""
-    warmup_end = time.perf_counter() + 0.1 * seconds
-    for _ in range(3):  # whatever the time: lazy initialisation, allocator, cuDNN autotuning, --compile's
-        step()          # compilation and its CUDA-graph recording (the third call)
-    while not _done(time.perf_counter() >= warmup_end, lockstep):
-        step()
+    warm_up(step, seconds, lockstep)
     steps, calls = 0, 0
     wall_start, cpu_start = time.perf_counter(), time.process_time()
     while not _done(calls >= MIN_CALLS and time.perf_counter() - wall_start >= seconds, lockstep):
@@ -163,6 +159,15 @@ def timed_loop(step: Callable[[], int], seconds: float, lockstep: bool = False) 
         dist.all_reduce(cpu_s)
     return Rate(steps, time.perf_counter() - wall_start, float(cpu_s))
 
+
+
+def warm_up(step: Callable[[], int], seconds: float, lockstep: bool = False) -> None:
+    """The warm-up of a timed loop: `step` called three times, then until 10% of `seconds` has passed."""
+    warmup_end = time.perf_counter() + 0.1 * seconds
+    for _ in range(3):  # whatever the time: lazy initialisation, allocator, cuDNN autotuning, --compile's
+        step()          # compilation and its CUDA-graph recording (the third call)
+    while not _done(time.perf_counter() >= warmup_end, lockstep):
+        step()
 
 @contextlib.contextmanager
 def gpu_busy(device_index: int | None) -> Iterator[dict[str, float]]:
@@ -329,7 +334,7 @@ def _bench_server(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
 
 
 def _concurrent_loop(steps: Sequence[Callable[[], int]], seconds: float) -> Rate:
-    """Each of `steps` called over and over in a thread of its own, all at once: warmed up as `timed_loop` does,
+    """Each of `steps` called over and over in a thread of its own, all at once: each warmed up (`warm_up`),
     then timed together for `seconds` (every thread at least MIN_CALLS calls). The steps are those of all the
     threads; the CPU seconds the process's. What a thread raises is raised here once all have stopped."""
     warm = threading.Barrier(len(steps) + 1)  # the timing starts once every thread is warm
@@ -339,11 +344,7 @@ def _concurrent_loop(steps: Sequence[Callable[[], int]], seconds: float) -> Rate
 
     def run(k: int) -> None:
         try:
-            for _ in range(3):
-                steps[k]()
-            warmup_end = time.perf_counter() + 0.1 * seconds
-            while time.perf_counter() < warmup_end:
-                steps[k]()
+            warm_up(steps[k], seconds)
             warm.wait()
             while not (stop.is_set() and calls[k] >= MIN_CALLS):
                 counts[k] += steps[k]()
