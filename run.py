@@ -16,17 +16,21 @@ import faulthandler
 import os
 import sys
 import threading
+import time
 from typing import NoReturn
 
 from impala.config import UserError, given_flags, parse_config
 from impala.stopping import exit_after_runs, ignore_stop_signals
+
+STARTED_S = time.monotonic()  # before torch is imported: a run's elapsed time counts its start-up
 
 # How long the exit may take once the run has ended (its final checkpoint and logs written and closed): the
 # threads it waits for, the atexit handlers. Longer, and the process ends anyway (`exit_within`).
 EXIT_GRACE_S = 60.0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, started_s: float | None = None) -> int:
+    """`started_s`: when the program started (time.monotonic()), where a run's elapsed time counts from."""
     try:
         config = parse_config(argv)
         if config.mode == "train":
@@ -34,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
             from impala.stopping import Stopped
 
             try:
-                training.train(config)
+                training.train(config, started_s=started_s)
             except Stopped as stopped:
                 return stopped.exit_code
             except training.TrainingError as exc:
@@ -99,4 +103,4 @@ if __name__ == "__main__":
     # stack to stderr before it dies, as the actors' and the evaluator's do: where the learner was, for one.
     faulthandler.enable()
     exit_after_runs()
-    exit_within(main())
+    exit_within(main(started_s=STARTED_S))

@@ -103,6 +103,9 @@ class Run:
     update_lock: threading.Lock = field(default_factory=threading.Lock)  # one update, or one copy of the weights
     coordinator: Coordinator | None = None  # under torchrun: this rank among the learner processes
     stop: StopRequests = field(default_factory=StopRequests)  # a Ctrl-C or SIGTERM; the monitor reads it
+    # When the program started (time.monotonic(), given to `train` by run.py): the progress line's elapsed time
+    # counts from it, start-up included; None, from the monitor's start.
+    started_s: float | None = None
 
     @property
     def writes_files(self) -> bool:
@@ -295,9 +298,10 @@ def monitor(run: Run) -> str:
     """Watch the run until it is done or a Ctrl-C or SIGTERM came; returns why it ended. Raises TrainingError
     on a fault."""
     config, state = run.config, run.state
-    last_log_time = last_checkpoint_time = start_time = time.monotonic()
+    last_log_time = last_checkpoint_time = time.monotonic()
+    start_time = run.started_s if run.started_s is not None else last_log_time
     last_log_step = state.step
-    console_rate = RecentRate(0.0, state.step)
+    console_rate = RecentRate(last_log_time - start_time, state.step)
     while True:
         if run.stop.reason is not None:
             log.info(run.stop.log_line)
@@ -506,8 +510,9 @@ def shutdown(run: Run, save: bool) -> OSError | None:
     return save_error
 
 
-def train(config: Config) -> Path:
-    """Train until `total_steps`; every ending goes through `shutdown`. Call from the main thread.
+def train(config: Config, started_s: float | None = None) -> Path:
+    """Train until `total_steps`; every ending goes through `shutdown`. Call from the main thread. `started_s`: when
+    the program started (time.monotonic()), for the progress line's elapsed time (`Run.started_s`).
 
     Returns the run directory when the run finished. Raises `Stopped` after an orderly stop on Ctrl-C or
     SIGTERM (a final checkpoint written; before anything started, nothing written), `TrainingError` when
@@ -524,6 +529,7 @@ def train(config: Config) -> Path:
                 for attempt in range(1, NAME_ATTEMPTS + 1):
                     try:
                         run = build(config, coordinator, stop, lock)
+                        run.started_s = started_s
                         break
                     except NameTaken as taken:  # trainings started together: the next free name
                         if attempt == NAME_ATTEMPTS:

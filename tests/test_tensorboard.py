@@ -258,3 +258,18 @@ def test_sps_counts_the_steps_of_updates_slower_than_the_log_interval(tmp_path: 
     # machine. Several intervals of updates slower than the log interval, and each of those updates counted.
     assert 3 * update_s <= intervals_s <= train_s, (intervals_s, train_s, rows)
     assert sum(1 for _, sps in rows if sps > 0) >= 3  # updates finished in several intervals, each counted
+
+
+def test_the_progress_lines_elapsed_time_counts_from_the_programs_start(tmp_path: Path) -> None:
+    """run.py hands the run the moment it started, so the elapsed time shown counts the start-up too (imports, the
+    envs, the actors: seconds on a GPU machine); the console's SPS still counts only the run's own steps and time."""
+    import run
+
+    argv = ["--env", "CartPole-v1", "--num_actors", "1", "--envs_per_actor", "2", "--unroll_length", "5",
+            "--batch_size", "4", "--total_steps", "200", "--log_interval_s", "0.2", "--hidden_size", "16",
+            "--disable_cuda", "--savedir", str(tmp_path), "--xpid", "clock"]
+    assert run.main(argv, started_s=time.monotonic() - 3600) == 0
+    progress = [line for line in (tmp_path / "clock" / "out.log").read_text().splitlines() if " elapsed " in line]
+    assert progress and all(re.search(r" elapsed 1:00:\d\d ", line) for line in progress), progress
+    sps = int(re.search(r" SPS ([\d,]+) ", progress[-1]).group(1).replace(",", ""))  # type: ignore[union-attr]
+    assert sps >= 10, progress  # 200 steps over the run's seconds; over the hour before it, 0
