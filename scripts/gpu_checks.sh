@@ -21,8 +21,8 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; lscpu; python3 -c "import torch; print(torch.__version__, torch.version.cuda)"; } > "$out/machine.txt" 2>&1
 # pong_for SECONDS NAME [FLAGS...]: the README's Pong command with FLAGS for SECONDS, in $runs/NAME; its out.log and
 # logs.csv to $out/NAME_out.log and NAME_logs.csv, and to $out/NAME.txt its first progress line with a mean of 18
-# or more (its elapsed time is the time to 18) and its median agent steps/s per interval after the first two
-# (the bench's steady rate).
+# or more (its elapsed time is the time to 18 from run.py's start, start-up included since ae79c3c) and its median
+# agent steps/s per interval after the first two (the bench's steady rate).
 pong_for() {
   local seconds=$1 name=$2
   shift 2
