@@ -160,7 +160,6 @@ def timed_loop(step: Callable[[], int], seconds: float, lockstep: bool = False) 
     return Rate(steps, time.perf_counter() - wall_start, float(cpu_s))
 
 
-
 def warm_up(step: Callable[[], int], seconds: float, lockstep: bool = False) -> None:
     """The warm-up of a timed loop: `step` called three times, then until 10% of `seconds` has passed."""
     warmup_end = time.perf_counter() + 0.1 * seconds
@@ -168,6 +167,7 @@ def warm_up(step: Callable[[], int], seconds: float, lockstep: bool = False) -> 
         step()          # compilation and its CUDA-graph recording (the third call)
     while not _done(time.perf_counter() >= warmup_end, lockstep):
         step()
+
 
 @contextlib.contextmanager
 def gpu_busy(device_index: int | None) -> Iterator[dict[str, float]]:
