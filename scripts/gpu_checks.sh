@@ -37,9 +37,8 @@ run = Path(sys.argv[1])
 steps, means = csv_means(run)
 first = next((int(step) for step, mean in zip(steps, means) if mean >= 18), None)
 # its progress line: the one of the same step, or the first after it (a run may stop between the two writes)
-steps_at = [(int(m.group(1).replace(',', '')), line) for line in open(run / 'out.log') if (m := re.search(r' step ([0-9,]+)/', line))]
-lines = [line for step, line in steps_at if first is not None and step >= first]
-print(lines[0].rstrip() if lines else 'none')
+print(next((line.rstrip() for line in open(run / 'out.log') if first is not None
+            and (m := re.search(r' step ([0-9,]+)/', line)) and int(m.group(1).replace(',', '')) >= first), 'none'))
 print(f'median agent steps/s per interval after the first two {run_scalars(run)[\"steady_steps_per_s\"]:,.0f}')" \
       "$runs/$name"; } > "$out/$name.txt" 2>&1
 }
