@@ -215,10 +215,15 @@ PY
 fi
 # The README's Pong command with $EXTRA for $PONG_S seconds (default 200): the time to a mean of 18 and the median
 # rate, against the three minutes (EXTRA="--inference central --env_splits 2 --inference_threads 2", say).
+# First the learner alone with the same flags (under a minute): what a change to the learning rule
+# (EXTRA="--minibatches 16") costs the learner's agent steps/s.
 if [ "$what" = pong200 ]; then
   runs=${RUNS:-/tmp/gpu-runs}
   # shellcheck disable=SC2086  # $EXTRA is flags, split on purpose
+  timeout 90 python3 -m impala.bench --only learner --seconds 10 ${EXTRA:-} > "$out/pong200_learner.txt" 2>&1
+  # shellcheck disable=SC2086  # $EXTRA is flags, split on purpose
   pong_for "${PONG_S:-200}" pong200 ${EXTRA:-}
+  grep -E "^learner " "$out/pong200_learner.txt" || tail -n 5 "$out/pong200_learner.txt"
   cat "$out/pong200.txt"
   exit 0
 fi
