@@ -196,6 +196,24 @@ def test_the_learner_takes_the_threads_the_actors_leave_on_any_device(device: st
     assert learner_threads(Config(num_actors=0), torch.device(device), local_ranks=2) == max(1, cores // 2)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_a_built_run_gives_its_learner_the_threads_the_actors_leave(tmp_path: Path, device: str) -> None:
+    """On a GPU machine too: torch's default of one thread per core would take the actors' cores for the learner
+    process's host work."""
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=2, batch_size=2, hidden_size=8,
+                    disable_cuda=device == "cpu", savedir=str(tmp_path), xpid="threads")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(usable_cores() + 3)  # what no build would choose
+    try:
+        run = training.build(config)
+        training.shutdown(run, save=False)
+        assert run.device.type == device
+        assert torch.get_num_threads() == learner_threads(config, run.device) == max(1, usable_cores() - 1)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def _flag_values(args: list[str]) -> dict[str, str]:
     """{flag: value} of a command line's `--flag value` pairs (a flag without a value: "")."""
     values, flag = {}, None
