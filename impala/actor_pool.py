@@ -359,14 +359,18 @@ def start_fork_server() -> None:
     here), which then overlaps the rest of the run's build in this process (the optimiser's first parameter
     group alone imports torch._dynamo, about 2 s) instead of following it. Started with the stop signals
     blocked, as `start_process` would start it (see there). After `process_context`, which names what it
-    preloads."""
-    if START_METHOD != "forkserver":
-        return
+    preloads.
+
+    The resource tracker (which unlinks the run's semaphores should the main process die) comes first, also
+    started with the stop signals blocked: it ignores Ctrl-C and SIGTERM of its own accord but would die of a
+    SIGHUP to the process group (a closed terminal), and keeps the block for good. Its start unblocks Ctrl-C and
+    SIGTERM in this thread on its way out: so each start under its own block."""
     from multiprocessing import forkserver, resource_tracker
 
-    # The fork server starts the resource tracker first if it is not running, and that start unblocks
-    # the stop signals in this thread on its way out: so the tracker first, then the block.
-    resource_tracker.ensure_running()
+    with stop_signals_blocked():
+        resource_tracker.ensure_running()
+    if START_METHOD != "forkserver":
+        return
     with stop_signals_blocked():
         forkserver.ensure_running()
 

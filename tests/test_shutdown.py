@@ -36,20 +36,26 @@ from impala.config import Config, UserError
 from impala.metrics import RunLog
 
 
-def test_ctrl_c_to_the_process_group_stops_in_order(tmp_path: Path) -> None:
-    run = Training(tmp_path, "ctrl-c")
+@pytest.mark.parametrize("signum, said, reason", [(signal.SIGINT, "Interrupted: stopping", "interrupted"),
+                                                  (signal.SIGHUP, "SIGHUP (the terminal closed)", "hangup")],
+                         ids=["ctrl-c", "hangup"])
+def test_ctrl_c_or_a_hangup_to_the_process_group_stops_in_order(tmp_path: Path, signum: int, said: str,
+                                                                reason: str) -> None:
+    """What a terminal's Ctrl-C does, or its closing: the whole group gets the signal, the run's resource tracker
+    too, which must outlive it (it once died of the hangup, and wrote tracebacks to stderr)."""
+    run = Training(tmp_path, reason)
     try:
         run.wait_for_steps(200)
         shm = run.shm_inodes()
         assert shm, "the run maps its semaphores and shared tensors from /dev/shm"
-        run.signal(signal.SIGINT, group=True)  # what a terminal's Ctrl-C does: the whole group gets it
-        assert run.wait(timeout=30) == 130
+        run.signal(signum, group=True)
+        assert run.wait(timeout=30) == 128 + signum
         assert wait_until_gone(run.pgid, timeout=30) == []
         assert shm_left(shm) == []
         text = run.text()
-        assert "Interrupted: stopping" in text and "Traceback" not in text
+        assert said in text and "Traceback" not in text and "resource_tracker" not in text, text[-3000:]
         assert checkpoint_step(run.run_dir) >= 200
-        assert json.loads((run.run_dir / "meta.json").read_text())["end_reason"] == "interrupted"
+        assert json.loads((run.run_dir / "meta.json").read_text())["end_reason"] == reason
     finally:
         run.close()
 
