@@ -1,5 +1,5 @@
-"""A training run: build, start, monitor, shut down. With `actor_pool.py` (the actor processes) and
-`evaluator.py` (the evaluation process), the only module that creates processes, threads, locks and queues.
+"""A training run: build, start, monitor, shut down. The actor processes are made in `actor_pool.py`, the
+evaluation process in `evaluator.py`, the learner threads in `learners.py`; the central inference threads here.
 
     main thread: build() -> start_actors() -> start_learners() -> monitor() -> shutdown()
     actor processes (actor_pool.py): actor.run_actor(), filling slots from their own free pipe into the full queue
