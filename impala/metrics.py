@@ -95,7 +95,9 @@ class RunLog:
     def __init__(self, run_dir: str | os.PathLike, purge_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         quiet_event_writer_threads()
-        self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge_step)
+        # TensorBoard drops the events at and after its purge step; those at the checkpoint's own step stay, as in the CSV.
+        self.writer = SummaryWriter(log_dir=str(self.run_dir),
+                                    purge_step=None if purge_step is None else purge_step + 1)
         self._csv_path = self.run_dir / "logs.csv"
         self._csv_file: Any = None
         self._csv: csv.DictWriter | None = None

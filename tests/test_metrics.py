@@ -66,6 +66,23 @@ def test_csv_of_a_resumed_run_keeps_its_header_and_appends(tmp_path: Path) -> No
     assert rows == [{"step": "40", "a": "1.0", "b": "2.0"}, {"step": "80", "a": "4.0", "b": "3.0"}]
 
 
+def test_a_resumed_run_keeps_the_events_and_rows_up_to_its_checkpoints_step_and_drops_those_after(
+        tmp_path: Path) -> None:
+    """TensorBoard's merged view and the CSV agree: the scalars logged at the checkpoint's own step belong to the
+    state it holds, and stay."""
+    first = RunLog(tmp_path)
+    for step in (100, 200, 300):  # killed after logging 300, its last checkpoint at 200
+        first.scalars(step, {"charts/SPS": float(step)})
+    first.close()
+    second = RunLog(tmp_path, purge_step=200)
+    second.scalars(250, {"charts/SPS": 7.0})
+    second.close()
+    assert [(e.step, e.value) for e in _read(tmp_path).Scalars("charts/SPS")] == [(100, 100.0), (200, 200.0),
+                                                                                  (250, 7.0)]
+    with open(tmp_path / "logs.csv", newline="") as f:
+        assert [row["step"] for row in csv.DictReader(f)] == ["100", "200", "250"]
+
+
 def _write_rows(path: Path, steps: list[int], tail: str = "") -> None:
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
