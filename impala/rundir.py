@@ -111,6 +111,8 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
         lock.hold(run_dir)  # before its checkpoint is read: another training may be writing it
     checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
     if checkpoint_path is None:
+        if config.xpid is not None and restarts_unsaved_run(config, run_dir):
+            return run_dir, True, None, None  # its meta.json and logs go on, from step 0
         return run_dir, resuming, None, None
     checkpoint = load_checkpoint(checkpoint_path)
     check_compatible(checkpoint, env=config.env, model=model, use_lstm=config.use_lstm,
@@ -120,6 +122,32 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
         raise UserError(f"run {run_dir} already reached step {checkpoint['step']} of --total_steps "
                         f"{config.total_steps}; pass a larger --total_steps to train it further")
     return run_dir, resuming, checkpoint_path, checkpoint
+
+
+def restarts_unsaved_run(config: Config, run_dir: Path) -> bool:
+    """Whether `run_dir`, which has no checkpoint to continue from, holds the files of a run that was killed
+    before its first checkpoint (a `kill -9`, a power cut, a process manager restarting the command): True, and
+    that run starts again from step 0 keeping its meta.json (its starts) and the events and CSV rows of step 0.
+    A UserError, before anything is written, where starting afresh would lose what it saved: kept checkpoints
+    without model.tar (moved away: the next --keep_checkpoints would delete them), or another env's run."""
+    if not run_dir.is_dir():
+        return False
+    kept = sorted(run_dir.glob("model_step_*.tar"), key=lambda p: p.stat().st_mtime)
+    if kept:
+        raise UserError(f"run {run_dir} has no {CHECKPOINT_NAME} but keeps {kept[-1].name}: pass --checkpoint "
+                        f"{kept[-1]} to continue from it, or choose another --xpid")
+    flags_path = run_dir / "flags.json"
+    if not flags_path.is_file():
+        return False  # not a run's directory (or an empty one): a new run
+    try:
+        env = json.loads(flags_path.read_text()).get("env")
+    except (OSError, ValueError, AttributeError):
+        env = None  # cut short by the kill: the env cannot be told, and nothing in it is worth more than the rest
+    if env is not None and env != config.env:
+        raise UserError(f"run {run_dir} is a run of {env} (its flags.json; killed before its first checkpoint), "
+                        f"not of {config.env}; choose another --xpid")
+    log.warning("Run %s has no checkpoint (stopped before its first one): it starts again from step 0", run_dir)
+    return True
 
 
 def resume_checkpoint(config: Config, run_dir: Path) -> Path | None:

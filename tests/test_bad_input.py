@@ -3,6 +3,7 @@ that was saved."""
 
 from __future__ import annotations
 
+import csv
 import errno
 import json
 import os
@@ -172,6 +173,42 @@ def test_existing_run_with_another_env_is_refused_before_anything_is_overwritten
     _fails_with(capsys, [*QUICK, "--hidden_size", "64", "--savedir", str(tmp_path), "--xpid", "cartpole"],
                 r"hidden_size 32 vs 64")
     assert _snapshot(run_dir) == before  # flags.json, meta.json and the checkpoint untouched
+
+
+def _unsaved_run(savedir: Path, xpid: str, env: str = "CartPole-v1") -> Path:
+    """The files a run killed before its first checkpoint leaves: flags, meta, a CSV row past step 0."""
+    run_dir = _saved_run(savedir, xpid)
+    (run_dir / CHECKPOINT_NAME).unlink()
+    (run_dir / "flags.json").write_text(json.dumps({"env": env, "hidden_size": 32}))
+    (run_dir / "logs.csv").write_text("step,charts/SPS\n0,1.0\n360,123456.0\n")
+    return run_dir
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_keeping_its_starts(tmp_path: Path) -> None:
+    run_dir = _unsaved_run(tmp_path, "killed")
+    assert run.main([*QUICK, "--savedir", str(tmp_path), "--xpid", "killed"]) == 0
+    assert json.loads((run_dir / "meta.json").read_text())["starts"][0] == "before"  # and this start after it
+    assert len(json.loads((run_dir / "meta.json").read_text())["starts"]) == 2
+    with open(run_dir / "logs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert (rows[0]["step"], rows[0]["charts/SPS"]) == ("0", "1.0")
+    assert "123456.0" not in [row["charts/SPS"] for row in rows]  # the killed session's rows after step 0 dropped
+    assert torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)["step"] == 1000
+
+
+@pytest.mark.parametrize(("damage", "pattern"), [
+    ("kept copy", r"has no model.tar but keeps model_step_40.tar: pass --checkpoint .*model_step_40.tar to continue"),
+    ("another env", r"is a run of Acrobot-v1 \(its flags.json; killed before its first checkpoint\), not of Cart"),
+], ids=["kept copy", "another env"])
+def test_a_run_without_model_tar_is_not_started_over_where_that_loses_what_it_saved(
+        capsys: pytest.CaptureFixture, tmp_path: Path, damage: str, pattern: str) -> None:
+    run_dir = _unsaved_run(tmp_path, "moved", env="Acrobot-v1" if damage == "another env" else "CartPole-v1")
+    if damage == "kept copy":  # model.tar moved away, its --keep_checkpoints copy left: the next run would prune it
+        save_checkpoint(run_dir / "model_step_40.tar", torch.load(_saved_run(tmp_path, "source") / CHECKPOINT_NAME,
+                                                                   weights_only=True))
+    before = _snapshot(run_dir)
+    _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "moved"], pattern)
+    assert _snapshot(run_dir) == before
 
 
 @pytest.mark.parametrize("resuming", [False, True])
