@@ -66,6 +66,11 @@ def shipped_keys(buffers: Buffers) -> tuple[str, ...]:
     return (*BATCH_KEYS, "policy_version", *sorted(k for k in buffers if k.startswith("core_state_")))
 
 
+def unroll_bytes(buffers: Buffers) -> int:
+    """The bytes of one unroll a remote actor sends."""
+    return sum(buffers[key][0].nbytes for key in shipped_keys(buffers))
+
+
 def pack_frames(obs: np.ndarray) -> dict[str, np.ndarray]:
     """Atari's frame stacks of whole unrolls, [N, T + 1, C, H, W], as the least that rebuilds them exactly: every
     row's newest frame (`obs_newest`), and the C - 1 older frames (`obs_older`) only of the rows sent whole
@@ -247,16 +252,16 @@ class RayActorPool:
     """
 
     def __init__(self, config: Config, local: LocalActorPool, buffers: Buffers, lives: ActorLives, model: Net,
-                 policy_version: int, run_name: str) -> None:
-        """`model`: the learner's, whose weights (version `policy_version`) the remote actors start with."""
+                 policy_version: int, run_name: str, connection: tuple[Any, bool | None]) -> None:
+        """`model`: the learner's, whose weights (version `policy_version`) the remote actors start with;
+        `connection`: what `connect` returned, made before the run's files were written."""
         self.config, self.local, self.buffers, self.lives = config, local, buffers, lives
         self.slots = local.slots
         self.writer = config.num_actors  # the ledger's index of the receiver's slots (actor_pool._ledger)
         self.net_args = (model.observation_shape, buffers["obs"].dtype, model.num_actions)
         self.run_name = run_name
         self.keys = shipped_keys(buffers)
-        unroll_bytes = sum(buffers[key][0].nbytes for key in self.keys)
-        self.ray, self.started_ray = connect(config, unroll_bytes)
+        self.ray, self.started_ray = connection
         # One unroll request at a time; `stop` in a group of its own, so it runs while a request waits.
         self.remote_class = self.ray.remote(concurrency_groups={"control": 1})(RemoteActor)
         self.remotes: list[RemoteLife] = []
@@ -496,8 +501,7 @@ class RayActorPool:
         """The local pool's channels; then disconnect from Ray, which stops it only with --ray local."""
         self.local.close()
         self.weights = None
-        if self.started_ray is not None:
-            self.ray.shutdown()
+        disconnect((self.ray, self.started_ray))
 
 
 def _describe(exc: BaseException) -> str:
@@ -514,7 +518,7 @@ def _describe(exc: BaseException) -> str:
 def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
     """Connect this process to Ray as --ray says; returns (the ray module, whether to shut Ray down at the
     end: True when this run started it, False when it only connected, None when it was already connected
-    by the caller, who keeps it). Bad addresses are UserErrors."""
+    by the caller, who keeps it). Bad addresses are UserErrors. `disconnect` undoes it."""
     ray = require_ray()
     if ray.is_initialized():
         return ray, None
@@ -539,6 +543,14 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)  # ray.init installs its own; the run's stops in order
     return ray, config.ray == "local"
+
+
+def disconnect(connection: tuple[Any, bool | None]) -> None:
+    """Undo `connect`: disconnect from Ray, which stops it only with --ray local; nothing where the caller had
+    connected before."""
+    ray, started = connection
+    if started is not None:
+        ray.shutdown()
 
 
 def local_object_store_bytes(config: Config, unroll_bytes: int) -> int:

@@ -24,11 +24,11 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
-from impala import distributed, learner
+from impala import distributed, learner, ray_pool
 from impala.actor_pool import (
     LocalActorPool,
     finish_within,
@@ -163,50 +163,57 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     spec = BufferSpec(local_slots + config.remote_slots, config.unroll_length, observation_shape, observation_dtype,
                       num_actions, model.core_state_shapes())
     buffers = create_buffers(spec)
-    stop.check()  # the last moment at which stopping changes nothing
-    runlog: RunLog
-    session, runlog = 0, distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
-    if writes_files:
-        prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # the last check: nothing changed before
-        session = write_run_files(config, run_dir, resuming, world_size)
-        runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
-        runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained
-    if coordinator is not None:
-        session = coordinator.share_state(state, session, config)  # every rank starts from rank 0's weights
-    state.lives.session = session
-    # Remote actors are named by run; under torchrun every rank owns a pool, so the names differ by rank too.
-    pool_name = run_dir.name if coordinator is None else f"{run_dir.name}.rank-{coordinator.rank}"
-    pool = _actor_pool(config, ctx, buffers, state, actor_model, pool_name)
-    amp, stats, update_lock = use_amp(config.amp, device, model.model), IntervalStats(), threading.Lock()
-    if checkpoint is not None:  # the last 100 games go on across a resume: the mean's curve has no jump there
-        stats.episode_returns.extend(float(r) for r in checkpoint.get("recent_returns", []))
-    learners = Learners(config, state, buffers, pool, device, amp, stats, update_lock, coordinator)
-    run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
-              resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None, stats=stats,
-              update_lock=update_lock, coordinator=coordinator, stop=stop,
-              changed_flags=tuple(changed_flags(checkpoint["flags"], config)) if checkpoint is not None else ())
-    if config.inference == "central":
-        positions = run.pool.channels.inference_positions
-        assert positions is not None, "made by the pool for --inference central"
-        # Server k's sampling stream is the "life" k of the inference stream: one server's is the same as before.
-        seeds = [sampling_seed(config.seed, session, INFERENCE_STREAM, k) for k in range(config.inference_threads)]
-        servers = InferenceServers(model, buffers, positions, device, run.amp, config.inference_wait_ms / 1000, seeds,
-                                   graphed=config.cuda_graph, splits=config.env_splits)
-        run.inference, run.pool.inference = CentralInference(servers), servers
-    return run
+    # Connected before anything is written: a bad or unreachable address leaves the run directory as it was.
+    ray_connection = ray_pool.connect(config, ray_pool.unroll_bytes(buffers)) if config.ray else None
+    try:
+        stop.check()  # the last moment at which stopping changes nothing
+        runlog: RunLog
+        session, runlog = 0, distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
+        if writes_files:
+            prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # the last check: nothing changed before
+            session = write_run_files(config, run_dir, resuming, world_size)
+            runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
+            runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained
+        if coordinator is not None:
+            session = coordinator.share_state(state, session, config)  # every rank starts from rank 0's weights
+        state.lives.session = session
+        # Remote actors are named by run; under torchrun every rank owns a pool, so the names differ by rank too.
+        pool_name = run_dir.name if coordinator is None else f"{run_dir.name}.rank-{coordinator.rank}"
+        pool = _actor_pool(config, ctx, buffers, state, actor_model, pool_name, ray_connection)
+        amp, stats, update_lock = use_amp(config.amp, device, model.model), IntervalStats(), threading.Lock()
+        if checkpoint is not None:  # the last 100 games go on across a resume: the mean's curve has no jump there
+            stats.episode_returns.extend(float(r) for r in checkpoint.get("recent_returns", []))
+        learners = Learners(config, state, buffers, pool, device, amp, stats, update_lock, coordinator)
+        run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
+                  resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None, stats=stats,
+                  update_lock=update_lock, coordinator=coordinator, stop=stop,
+                  changed_flags=tuple(changed_flags(checkpoint["flags"], config)) if checkpoint is not None else ())
+        if config.inference == "central":
+            positions = run.pool.channels.inference_positions
+            assert positions is not None, "made by the pool for --inference central"
+            # Server k's sampling stream is the "life" k of the inference stream: one server's is the same as before.
+            seeds = [sampling_seed(config.seed, session, INFERENCE_STREAM, k) for k in range(config.inference_threads)]
+            servers = InferenceServers(model, buffers, positions, device, run.amp, config.inference_wait_ms / 1000, seeds,
+                                       graphed=config.cuda_graph, splits=config.env_splits)
+            run.inference, run.pool.inference = CentralInference(servers), servers
+        return run
+    except BaseException:
+        if ray_connection is not None:
+            ray_pool.disconnect(ray_connection)
+        raise
 
 
-def _actor_pool(config: Config, ctx: BaseContext, buffers: Buffers, state: LearnerState,
-                actor_model: Net, run_name: str) -> LocalActorPool | RayActorPool:
+def _actor_pool(config: Config, ctx: BaseContext, buffers: Buffers, state: LearnerState, actor_model: Net,
+                run_name: str, ray_connection: tuple[Any, bool | None] | None) -> LocalActorPool | RayActorPool:
     """The local actors, acting with `actor_model`, a shared CPU copy of the learner's weights, at its version;
     with --ray, inside a pool that adds the remote actors."""
     actor_model.load_state_dict(state.model.state_dict())
     actor_model.eval()
     local = LocalActorPool(config, ctx, buffers, actor_model, state.lives, policy_version=state.updates,
                            remote_slots=config.remote_slots)
-    if not config.ray:
+    if ray_connection is None:
         return local
-    return RayActorPool(config, local, buffers, state.lives, state.model, state.updates, run_name)
+    return RayActorPool(config, local, buffers, state.lives, state.model, state.updates, run_name, ray_connection)
 
 
 # ----------------------------------------------------------------------------------------- start

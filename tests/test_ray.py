@@ -32,7 +32,7 @@ from impala.config import Config, UserError, parse_config
 from impala.environment import EnvBatch
 from impala.ray_pool import RemoteActor, pack_frames, shipped_keys, write_unroll
 from impala.seeding import first_life
-from tests.process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Torchrun, Training
+from tests.process_helpers import IMPALA_RULE, REPO_ROOT, SMALL_RUN, Torchrun, Training, run_py
 
 # Two remote actors of two envs each, T=5, B=4: 20 agent steps per update.
 REMOTE_ONLY = ("--num_actors", "0", "--ray_actors", "2", "--ray_envs_per_actor", "2", "--ray_actor_resource",
@@ -101,6 +101,22 @@ def test_without_ray_the_flag_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert result.stderr.strip() == ("run.py: error: --ray needs Ray, which is not installed: "
                                      "pip install -r requirements-ray.txt")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_bad_address_is_one_line_and_changes_nothing_of_an_existing_run(tmp_path: Path) -> None:
+    """Ray is connected to before the run's files are written: once flags.json, meta.json (its start recorded and
+    its end cleared), an event file and `latest` were all written before a failed connection."""
+    pytest.importorskip("ray")
+    quick = ("--env", "CartPole-v1", "--num_actors", "1", "--envs_per_actor", "2", "--unroll_length", "5",
+             "--batch_size", "4", "--hidden_size", "32", "--disable_cuda", "--savedir", str(tmp_path))
+    assert run_py(*quick, "--total_steps", "200", "--xpid", "kept").returncode == 0
+    assert run_py(*quick, "--total_steps", "200", "--xpid", "newer").returncode == 0
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
+    result = run_py(*quick, "--total_steps", "400", "--xpid", "kept", "--ray", "no-such-address")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("run.py: error: --ray no-such-address: could not connect to Ray")
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
 
 
 def test_a_remote_actor_ships_whole_unrolls_that_continue_each_other() -> None:
