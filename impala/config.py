@@ -376,8 +376,14 @@ class Config:
         if self.ray and self.env_splits >= 1 and self.ray_envs_per_actor % self.env_splits:
             problems.append(f"--ray_envs_per_actor {self.ray_envs_per_actor} must be a multiple of --env_splits "
                             f"{self.env_splits}")
-        if self.ray == "":
-            problems.append("--ray needs auto, local or HOST:PORT")
+        if self.ray is not None and self.ray not in ("auto", "local") and not self.ray.startswith("ray://"):
+            host, _, port = self.ray.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                problems.append(f"--ray needs auto, local or HOST:PORT (a head node's, e.g. 10.0.0.1:6379), "
+                                f"got {self.ray!r}")
+        if self.ray == "local" and self.ray_actor_resource:
+            problems.append(f"--ray_actor_resource {self.ray_actor_resource}: --ray local starts a cluster without "
+                            "custom resources, so no remote actor could start; drop it, or use --ray auto|HOST:PORT")
         if self.max_actor_restarts < 0 or self.max_bad_updates < 1:
             problems.append("--max_actor_restarts must be >= 0 and --max_bad_updates >= 1")
         if self.num_buffers is not None and self.num_buffers < self.slots_needed:

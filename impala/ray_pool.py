@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 import traceback
@@ -47,6 +48,7 @@ log = logging.getLogger("impala")
 REQUESTS_IN_FLIGHT = 1  # per remote actor: its acting thread fills free slots meanwhile; more only adds lag
 WAIT_S = 0.2  # every wait of the receiver is bounded: it sees the stop flag and dead actors this often
 STOP_TIMEOUT_S = 5.0  # remote actors asked to stop get this long, then they are killed
+REACH_TIMEOUT_S = 10.0  # a head node's address that accepts no connection in this long is refused
 PLACEMENT_WARNING_S = 60.0  # a remote actor not acting after this long is reported (no resources for it?)
 NAMESPACE = "impala"  # Ray namespace of the run's named actors
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -527,6 +529,8 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT),
                                                                             os.environ.get("PYTHONPATH"))))}}
     options: dict[str, Any] = {"namespace": NAMESPACE, "runtime_env": runtime_env, "log_to_driver": False}
+    if config.ray not in ("auto", "local") and not config.ray.startswith("ray://"):
+        check_reachable(config.ray)
     if config.ray == "local":
         options.update(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, config.ray_actors),
                        object_store_memory=local_object_store_bytes(config, unroll_bytes))
@@ -543,6 +547,18 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)  # ray.init installs its own; the run's stops in order
     return ray, config.ray == "local"
+
+
+def check_reachable(address: str) -> None:
+    """UserError unless something accepts a TCP connection at HOST:PORT within REACH_TIMEOUT_S: `ray.init` waits
+    for a head node that is not there for good, retrying and logging every 40 s."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_TIMEOUT_S).close()
+    except OSError as exc:
+        raise UserError(f"--ray {address}: could not connect to Ray: nothing answers there "
+                        f"({exc.strerror or exc}); start a cluster with `ray start --head` and pass its address, "
+                        "or use --ray local") from None
 
 
 def disconnect(connection: tuple[Any, bool | None]) -> None:

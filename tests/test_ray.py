@@ -62,6 +62,20 @@ def test_num_actors_may_be_zero_only_with_ray() -> None:
     assert Config().remote_slots == 0
 
 
+@pytest.mark.parametrize("address", [":", "abc", "host:", ":6379", "host:port", "host:70000", "http://x"])
+def test_a_malformed_ray_address_is_refused_by_its_flag(address: str) -> None:
+    said = f"--ray needs auto, local or HOST:PORT (a head node's, e.g. 10.0.0.1:6379), got {address!r}"
+    assert Config(ray=address).validate() == [said]
+
+
+def test_a_custom_resource_is_refused_with_a_private_cluster_that_has_none() -> None:
+    """Its remote actors would wait for good for a node that has it (once: "has not acted for 60 s")."""
+    said = ("--ray_actor_resource actor_slot: --ray local starts a cluster without custom resources, so no remote "
+            "actor could start; drop it, or use --ray auto|HOST:PORT")
+    assert Config(ray="local", ray_actor_resource="actor_slot").validate() == [said]
+    assert Config(ray="auto", ray_actor_resource="actor_slot").validate() == []
+
+
 def test_ray_flags_are_validated_with_their_numbers() -> None:
     problems = Config(ray="local", ray_actors=0, ray_envs_per_actor=3, env_splits=2, ray_max_policy_lag=-1).validate()
     text = "\n".join(problems)
@@ -112,9 +126,9 @@ def test_a_bad_address_is_one_line_and_changes_nothing_of_an_existing_run(tmp_pa
     assert run_py(*quick, "--total_steps", "200", "--xpid", "kept").returncode == 0
     assert run_py(*quick, "--total_steps", "200", "--xpid", "newer").returncode == 0
     before = {p.relative_to(tmp_path): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
-    result = run_py(*quick, "--total_steps", "400", "--xpid", "kept", "--ray", "no-such-address")
+    result = run_py(*quick, "--total_steps", "400", "--xpid", "kept", "--ray", "127.0.0.1:1")  # once a wait for good
     assert result.returncode == 2, result.stderr
-    assert result.stderr.startswith("run.py: error: --ray no-such-address: could not connect to Ray")
+    assert result.stderr.startswith("run.py: error: --ray 127.0.0.1:1: could not connect to Ray: nothing answers")
     assert result.stderr.count("\n") == 1, result.stderr
     assert {p.relative_to(tmp_path): p.read_bytes() for p in sorted(tmp_path.rglob("*")) if p.is_file()} == before
 
