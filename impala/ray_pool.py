@@ -529,8 +529,9 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT),
                                                                             os.environ.get("PYTHONPATH"))))}}
     options: dict[str, Any] = {"namespace": NAMESPACE, "runtime_env": runtime_env, "log_to_driver": False}
-    if config.ray not in ("auto", "local") and not config.ray.startswith("ray://"):
-        check_reachable(config.ray)
+    address = config.ray or "auto"
+    if address not in ("auto", "local") and not address.startswith("ray://"):
+        check_reachable(address)
     if config.ray == "local":
         options.update(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, config.ray_actors),
                        object_store_memory=local_object_store_bytes(config, unroll_bytes))
