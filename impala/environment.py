@@ -53,6 +53,9 @@ def env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
     module, _, name = env_id.rpartition(":")
     if not name:
         raise UserError(f"env {env_id!r} names no env id; pass ID, or MODULE:ID for an env that MODULE registers")
+    if module.startswith("."):  # relative to no package: importlib raises TypeError for it
+        raise UserError(f"env {env_id!r}: MODULE of MODULE:ID must be an absolute module name (as in "
+                        f"`import MODULE`), got {module!r}")
     if module:
         try:
             importlib.import_module(module)
@@ -151,7 +154,10 @@ class EnvBatch:
             env = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
                                vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
                                wrappers=[gym.wrappers.FlattenObservation] if flatten else None, **limit)
-        except gym.error.DependencyNotInstalled as exc:
+        except (gym.error.DependencyNotInstalled, ImportError) as exc:
+            # ImportError too: gymnasium registers ids whose entry point imports a package it does not require (jax
+            # for phys2d/ and tabular/, shimmy for GymV26Environment-v0), and a user's id may point at a module
+            # that is not installed; `gym.spec` found the id, only building it fails.
             raise UserError(f"env {env_id!r} needs a package that is not installed: {exc}") from None
         if not isinstance(env.single_action_space, gym.spaces.Discrete):
             env.close()

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
+import re
+from pathlib import Path
+
 import gymnasium as gym
 import numpy as np
 import pytest
 
+import run
 from impala.config import UserError
 from impala.environment import EnvBatch, NonFiniteEnvOutput, channels_last, is_atari
 
@@ -439,6 +444,51 @@ def test_a_missing_dependency_of_an_env_is_a_user_error_naming_it(monkeypatch: p
     monkeypatch.setattr(gym, "make_vec", missing)
     with pytest.raises(UserError, match=r"env 'LunarLander-v3' needs a package that is not installed: Box2D is not"):
         EnvBatch("LunarLander-v3", 1, seed=0)
+
+
+def test_an_id_whose_entry_point_cannot_be_imported_is_a_user_error_naming_the_package() -> None:
+    """gymnasium registers ids whose entry points import packages it does not require (jax for phys2d/ and
+    tabular/, shimmy for GymV26Environment-v0): `gym.spec` finds them, building one raises ImportError."""
+    gym.register("TestMissingPackage-v0", entry_point="no_such_package_for_impala_tests.envs:Maze")
+    try:
+        with pytest.raises(UserError, match=r"^env 'TestMissingPackage-v0' needs a package that is not installed: "
+                                            r"No module named 'no_such_package_for_impala_tests'$"):
+            EnvBatch("TestMissingPackage-v0", 1, seed=0)
+    finally:
+        del gym.registry["TestMissingPackage-v0"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("shimmy") is not None, reason="shimmy is installed: the id builds")
+def test_gymnasiums_compatibility_id_without_shimmy_is_a_user_error() -> None:
+    with pytest.raises(UserError, match=r"^env 'GymV26Environment-v0' needs a package that is not installed: .*shimmy"):
+        EnvBatch("GymV26Environment-v0", 1, seed=0)
+
+
+@pytest.mark.parametrize("env_id", ["..:X-v0", ".json:X-v0", ".:X-v0"])
+def test_a_relative_module_is_a_user_error(env_id: str) -> None:
+    module = env_id.rpartition(":")[0]
+    with pytest.raises(UserError, match=rf"^env '{re.escape(env_id)}': MODULE of MODULE:ID must be an absolute "
+                                        rf"module name .*got '{re.escape(module)}'$"):
+        EnvBatch(env_id, 1, seed=0)
+
+
+@pytest.mark.parametrize(("env_id", "pattern"), [
+    ("TestMissingPackage-v0", r"needs a package that is not installed: No module named 'no_such_package_for_impala"),
+    (".json:X-v0", r"MODULE of MODULE:ID must be an absolute module name"),
+])
+def test_an_env_that_cannot_be_built_ends_the_run_in_one_line(capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                               env_id: str, pattern: str) -> None:
+    gym.register("TestMissingPackage-v0", entry_point="no_such_package_for_impala_tests.envs:Maze")
+    try:
+        assert run.main(["--env", env_id, "--num_actors", "1", "--envs_per_actor", "2", "--unroll_length", "5",
+                         "--batch_size", "4", "--hidden_size", "32", "--total_steps", "1000",
+                         "--savedir", str(tmp_path)]) == 2
+    finally:
+        del gym.registry["TestMissingPackage-v0"]
+    err = capsys.readouterr().err
+    assert err.startswith(f"run.py: error: env '{env_id}'") and err.count("\n") == 1, err
+    assert re.search(pattern, err), err
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
 
 
 def test_an_observation_space_gymnasium_cannot_flatten_is_a_user_error() -> None:
