@@ -82,6 +82,12 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
                 "num_actions": int}
     if not isinstance(state, dict) or any(not isinstance(state.get(key), kind) for key, kind in required.items()):
         raise UserError(f"checkpoint {path} is not an impala checkpoint (no model, flags or step counters in it)")
+    hidden_size = state["flags"].get("hidden_size")  # older checkpoints may have none: the run's own is used
+    if hidden_size is not None and (not isinstance(hidden_size, int) or isinstance(hidden_size, bool)
+                                    or hidden_size < 1):
+        # Checked here, where every mode reads the file: `int()` on it raised ValueError in both test and training.
+        raise UserError(f"checkpoint {path} is not an impala checkpoint (its flags' hidden_size {hidden_size!r} is "
+                        "not a whole number >= 1)")
     returns = state.get("recent_returns", [])  # the last 100 games' returns; older checkpoints have none
     if not isinstance(returns, list) or not all(isinstance(r, (int, float)) for r in returns):
         raise UserError(f"checkpoint {path} is not an impala checkpoint (its recent_returns are not a list of "

@@ -35,11 +35,31 @@ def load_agent(config: Config, env_from_checkpoint: bool = False) -> tuple[Net, 
         config_env = config.env
         raise UserError(f"checkpoint {path} was trained on {flags.get('env')!r}, not {config_env!r}; "
                         f"pass --env {flags.get('env')}")
-    model = Net(tuple(state["observation_shape"]), int(state["num_actions"]), state["model"],
-                bool(flags.get("use_lstm")), int(flags.get("hidden_size", 256)))
-    model.load_state_dict(state["model_state_dict"])
+    model = _saved_net(state, path)
     model.eval()
     return model, state
+
+
+def _saved_net(state: dict[str, Any], path: Path) -> Net:
+    """The Net that checkpoint `state` (read from `path`) describes in its header, holding its weights.
+
+    Weights that do not fit that header (keys renamed, another hidden size or number of actions: a damaged file,
+    or one of another version) are the checkpoint's fault: a UserError naming it, as training says for the same
+    file (`learner.LearnerState.load_state_dict`), where a RuntimeError's traceback came out.
+    """
+    flags = state["flags"]
+    description = (f"{state.get('model')}, observations {tuple(state['observation_shape'])}, "
+                   f"{state['num_actions']} actions, hidden_size {flags.get('hidden_size', 256)}")
+    try:
+        model = Net(tuple(state["observation_shape"]), int(state["num_actions"]), state.get("model", "auto"),
+                    bool(flags.get("use_lstm")), int(flags.get("hidden_size", 256)))
+        model.load_state_dict(state["model_state_dict"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as exc:
+        reason = " ".join(str(exc).split()) or type(exc).__name__  # load_state_dict's details are on later lines
+        reason = reason if len(reason) <= 300 else reason[:297] + "..."
+        raise UserError(f"checkpoint {path} does not fit the Net its own header describes ({description}): "
+                        f"{reason}; it is damaged or from another version: use another checkpoint") from None
+    return model
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import textwrap
 import threading
 import time
 import types
+from collections.abc import Callable
 from multiprocessing import Pipe
 from pathlib import Path
 
@@ -118,6 +119,45 @@ def test_a_bad_checkpoint_path_is_one_line_and_exit_2(capsys: pytest.CaptureFixt
     assert run.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("run.py: error: --checkpoint ") and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()  # nothing was created
+
+
+def _renamed_keys(state: dict) -> dict:
+    return {**state, "model_state_dict": {f"x.{k}": v for k, v in state["model_state_dict"].items()}}
+
+
+@pytest.mark.parametrize(("damage", "pattern"), [
+    (_renamed_keys, r"hidden_size 32\): Error\(s\) in loading state_dict for Net: Missing key\(s\)"),
+    (lambda state: {**state, "flags": {**state["flags"], "hidden_size": 64}},
+     r"hidden_size 64\): .*size mismatch for torso.layers.0.weight"),
+    (lambda state: {**state, "num_actions": 3}, r"3 actions, hidden_size 32\): .*size mismatch for policy.weight"),
+])
+def test_test_mode_refuses_weights_that_do_not_fit_the_checkpoints_header_in_one_line(
+        capsys: pytest.CaptureFixture, tmp_path: Path, damage: Callable[[dict], dict], pattern: str) -> None:
+    path = tmp_path / "damaged.tar"
+    save_checkpoint(path, damage(_state(_net(), 40)))
+    assert run.main(["--mode", "test", "--checkpoint", str(path), "--test_episodes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"run.py: error: checkpoint {path} does not fit the Net its own header describes (mlp, "
+                          "observations (4,), ") and err.count("\n") == 1, err
+    assert re.search(pattern, err), err
+    assert err.endswith("; it is damaged or from another version: use another checkpoint\n"), err
+
+
+@pytest.mark.parametrize("mode", ["test", "train"])
+@pytest.mark.parametrize("hidden_size", ["abc", 0, 32.0, True])
+def test_a_checkpoint_whose_hidden_size_is_not_a_whole_number_is_one_line_and_exit_2(
+        capsys: pytest.CaptureFixture, tmp_path: Path, mode: str, hidden_size: object) -> None:
+    path = tmp_path / "damaged.tar"
+    state = _state(_net(), 40)
+    save_checkpoint(path, {**state, "flags": {**state["flags"], "hidden_size": hidden_size}})
+    argv = ["--mode", mode, "--env", "CartPole-v1", "--savedir", str(tmp_path), "--xpid", "x", "--checkpoint",
+            str(path), "--num_actors", "1", "--envs_per_actor", "2", "--unroll_length", "5", "--batch_size", "4",
+            "--hidden_size", "32", "--total_steps", "1000", "--test_episodes", "1"]
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"run.py: error: checkpoint {path} is not an impala checkpoint (its flags' hidden_size "
+                   f"{hidden_size!r} is not a whole number >= 1)\n"), err
     assert not (tmp_path / "x").exists()  # nothing was created
 
 
