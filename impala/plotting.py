@@ -68,13 +68,16 @@ class Curve:
 def plot(config: Config) -> Path:
     """Write the returns of `config.plot_xpids` (else XPID, else every run in SAVEDIR) to a PNG; returns its path.
 
-    Raises UserError for a run that does not exist or has no finished episode yet.
+    Raises UserError for a run named that does not exist or has no finished episode yet; of every run in SAVEDIR,
+    those with nothing to plot are left out, saying so.
     """
     savedir = Path(config.savedir).expanduser()
-    names = list(config.plot_xpids) or ([config.xpid] if config.xpid else []) or find_runs(savedir)
+    named = list(config.plot_xpids) or ([config.xpid] if config.xpid else [])
+    names = named or find_runs(savedir)
     if not names:
         raise UserError(f"no runs to plot in {savedir}; train one first or pass --savedir DIR")
-    curves = [load_curve(savedir, name) for name in names]
+    curves = [load_curve(savedir, name) for name in names] if named else _every_curve(savedir, names)
+    names = [curve.name for curve in curves]
     if config.plot_x == "time":
         without = [c.name for c in curves if c.times is None]
         if without:
@@ -112,6 +115,21 @@ def find_runs(savedir: Path) -> list[str]:
                                                              or (p / "logs.csv").is_file()))
 
 
+def _every_curve(savedir: Path, names: Sequence[str]) -> list[Curve]:
+    """The curves of the runs `names` found in `savedir` that have one. A run with nothing to plot (just started,
+    or its logs.csv damaged throughout) is left out, saying why, rather than stopping the plot of every other run;
+    UserError when none is left."""
+    curves = []
+    for name in names:
+        try:
+            curves.append(load_curve(savedir, name))
+        except UserError as exc:
+            print(f"Left out: {exc}")
+    if not curves:
+        raise UserError(f"none of the runs in {savedir} ({', '.join(names)}) has a finished episode to plot yet")
+    return curves
+
+
 def load_curve(savedir: Path, name: str) -> Curve:
     """The returns of run `name`; UserError naming the runs that do exist when it is missing or empty."""
     run_dir = run_path(savedir, name)
@@ -120,8 +138,12 @@ def load_curve(savedir: Path, name: str) -> Curve:
         raise UserError(f"no run {name!r} in {savedir} (runs there: {', '.join(existing) or 'none'})")
     series = _series_from_events(run_dir, (RETURN_TAG, EVAL_TAG))
     if len(series[RETURN_TAG].steps) == 0 and len(series[EVAL_TAG].steps) == 0:
-        series = {RETURN_TAG: _series_from_csv(run_dir / "logs.csv", CSV_RETURN_COLUMN),
-                  EVAL_TAG: _series_from_csv(run_dir / "logs.csv", EVAL_TAG)}
+        from_csv, damaged = _series_from_csv(run_dir / "logs.csv", (CSV_RETURN_COLUMN, EVAL_TAG))
+        series = {RETURN_TAG: from_csv[CSV_RETURN_COLUMN], EVAL_TAG: from_csv[EVAL_TAG]}
+        if damaged:
+            shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
+            print(f"Run {name}: left out {len(damaged)} damaged row(s) of its logs.csv (line(s) {shown}): a step or "
+                  "value that is not a number, or bytes that are not text")
     returns, evaluation = series[RETURN_TAG].sorted(), series[EVAL_TAG].sorted()
     if len(returns.steps) == 0 and len(evaluation.steps) == 0:
         raise UserError(f"run {name!r} in {savedir} has no finished episode to plot yet")
@@ -144,23 +166,52 @@ def _series_from_events(run_dir: Path, tags: Sequence[str]) -> dict[str, Series]
             for tag, points in events.items()}
 
 
-def _series_from_csv(path: Path, column: str) -> Series:
-    steps, values = [], []
+def _series_from_csv(path: Path, columns: Sequence[str]) -> tuple[dict[str, Series], list[int]]:
+    """Each of `columns`' points in logs.csv `path` (none without the file), and the numbers of the lines left out
+    as damaged: a step or a value that is not a number (bytes that are not UTF-8 read as U+FFFD), a row the
+    csv module cannot read. A kill can cut the last row short and a disk fault can garble any: such a row is
+    left out, not allowed to stop the plot of this run and of every run plotted with it. An empty value, or
+    one that is not finite, is a row without that number (no game finished yet), not damage."""
+    points: dict[str, tuple[list[int], list[float]]] = {column: ([], []) for column in columns}
+    damaged: list[int] = []
     if path.is_file():
-        with open(path, newline="") as f:
-            for row in csv.DictReader(f):
-                value = row.get(column) or ""
-                if value and math.isfinite(float(value)):
-                    steps.append(int(float(row["step"])))
-                    values.append(float(value))
-    return Series(np.array(steps, np.int64), None, np.array(values, np.float64))
+        try:
+            with open(path, newline="", encoding="utf-8", errors="replace") as f:
+                reader = csv.DictReader(f)
+                if reader.fieldnames is not None and "step" not in reader.fieldnames:
+                    damaged.append(1)  # the header: every row would be left out too, for want of a step
+                while True:
+                    try:
+                        row = next(reader)
+                    except StopIteration:
+                        break
+                    except csv.Error:  # raised before `line_num` counts the row's first line
+                        damaged.append(reader.line_num + 1)
+                        continue
+                    try:
+                        step = int(float(row.get("step") or ""))
+                        numbers = {column: float(row[column]) for column in columns if row.get(column)}
+                    except (ValueError, OverflowError):  # not a number; an infinite step
+                        damaged.append(reader.line_num)
+                        continue
+                    for column, value in numbers.items():
+                        if math.isfinite(value):
+                            points[column][0].append(step)
+                            points[column][1].append(value)
+        except OSError as exc:
+            raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return {column: Series(np.array(steps, np.int64), None, np.array(values, np.float64))
+            for column, (steps, values) in points.items()}, damaged
 
 
 def _env_of(run_dir: Path) -> str | None:
+    """The env in the run's flags.json; None where the file is missing, damaged, or holds no env name."""
     try:
-        return json.loads((run_dir / "flags.json").read_text()).get("env")
-    except (OSError, ValueError):
+        flags = json.loads((run_dir / "flags.json").read_text())
+    except (OSError, ValueError):  # UnicodeDecodeError is a ValueError
         return None
+    env = flags.get("env") if isinstance(flags, dict) else None
+    return env if isinstance(env, str) else None
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.image import imread
 from torch.utils.tensorboard import SummaryWriter
 
+import run
 from impala import plotting
 from impala.config import UserError, parse_config
 
@@ -63,6 +64,44 @@ def test_curves_come_from_event_files_or_the_csv(savedir: Path) -> None:
     from_csv = plotting.load_curve(savedir, "csv-only")
     assert from_csv.steps.tolist() == [40, 120] and from_csv.returns.tolist() == [10.0, 30.0]  # sorted, blanks out
     assert from_csv.env is None
+
+
+def test_damaged_rows_of_a_logs_csv_are_left_out_saying_so_and_the_rest_plotted(
+        savedir: Path, capsys: pytest.CaptureFixture) -> None:
+    (savedir / "csv-only" / "logs.csv").write_bytes(
+        b"step,charts/SPS,charts/mean_return_100\n"
+        b"40,1000,10.0\n"
+        b"80,1000,abc\n"  # a value that is not a number
+        b"xx,1000,5\n"  # nor a step
+        b"120,1000,\xff\xfe\n"  # bytes that are not text
+        b"160,1000,30.0\n"
+        b"200,1000,nan\n"  # no game finished yet: not damage
+        b"240,10")  # a kill cut the last row short: no return in it, not damage either
+    (savedir / "csv-only" / "flags.json").write_text("[1, 2]")  # JSON, but not the flags' object
+    curve = plotting.load_curve(savedir, "csv-only")
+    assert curve.steps.tolist() == [40, 160] and curve.returns.tolist() == [10.0, 30.0]
+    assert curve.env is None
+    assert capsys.readouterr().out == ("Run csv-only: left out 3 damaged row(s) of its logs.csv (line(s) 3, 4, 5): "
+                                       "a step or value that is not a number, or bytes that are not text\n")
+
+
+def test_a_run_with_nothing_readable_is_one_line_and_exit_2_when_named_and_left_out_of_every_run(
+        savedir: Path, capsys: pytest.CaptureFixture) -> None:
+    (savedir / "csv-only" / "logs.csv").write_bytes(b"\xff\xfe\x00garbage\n10,abc\n")
+    out = savedir / "one.png"
+    assert run.main(["--mode", "plot", "--savedir", str(savedir), "--xpid", "csv-only", "--plot_out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"run.py: error: run 'csv-only' in {savedir} has no finished episode to plot yet\n"
+    assert not out.exists()
+    out = savedir / "all.png"
+    assert run.main(["--mode", "plot", "--savedir", str(savedir), "--plot_out", str(out)]) == 0
+    printed = capsys.readouterr()
+    assert printed.err == "" and out.read_bytes()[:4] == b"\x89PNG"
+    assert printed.out.splitlines() == [
+        ("Run csv-only: left out 2 damaged row(s) of its logs.csv (line(s) 1, 2): a step or value that is not a "
+         "number, or bytes that are not text"),
+        f"Left out: run 'csv-only' in {savedir} has no finished episode to plot yet",
+        f"Wrote {out}: episodic return of fast, slow against agent steps"]
 
 
 def test_every_run_is_found_but_not_the_latest_link(savedir: Path) -> None:
