@@ -321,6 +321,14 @@ class Config:
         return max(self.slots_needed, 2 * envs) if learner_keeps_up else self.slots_needed
 
     @property
+    def smallest_minibatch(self) -> int:
+        """Steps in the smallest of the `--minibatches` parts a batch is cut into (`learner._update_steps`)."""
+        if self.minibatch_mode == "samples":
+            units = self.batch_size * self.unroll_length
+            return units // min(self.minibatches, units)
+        return self.batch_size // min(self.minibatches, self.batch_size) * self.unroll_length
+
+    @property
     def ray_unrolls_per_env(self) -> int:
         """Unrolls of each env in one object of a remote actor: enough for --ray_steps_per_request."""
         return max(1, -(-self.ray_steps_per_request // (self.ray_envs_per_actor * self.unroll_length)))
@@ -400,6 +408,14 @@ class Config:
             problems.append("--mode test needs --xpid NAME of a trained run (or --checkpoint PATH)")
         if self.resume and self.xpid is None:
             problems.append("--resume needs --xpid NAME of the run to continue")
+        if self.policy_loss == "ppo" and min(self.batch_size, self.unroll_length, self.minibatches) >= 1:
+            over = "batch" if self.advantage_norm == "batch" else "minibatch"
+            steps = self.batch_size * self.unroll_length if over == "batch" else self.smallest_minibatch
+            if steps < 2:  # the standard deviation of one number is NaN: every update would be skipped
+                problems.append(f"PPO normalises its advantages over each {over}, which batches of "
+                                f"{self.batch_size} x {self.unroll_length} steps cut into {self.minibatches} "
+                                f"minibatches leave with 1 step; use fewer --minibatches, a longer --unroll_length "
+                                "or a larger --batch_size")
         if self.minibatch_mode == "samples" and (self.policy_loss != "ppo" or self.use_lstm):
             problems.append("--minibatch_mode samples needs --policy_loss ppo and a model without --use_lstm "
                             "(single steps drawn from the batch have no sequence for an LSTM)")

@@ -70,6 +70,9 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--seed", "-5"], r"--seed must be in \[0, 2\^31\) = \[0, 2147483647\], got -5"),
     (["--seed", str(2**31)], r"--seed must be in \[0, 2\^31\) = \[0, 2147483647\], got 2147483648"),
     (["--unroll_length", "many"], r"invalid int value: 'many'"),
+    (["--unroll_length", "1"],  # once every update NaN
+     r"PPO normalises its advantages over each minibatch, which batches of 4 x 1 steps cut into 8 minibatches leave"),
+    (["--minibatch_mode", "samples", "--minibatches", "20"], r"4 x 5 steps cut into 20 minibatches leave with 1 step"),
     (["--no_such_flag"], r"unrecognized arguments: --no_such_flag"),
 ])
 def test_bad_flags(capsys: pytest.CaptureFixture, tmp_path: Path, flags: list[str], pattern: str) -> None:
