@@ -74,9 +74,9 @@ def remove_empty_files(paths: Iterable[Path]) -> None:
                 path.unlink()
 
 
-def _step_at_most(text: str, limit: int) -> bool:
+def _step_below(text: str, limit: int) -> bool:
     try:
-        return float(text) <= limit
+        return float(text) < limit
     except ValueError:  # not a number: a row garbled by a kill
         return False
 
@@ -85,7 +85,8 @@ class RunLog:
     """TensorBoard event files and `logs.csv` in the run directory.
 
     `purge_step` (when resuming) drops events and CSV rows a killed run wrote after its last checkpoint, so
-    the resumed curve continues the old one instead of overlapping it. Not thread-safe: one thread (the
+    the resumed curve continues the old one instead of overlapping it: those at the checkpoint's own step too,
+    as TensorBoard does, since a session logs there again (its first evaluation plays the checkpoint's weights). Not thread-safe: one thread (the
     monitor) writes. A storage error while training (a full disk) is logged once per file and never
     ends the run: the scalars are lost, the training is not. TensorBoard comes back by itself once there is
     space again: a writer that failed is set aside and a new one (a new event file) tried every
@@ -95,9 +96,7 @@ class RunLog:
     def __init__(self, run_dir: str | os.PathLike, purge_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         quiet_event_writer_threads()
-        # TensorBoard drops the events at and after its purge step; those at the checkpoint's own step stay, as in the CSV.
-        self.writer = SummaryWriter(log_dir=str(self.run_dir),
-                                    purge_step=None if purge_step is None else purge_step + 1)
+        self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge_step)
         self._csv_path = self.run_dir / "logs.csv"
         self._csv_file: Any = None
         self._csv: csv.DictWriter | None = None
@@ -107,7 +106,7 @@ class RunLog:
             self._purge_csv(purge_step)
 
     def _purge_csv(self, purge_step: int) -> None:
-        """Drop the CSV rows after `purge_step` (the step of the checkpoint a resumed run starts from), as
+        """Drop the CSV rows at and after `purge_step` (the step of the checkpoint a resumed run starts from), as
         TensorBoard drops its events there, and a last row that a kill cut short: after a `kill -9` or a power cut
         the previous session's rows went on past its last checkpoint, and the resumed rows would start again
         below them. Replaced atomically, and only when something is dropped; a file that cannot be read or replaced
@@ -124,7 +123,7 @@ class RunLog:
         if not rows or "step" not in rows[0]:
             return
         header, column = rows[0], rows[0].index("step")
-        kept = [row for row in rows[1:] if len(row) == len(header) and _step_at_most(row[column], purge_step)]
+        kept = [row for row in rows[1:] if len(row) == len(header) and _step_below(row[column], purge_step)]
         if len(kept) == len(rows) - 1 and len(complete) == len(data):
             return
         try:
@@ -132,7 +131,7 @@ class RunLog:
         except OSError as exc:
             self._report("logs.csv", exc)
             return
-        log.info("logs.csv: dropped %d rows after step %d, written after the checkpoint this run resumes from",
+        log.info("logs.csv: dropped %d rows from step %d on, written after the checkpoint this run resumes from",
                  len(rows) - 1 - len(kept), purge_step)
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:

@@ -127,7 +127,7 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
 def restarts_unsaved_run(config: Config, run_dir: Path) -> bool:
     """Whether `run_dir`, which has no checkpoint to continue from, holds the files of a run that was killed
     before its first checkpoint (a `kill -9`, a power cut, a process manager restarting the command): True, and
-    that run starts again from step 0 keeping its meta.json (its starts) and the events and CSV rows of step 0.
+    that run starts again from step 0 keeping its meta.json (its starts), its events and CSV rows dropped.
     A UserError, before anything is written, where starting afresh would lose what it saved: kept checkpoints
     without model.tar (moved away: the next --keep_checkpoints would delete them), or another env's run."""
     if not run_dir.is_dir():

@@ -194,8 +194,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_keeping_its_start
     assert len(json.loads((run_dir / "meta.json").read_text())["starts"]) == 2
     with open(run_dir / "logs.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert (rows[0]["step"], rows[0]["charts/SPS"]) == ("0", "1.0")
-    assert "123456.0" not in [row["charts/SPS"] for row in rows]  # the killed session's rows after step 0 dropped
+    assert rows and not {"1.0", "123456.0"} & {row["charts/SPS"] for row in rows}  # the killed session's rows dropped
     assert torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)["step"] == 1000
 
 

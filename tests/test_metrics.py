@@ -58,7 +58,7 @@ def test_csv_of_a_resumed_run_keeps_its_header_and_appends(tmp_path: Path) -> No
     first = RunLog(tmp_path)
     first.scalars(40, {"a": 1.0, "b": 2.0})
     first.close()
-    second = RunLog(tmp_path, purge_step=40)
+    second = RunLog(tmp_path, purge_step=60)
     second.scalars(80, {"b": 3.0, "a": 4.0})
     second.close()
     with open(tmp_path / "logs.csv", newline="") as f:
@@ -66,21 +66,19 @@ def test_csv_of_a_resumed_run_keeps_its_header_and_appends(tmp_path: Path) -> No
     assert rows == [{"step": "40", "a": "1.0", "b": "2.0"}, {"step": "80", "a": "4.0", "b": "3.0"}]
 
 
-def test_a_resumed_run_keeps_the_events_and_rows_up_to_its_checkpoints_step_and_drops_those_after(
-        tmp_path: Path) -> None:
-    """TensorBoard's merged view and the CSV agree: the scalars logged at the checkpoint's own step belong to the
-    state it holds, and stay."""
+def test_a_resumed_run_drops_the_events_and_rows_from_its_checkpoints_step_on(tmp_path: Path) -> None:
+    """TensorBoard's merged view and the CSV agree, and a point logged again at the checkpoint's step (a resumed
+    session evaluates the checkpoint's weights first) is not there twice."""
     first = RunLog(tmp_path)
     for step in (100, 200, 300):  # killed after logging 300, its last checkpoint at 200
         first.scalars(step, {"charts/SPS": float(step)})
     first.close()
     second = RunLog(tmp_path, purge_step=200)
-    second.scalars(250, {"charts/SPS": 7.0})
+    second.scalars(200, {"charts/SPS": 7.0})
     second.close()
-    assert [(e.step, e.value) for e in _read(tmp_path).Scalars("charts/SPS")] == [(100, 100.0), (200, 200.0),
-                                                                                  (250, 7.0)]
+    assert [(e.step, e.value) for e in _read(tmp_path).Scalars("charts/SPS")] == [(100, 100.0), (200, 7.0)]
     with open(tmp_path / "logs.csv", newline="") as f:
-        assert [row["step"] for row in csv.DictReader(f)] == ["100", "200", "250"]
+        assert [(row["step"], row["charts/SPS"]) for row in csv.DictReader(f)] == [("100", "100.0"), ("200", "7.0")]
 
 
 def _write_rows(path: Path, steps: list[int], tail: str = "") -> None:
@@ -100,16 +98,16 @@ def test_a_resumed_run_drops_the_rows_written_after_its_checkpoint_and_a_row_cut
     runlog.close()
     with open(tmp_path / "logs.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [row["step"] for row in rows] == ["100", "200", "300", "340"]
-    assert rows[2] == {"step": "300", "charts/SPS": "400.0", "losses/total_loss": ""}
-    assert rows[3] == {"step": "340", "charts/SPS": "7.0", "losses/total_loss": ""}
+    assert [row["step"] for row in rows] == ["100", "200", "340"]
+    assert rows[1] == {"step": "200", "charts/SPS": "300.0", "losses/total_loss": ""}
+    assert rows[2] == {"step": "340", "charts/SPS": "7.0", "losses/total_loss": ""}
     assert not (tmp_path / "logs.csv.tmp").exists()
 
 
 def test_a_resumed_run_leaves_a_whole_csv_of_rows_before_its_checkpoint_untouched(tmp_path: Path) -> None:
     _write_rows(tmp_path / "logs.csv", [100, 200, 300])
     before = (tmp_path / "logs.csv").read_bytes()
-    RunLog(tmp_path, purge_step=300).close()
+    RunLog(tmp_path, purge_step=301).close()
     assert (tmp_path / "logs.csv").read_bytes() == before
     RunLog(tmp_path / "new", purge_step=300).close()  # no CSV yet: nothing to purge
     assert not (tmp_path / "new" / "logs.csv").exists()
