@@ -366,6 +366,14 @@ class Config:
                      "learner_timeout_s", "eval_interval_s", "keep_checkpoints", "ray_max_policy_lag"):
             if getattr(self, name) < 0:
                 problems.append(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.momentum >= 1:
+            problems.append(f"--momentum must be in [0, 1), got {self.momentum}")
+        if MAX_INFERENCE_WAIT_MS < self.inference_wait_ms < math.inf:  # infinity: below
+            problems.append(f"--inference_wait_ms must be at most {MAX_INFERENCE_WAIT_MS:,.0f}, got "
+                            f"{self.inference_wait_ms}")
+        for name in ("test_episodes", "eval_episodes"):
+            if getattr(self, name) > MAX_EPISODES:
+                problems.append(f"--{name} must be at most {MAX_EPISODES:,}, got {getattr(self, name)}")
         if not 0 <= self.seed < 2**31:  # ale-py takes int32 env seeds
             problems.append(f"--seed must be in [0, 2^31) = [0, {2**31 - 1}], got {self.seed}")
         if not 0 <= self.discounting <= 1:
@@ -399,11 +407,13 @@ class Config:
                 f"--num_buffers {self.num_buffers} is too few: {self.num_actors} actors x {self.envs_per_actor} "
                 f"envs + {self.num_learner_threads} learner threads x batch {self.batch_size} "
                 f"hold up to {self.slots_needed} slots at once")
-        if self.xpid is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", self.xpid):
-            problems.append(f"--xpid {self.xpid!r} must be a plain name (letters, digits, '.', '_', '-')")
-        for name in self.plot_xpids if self.mode == "plot" else ():
-            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-                problems.append(f"--xpid {name!r} must be a plain name (letters, digits, '.', '_', '-')")
+        for name in ([self.xpid] if self.xpid is not None else []) + list(self.plot_xpids if self.mode == "plot" else ()):
+            if not is_plain_name(name):
+                problems.append(f"--xpid {name!r} must be a plain name (letters, digits, '.', '_', '-') of at most "
+                                f"{MAX_NAME_BYTES - 40} characters")
+        for flag, path in (("savedir", self.savedir), ("plot_out", self.plot_out), ("checkpoint", self.checkpoint)):
+            if path and (problem := path_problem(path)):
+                problems.append(f"--{flag} {path}: {problem}")
         if self.mode == "test" and self.xpid is None and self.checkpoint in ("latest", "best"):
             problems.append("--mode test needs --xpid NAME of a trained run (or --checkpoint PATH)")
         if self.resume and self.xpid is None:
@@ -425,8 +435,8 @@ class Config:
                             f"there are to serve (--num_actors {self.num_actors} x --env_splits {self.env_splits})")
         if self.use_lstm and self.inference == "central":
             problems.append("--use_lstm is not supported with --inference central; use --inference actor")
-        if not self.savedir:
-            problems.append("--savedir must not be empty")
+        if not self.savedir.strip():
+            problems.append(f"--savedir must name a directory, got {self.savedir!r}")
         # NaN passes every comparison above that is written as `value < bound`: one message for it instead. Infinity
         # means something for the intervals, the actor timeout and the clipping (never, no bound), not for these.
         floats = [f.name for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), float)]
@@ -598,6 +608,31 @@ def plain_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", text)
 
 
+MAX_NAME_BYTES = 255  # of one file name, on Linux's file systems
+MAX_INFERENCE_WAIT_MS = 60_000.0  # a wait for more actors' requests; longer overflowed the selector's timeout
+MAX_EPISODES = 1_000_000  # test or evaluation games: their seeds are drawn up front
+
+
+def is_plain_name(name: str) -> bool:
+    """A run's name: letters, digits, '.', '_' and '-', not starting with the last three, short enough for the
+    files named after it (a remote actor's `NAME.rank-R.remote-A.life-L`, the run directory itself)."""
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)) and len(name) <= MAX_NAME_BYTES - 40
+
+
+def path_problem(path: str) -> str | None:
+    """What makes `path` unusable before the file system is asked (None where nothing does): a `~user` with no such
+    user (pathlib raises RuntimeError for it), a part longer than a file name can be (ENAMETOOLONG)."""
+    try:
+        parts = Path(path).expanduser().parts
+    except RuntimeError:
+        head, _, rest = path.partition("/")
+        return f"{head} is the home of a user {head[1:]!r}, and there is none (did you mean ~/{head[1:]}{'/' * bool(rest)}{rest}?)"
+    lengths = [len(os.fsencode(part)) for part in parts]
+    if max(lengths, default=0) > MAX_NAME_BYTES:
+        return f"a part of it is {max(lengths)} bytes long, more than a file name can be ({MAX_NAME_BYTES})"
+    return None
+
+
 def run_path(savedir: str | Path, xpid: str) -> Path:
     """SAVEDIR/XPID, where XPID `latest` means the run named in the file SAVEDIR/latest (when it is a file; a
     directory there, a run of that name or an older version's symlink, keeps its name). UserError when
@@ -609,8 +644,14 @@ def run_path(savedir: str | Path, xpid: str) -> Path:
     latest = savedir / LATEST_NAME
     if latest.is_dir():
         return latest
-    name = latest.read_text().strip() if latest.is_file() else ""
+    try:
+        name = latest.read_text().strip() if latest.is_file() else ""
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise UserError(f"--xpid latest: cannot read the file {latest} ({exc}); pass the run's name") from None
     if not name:
         raise UserError(f"--xpid latest: no run in {savedir} yet (the file {latest} names the newest run); "
                         "train one first, or pass a run's name")
+    if not is_plain_name(name):  # what a power cut can leave, or a hand: it must not lead out of SAVEDIR
+        raise UserError(f"--xpid latest: the file {latest} is damaged (it holds {name[:60]!r}, no run's name); pass "
+                        "the run's name")
     return savedir / name

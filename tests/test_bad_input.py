@@ -74,10 +74,33 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
      r"PPO normalises its advantages over each minibatch, which batches of 4 x 1 steps cut into 8 minibatches leave"),
     (["--minibatch_mode", "samples", "--minibatches", "20"], r"4 x 5 steps cut into 20 minibatches leave with 1 step"),
     (["--no_such_flag"], r"unrecognized arguments: --no_such_flag"),
+    # Each once a traceback, a hang, or a run that could only fail later:
+    (["--savedir", "~runs"], r"--savedir ~runs: ~runs is the home of a user 'runs', and there is none \(did you mean"),
+    (["--xpid", "a" * 300], r"--xpid 'a+' must be a plain name \(letters, digits, '.', '_', '-'\) of at most 215 "),
+    (["--checkpoint", "/tmp/" + "b" * 300], r"a part of it is 300 bytes long, more than a file name can be \(255\)"),
+    (["--savedir", " "], r"--savedir must name a directory, got ' '"),
+    (["--momentum", "1.5"], r"--momentum must be in \[0, 1\), got 1.5"),
+    (["--inference_wait_ms", "1e30"], r"--inference_wait_ms must be at most 60,000, got 1e\+30"),
+    (["--test_episodes", "99999999999999999999"], r"--test_episodes must be at most 1,000,000, got 9+"),
 ])
 def test_bad_flags(capsys: pytest.CaptureFixture, tmp_path: Path, flags: list[str], pattern: str) -> None:
     _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), *flags], pattern)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+@pytest.mark.parametrize(("content", "pattern"), [
+    (b"\xff\xfe\n", r"cannot read the file .*latest \('utf-8' codec can't decode"),
+    (b"\0" * 8, r"the file .*latest is damaged \(it holds '\\x00.*', no run's name\); pass the run's name"),
+    (b"../elsewhere\n", r"the file .*latest is damaged \(it holds '../elsewhere', no run's name\)"),
+], ids=["not text", "zeros", "outside"])
+@pytest.mark.parametrize("mode", ["train", "test", "plot"])
+def test_a_damaged_latest_file_is_one_line(capsys: pytest.CaptureFixture, tmp_path: Path, content: bytes,
+                                           pattern: str, mode: str) -> None:
+    """What a power cut can leave in SAVEDIR/latest, or a hand: never a traceback, never a run outside SAVEDIR."""
+    _saved_run(tmp_path, "elsewhere")
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "latest").write_bytes(content)
+    _fails_with(capsys, [*QUICK, "--mode", mode, "--savedir", str(tmp_path / "runs"), "--xpid", "latest"], pattern)
 
 
 def test_unwritable_savedir(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
