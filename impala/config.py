@@ -371,6 +371,8 @@ class Config:
         if MAX_INFERENCE_WAIT_MS < self.inference_wait_ms < math.inf:  # infinity: below
             problems.append(f"--inference_wait_ms must be at most {MAX_INFERENCE_WAIT_MS:,.0f}, got "
                             f"{self.inference_wait_ms}")
+        if self.hidden_size > MAX_HIDDEN_SIZE:
+            problems.append(f"--hidden_size must be at most {MAX_HIDDEN_SIZE:,}, got {self.hidden_size}")
         for name in ("test_episodes", "eval_episodes"):
             if getattr(self, name) > MAX_EPISODES:
                 problems.append(f"--{name} must be at most {MAX_EPISODES:,}, got {getattr(self, name)}")
@@ -611,6 +613,7 @@ def plain_name(text: str) -> str:
 MAX_NAME_BYTES = 255  # of one file name, on Linux's file systems
 MAX_INFERENCE_WAIT_MS = 60_000.0  # a wait for more actors' requests; longer overflowed the selector's timeout
 MAX_EPISODES = 1_000_000  # test or evaluation games: their seeds are drawn up front
+MAX_HIDDEN_SIZE = 65_536  # the Atari net's layer is then 3,136 x 65,536 weights (822 MB); more only failed to allocate
 
 
 def is_plain_name(name: str) -> bool:

@@ -178,6 +178,9 @@ def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, clai
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
+        if run_dir.exists() and not run_dir.is_dir():  # a file of that name in SAVEDIR: the name is the fault
+            raise UserError(f"cannot make the run directory {run_dir}: a file of that name is there; choose another "
+                            "--xpid") from None
         raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
                         "choose another --savedir") from None
     remove_stale_temporaries(run_dir)

@@ -82,6 +82,7 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--momentum", "1.5"], r"--momentum must be in \[0, 1\), got 1.5"),
     (["--inference_wait_ms", "1e30"], r"--inference_wait_ms must be at most 60,000, got 1e\+30"),
     (["--test_episodes", "99999999999999999999"], r"--test_episodes must be at most 1,000,000, got 9+"),
+    (["--hidden_size", "200000"], r"--hidden_size must be at most 65,536, got 200000"),
 ])
 def test_bad_flags(capsys: pytest.CaptureFixture, tmp_path: Path, flags: list[str], pattern: str) -> None:
     _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), *flags], pattern)
@@ -108,6 +109,14 @@ def test_unwritable_savedir(capsys: pytest.CaptureFixture, tmp_path: Path) -> No
     a_file.write_text("")
     _fails_with(capsys, [*QUICK, "--savedir", str(a_file / "runs"), "--xpid", "x"],
                 r"cannot write the run directory .*a_file/runs/x")
+
+
+def test_a_file_of_the_runs_name_in_savedir_asks_for_another_xpid(capsys: pytest.CaptureFixture,
+                                                                  tmp_path: Path) -> None:
+    (tmp_path / "returns.png").write_bytes(b"a plot")
+    _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "returns.png"],
+                r"cannot make the run directory .*returns.png: a file of that name is there; choose another --xpid")
+    assert (tmp_path / "returns.png").read_bytes() == b"a plot"
 
 
 def test_test_mode_without_a_checkpoint(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
