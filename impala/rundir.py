@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -148,6 +149,34 @@ def restarts_unsaved_run(config: Config, run_dir: Path) -> bool:
                         f"not of {config.env}; choose another --xpid")
     log.warning("Run %s has no checkpoint (stopped before its first one): it starts again from step 0", run_dir)
     return True
+
+
+def keep_replaced_checkpoint(run_dir: Path, start: Path | None) -> Path | None:
+    """A run continued from another checkpoint than its own model.tar (--checkpoint best or PATH: a rewind, or a
+    name reused by mistake) would replace that model.tar at its first checkpoint. It is kept first, as
+    model_replaced_step_STEP.tar (a hard link where the file system allows), which --keep_checkpoints never
+    prunes. Call once the run directory may be written; returns the copy made, if one was."""
+    current = run_dir / CHECKPOINT_NAME
+    if start is None or not current.is_file() or current.resolve() == start.resolve():
+        return None
+    try:
+        step = str(int(load_checkpoint(current)["step"]))
+    except UserError:  # damaged: kept all the same, under the time it was written
+        step = datetime.fromtimestamp(current.stat().st_mtime, UTC).strftime("unreadable-%Y%m%d-%H%M%S")
+    target = run_dir / f"model_replaced_step_{step}.tar"
+    if target.exists():
+        return None
+    tmp = run_dir / f".{target.name}.tmp-{os.getpid()}"  # so that a kill never leaves a torn copy
+    try:
+        try:
+            os.link(current, tmp)
+        except OSError:
+            shutil.copyfile(current, tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("This run's %s (step %s) is replaced from %s on: kept as %s", CHECKPOINT_NAME, step, start, target.name)
+    return target
 
 
 def resume_checkpoint(config: Config, run_dir: Path) -> Path | None:

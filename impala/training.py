@@ -53,6 +53,7 @@ from impala.rundir import (
     DirectoryLock,
     NameTaken,
     finish_run_files,
+    keep_replaced_checkpoint,
     open_run,
     prepare_run_directory,
     write_run_files,
@@ -171,6 +172,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         session, runlog = 0, distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
         if writes_files:
             prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # the last check: nothing changed before
+            keep_replaced_checkpoint(run_dir, checkpoint_path)
             session = write_run_files(config, run_dir, resuming, world_size)
             runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
             runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained

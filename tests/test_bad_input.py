@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,24 @@ def test_unwritable_savedir(capsys: pytest.CaptureFixture, tmp_path: Path) -> No
     a_file.write_text("")
     _fails_with(capsys, [*QUICK, "--savedir", str(a_file / "runs"), "--xpid", "x"],
                 r"cannot write the run directory .*a_file/runs/x")
+
+
+@pytest.mark.parametrize("start", ["path", "best"])
+def test_a_run_continued_from_another_checkpoint_keeps_the_model_tar_it_replaces(tmp_path: Path, start: str) -> None:
+    """A rewind (--checkpoint best), or a name reused with --checkpoint PATH: the run's own model.tar, at a later
+    step, would have been overwritten by the next checkpoint."""
+    run_dir = _saved_run(tmp_path, "victim", step=40)
+    other = _saved_run(tmp_path, "other", step=20)
+    if start == "best":
+        shutil.copyfile(other / CHECKPOINT_NAME, run_dir / "model_best.tar")
+        state = torch.load(run_dir / "model_best.tar", weights_only=True)
+        save_checkpoint(run_dir / "model_best.tar", {**state, "eval_return_mean": 9.0})
+    checkpoint = str(other / CHECKPOINT_NAME) if start == "path" else "best"
+    before = (run_dir / CHECKPOINT_NAME).read_bytes()
+    assert run.main([*QUICK, "--savedir", str(tmp_path), "--xpid", "victim", "--checkpoint", checkpoint,
+                     "--optimizer", "rmsprop"]) == 0
+    assert (run_dir / "model_replaced_step_40.tar").read_bytes() == before
+    assert torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)["step"] == 1000
 
 
 def test_a_file_of_the_runs_name_in_savedir_asks_for_another_xpid(capsys: pytest.CaptureFixture,
