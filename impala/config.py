@@ -629,7 +629,8 @@ def path_problem(path: str) -> str | None:
         parts = Path(path).expanduser().parts
     except RuntimeError:
         head, _, rest = path.partition("/")
-        return f"{head} is the home of a user {head[1:]!r}, and there is none (did you mean ~/{head[1:]}{'/' * bool(rest)}{rest}?)"
+        meant = "/".join(filter(None, (head[1:], rest)))
+        return f"{head} is the home of a user {head[1:]!r}, and there is none (did you mean ~/{meant}?)"
     lengths = [len(os.fsencode(part)) for part in parts]
     if max(lengths, default=0) > MAX_NAME_BYTES:
         return f"a part of it is {max(lengths)} bytes long, more than a file name can be ({MAX_NAME_BYTES})"
@@ -652,7 +653,7 @@ def run_path(savedir: str | Path, xpid: str) -> Path:
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise UserError(f"--xpid latest: cannot read the file {latest} ({exc}); pass the run's name") from None
     if not name:
-        raise UserError(f"--xpid latest: no run in {savedir} yet (the file {latest} names the newest run); "
+        raise UserError(f"--xpid latest: no run in {savedir} yet (the file {latest} names the run started last); "
                         "train one first, or pass a run's name")
     if not is_plain_name(name):  # what a power cut can leave, or a hand: it must not lead out of SAVEDIR
         raise UserError(f"--xpid latest: the file {latest} is damaged (it holds {name[:60]!r}, no run's name); pass "

@@ -2,8 +2,8 @@
 the files that explain it (flags.json, meta.json with versions, commit, learner ranks, start and end, and
 the `latest` file beside it).
 
-`SAVEDIR/latest` is a one-line text file naming the newest run, not a symlink: TensorBoard follows a
-symlinked directory and listed every run twice. `--xpid latest` reads it (`config.run_path`)."""
+`SAVEDIR/latest` is a one-line text file naming the run started or resumed last, not a symlink: TensorBoard
+follows a symlinked directory and listed every run twice. `--xpid latest` reads it (`config.run_path`)."""
 
 from __future__ import annotations
 
