@@ -32,11 +32,14 @@ def select_device(config: Config) -> torch.device:
 
 
 def learner_threads(config: Config, device: torch.device, local_ranks: int = 1) -> int:
-    """Torch threads of the learner's process: the cores the actors leave (of this process's share when
-    `local_ranks` learner processes share the machine). Extra torch threads on busy cores cost more CPU per
-    update than they save (measured in BENCHMARKS.md). With a GPU too: there the process's CPU work is
-    stacking slots into staging, and with torch's default of one thread per core an H100 machine's learner
-    alone kept 3.7 of its 16 cores busy at 7,500 agent steps/s, cores that its actors need."""
+    """Torch threads of the learner's process. On the CPU, the cores the actors leave (of this process's share when
+    `local_ranks` learner processes share the machine): extra torch threads on busy cores cost more CPU per update
+    than they save (measured in BENCHMARKS.md). With a GPU, one: the process's CPU work is then small copies
+    (stacking a batch's small tensors, central inference's gathers), and OpenMP's workers spin for a while after
+    each parallel copy, on cores the actors need (2 threads on 2 cores: 2.5 ms of CPU per 0.3-ms gather where 1
+    thread takes 0.4; measured in BENCHMARKS.md, "The trainer's torch threads on a GPU machine")."""
+    if device.type != "cpu":
+        return 1
     # --ray local: the remote actors are processes of this machine too.
     actors_here = config.num_actors + (config.ray_actors if config.ray == "local" else 0)
     return max(1, usable_cores() // local_ranks - actors_here)

@@ -151,8 +151,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     evaluator = make_evaluator(config, run_dir, observation_shape, num_actions, ctx) if writes_files else None
     device = coordinator.ranks.device if coordinator is not None else select_device(config)
     world_size = coordinator.ranks.world_size if coordinator is not None else 1
-    # On a GPU too: there the process's CPU work (stacking slots, central inference's copies) needs few threads,
-    # and torch's default of one per core takes cores from the actors.
+    # On a GPU too (one thread): torch's default of one per core takes cores from the actors.
     local_ranks = coordinator.ranks.local_world_size if coordinator is not None else 1
     torch.set_num_threads(learner_threads(config, device, local_ranks))
     optimizer, scheduler = learner.make_optimizer(model.to(device), config, world_size)
