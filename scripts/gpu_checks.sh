@@ -10,7 +10,7 @@
 # its time to a mean of 18; $EXTRA adds flags, e.g. EXTRA=--no-cuda_graph).
 # A --variants string must hold a space ("--compile --inference actor"): argparse takes a lone "--compile"
 # for the bench's own flag.
-# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|inference|threads|profile|actors|onednn|pong|pong200|pong_ab|atari5]
+# Usage: bash scripts/gpu_checks.sh [parts|e2e|all|targets|tests|learner|defaults|ablations|placement|inference|threads|main_threads|profile|actors|onednn|pong|pong200|pong_ab|atari5]
 #        [TOTAL_STEPS]
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -175,6 +175,39 @@ if [ "$what" = threads ]; then
     "--inference central --env_splits 2 --inference_threads 2" "--inference central --env_splits 2 --inference_threads 4" \
     "--inference central --env_splits 2 --inference_wait_ms 0.5" --json "$out/threads.json" > "$out/threads.txt" 2>&1
   if grep -q '^{' "$out/threads.txt"; then sed -n '1,/^{/p' "$out/threads.txt"; else tail -n 25 "$out/threads.txt"; fi
+  exit 0
+fi
+# run.py's own process at one torch thread (the tree since 7571e88) against 16, torch's default on these machines and
+# what every GPU run before that commit had: the trainer end to end with inference in the actors, then central with
+# two env splits, each at 1 and at 16, $2 agent steps a row (default 300,000). A sitecustomize.py on PYTHONPATH makes
+# run.py's own torch.set_num_threads (in `training.build`) set $MAIN_THREADS instead; the actors and the fork server
+# (other argv) keep theirs. About 3.5 minutes.
+if [ "$what" = main_threads ]; then
+  forced=$(mktemp -d)
+  cat > "$forced/sitecustomize.py" <<'PY'
+import os
+import sys
+
+if os.environ.get("MAIN_THREADS") and sys.argv[:1] == ["run.py"]:
+    import torch
+
+    def _forced(_count: int, _set=torch.set_num_threads) -> None:
+        _set(int(os.environ["MAIN_THREADS"]))
+        print(f"run.py's torch threads: {torch.get_num_threads()} (MAIN_THREADS)", file=sys.stderr)
+
+    torch.set_num_threads = _forced
+PY
+  for v in "--inference actor " "--inference central --env_splits 2"; do
+    name=$(echo "$v" | tr -c 'a-z0-9\n' '_' | tr -s _)
+    for threads in 1 16; do
+      MAIN_THREADS=$([ "$threads" = 16 ] && echo 16) PYTHONPATH="$forced:${PYTHONPATH:-}" timeout 140 \
+        python3 -m impala.bench --num_actors auto --total_steps "${2:-300000}" --only e2e --variants "$v" \
+        > "$out/main_threads_$threads$name.txt" 2>&1
+      echo "run.py at $threads thread(s):"
+      grep -E "^bench: end to end .* in |logged by the run|Error" "$out/main_threads_$threads$name.txt" \
+        || tail -n 5 "$out/main_threads_$threads$name.txt"
+    done
+  done
   exit 0
 fi
 # Where the main process's threads spend a run (the README's Pong command with $PROFILE, default central inference
