@@ -22,7 +22,7 @@ from impala.config import UserError
 CHECKPOINT_NAME = "model.tar"
 BEST_CHECKPOINT_NAME = "model_best.tar"  # the agent of the best evaluation so far
 STEP_CHECKPOINT_PATTERN = re.compile(r"model_step_(\d+)\.tar")  # periodic copies kept with --keep_checkpoints
-_TEMPORARY_GLOB = ".*.tar.tmp-*"  # what `save_checkpoint` and `keep_step_copy` write before their rename
+_TEMPORARY_GLOB = ".*.tar.tmp-*"  # what `save_checkpoint` and `link_or_copy` write before their rename
 
 
 # What a file system that cannot sync a directory answers (some network and FUSE ones): the checkpoint is written and
@@ -150,26 +150,29 @@ def best_so_far(run_dir: Path) -> tuple[float, int] | None:
     return float(state["eval_return_mean"]), int(state["step"])
 
 
-def keep_step_copy(path: Path, step: int, keep: int) -> list[Path]:
-    """Keep checkpoint `path` also as model_step_STEP.tar beside it; delete all but the `keep` newest copies.
-
-    A hard link costs no copy and survives the next rename over `path`; where links are refused (some
-    network or FUSE file systems) the file is copied. Either is made under a temporary name and renamed,
-    so a kill never leaves a torn copy. "Newest" is by write time, not by step, so that a run resumed from
-    an earlier checkpoint (--checkpoint best) keeps its new copies. Returns the deleted copies.
-    """
-    if keep <= 0:
-        return []
-    target = path.with_name(f"model_step_{step}.tar")
-    tmp = path.with_name(f".{target.name}.tmp-{os.getpid()}")
+def link_or_copy(source: Path, target: Path) -> None:
+    """`source` also as `target` beside it: a hard link, which costs no copy and survives the next rename over
+    `source`, or a copy where links are refused (some network or FUSE file systems). Made under a temporary name
+    and renamed, so a kill never leaves a torn file."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         try:
-            os.link(path, tmp)
+            os.link(source, tmp)
         except OSError:
-            shutil.copyfile(path, tmp)
+            shutil.copyfile(source, tmp)
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def keep_step_copy(path: Path, step: int, keep: int) -> list[Path]:
+    """Keep checkpoint `path` also as model_step_STEP.tar beside it (`link_or_copy`); delete all but the `keep`
+    newest copies. "Newest" is by write time, not by step, so that a run resumed from an earlier checkpoint
+    (--checkpoint best) keeps its new copies. Returns the deleted copies.
+    """
+    if keep <= 0:
+        return []
+    link_or_copy(path, path.with_name(f"model_step_{step}.tar"))
     copies = [p for p in path.parent.iterdir() if STEP_CHECKPOINT_PATTERN.fullmatch(p.name)]
     copies.sort(key=lambda p: (p.stat().st_mtime_ns, _step_of(p)))
     removed = copies[:-keep] if len(copies) > keep else []

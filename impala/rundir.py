@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from datetime import UTC, datetime
@@ -27,6 +26,7 @@ from impala.checkpoint import (
     CHECKPOINT_NAME,
     check_compatible,
     find_checkpoint,
+    link_or_copy,
     load_checkpoint,
     remove_stale_temporaries,
 )
@@ -166,15 +166,7 @@ def keep_replaced_checkpoint(run_dir: Path, start: Path | None) -> Path | None:
     target = run_dir / f"model_replaced_step_{step}.tar"
     if target.exists():
         return None
-    tmp = run_dir / f".{target.name}.tmp-{os.getpid()}"  # so that a kill never leaves a torn copy
-    try:
-        try:
-            os.link(current, tmp)
-        except OSError:
-            shutil.copyfile(current, tmp)
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    link_or_copy(current, target)
     log.info("This run's %s (step %s) is replaced from %s on: kept as %s", CHECKPOINT_NAME, step, start, target.name)
     return target
 
