@@ -394,7 +394,7 @@ class Config:
         if self.ray and self.env_splits >= 1 and self.ray_envs_per_actor % self.env_splits:
             problems.append(f"--ray_envs_per_actor {self.ray_envs_per_actor} must be a multiple of --env_splits "
                             f"{self.env_splits}")
-        if self.ray is not None and self.ray not in ("auto", "local") and not self.ray.startswith("ray://"):
+        if self.ray is not None and is_head_address(self.ray):
             host, _, port = self.ray.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 problems.append(f"--ray needs auto, local or HOST:PORT (a head node's, e.g. 10.0.0.1:6379), "
@@ -412,7 +412,7 @@ class Config:
         for name in ([self.xpid] if self.xpid is not None else []) + list(self.plot_xpids if self.mode == "plot" else ()):
             if not is_plain_name(name):
                 problems.append(f"--xpid {name!r} must be a plain name (letters, digits, '.', '_', '-') of at most "
-                                f"{MAX_NAME_BYTES - 40} characters")
+                                f"{MAX_XPID_CHARS} characters")
         for flag, path in (("savedir", self.savedir), ("plot_out", self.plot_out), ("checkpoint", self.checkpoint)):
             if path and (problem := path_problem(path)):
                 problems.append(f"--{flag} {path}: {problem}")
@@ -611,15 +611,21 @@ def plain_name(text: str) -> str:
 
 
 MAX_NAME_BYTES = 255  # of one file name, on Linux's file systems
+MAX_XPID_CHARS = MAX_NAME_BYTES - 40  # room for what is named after a run (`NAME.rank-R.remote-A.life-L`)
 MAX_INFERENCE_WAIT_MS = 60_000.0  # a wait for more actors' requests; longer overflowed the selector's timeout
 MAX_EPISODES = 1_000_000  # test or evaluation games: their seeds are drawn up front
 MAX_HIDDEN_SIZE = 65_536  # the Atari net's layer is then 3,136 x 65,536 weights (822 MB); more only failed to allocate
 
 
+def is_head_address(ray: str) -> bool:
+    """Whether --ray names a head node as HOST:PORT (not auto, local or a Ray client's ray://...)."""
+    return ray not in ("auto", "local") and not ray.startswith("ray://")
+
+
 def is_plain_name(name: str) -> bool:
     """A run's name: letters, digits, '.', '_' and '-', not starting with the last three, short enough for the
     files named after it (a remote actor's `NAME.rank-R.remote-A.life-L`, the run directory itself)."""
-    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)) and len(name) <= MAX_NAME_BYTES - 40
+    return bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name)) and len(name) <= MAX_XPID_CHARS
 
 
 def path_problem(path: str) -> str | None:

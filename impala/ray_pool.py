@@ -37,7 +37,7 @@ import torch
 from impala.actor import ActorChannels, run_actor
 from impala.actor_pool import ACTOR_NICENESS, RESTART_WINDOW_S, LocalActorPool
 from impala.buffers import Buffers, BufferSpec, create_buffers
-from impala.config import Config, TrainingError, UserError
+from impala.config import Config, TrainingError, UserError, is_head_address
 from impala.environment import is_atari
 from impala.learner import BATCH_KEYS
 from impala.model import Net
@@ -529,9 +529,8 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT),
                                                                             os.environ.get("PYTHONPATH"))))}}
     options: dict[str, Any] = {"namespace": NAMESPACE, "runtime_env": runtime_env, "log_to_driver": False}
-    address = config.ray or "auto"
-    if address not in ("auto", "local") and not address.startswith("ray://"):
-        check_reachable(address)
+    if config.ray and is_head_address(config.ray):
+        check_reachable(config.ray)
     if config.ray == "local":
         options.update(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, config.ray_actors),
                        object_store_memory=local_object_store_bytes(config, unroll_bytes))
