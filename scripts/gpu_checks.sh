@@ -181,7 +181,7 @@ fi
 # what every GPU run before that commit had: the trainer end to end with inference in the actors, then central with
 # two env splits, each at 1 and at 16, $2 agent steps a row (default 300,000). A sitecustomize.py on PYTHONPATH makes
 # run.py's own torch.set_num_threads (in `training.build`) set $MAIN_THREADS instead; the actors and the fork server
-# (other argv) keep theirs. About 3.5 minutes.
+# (other argv) keep theirs. About 3.5 minutes (estimated, not timed on a GPU).
 if [ "$what" = main_threads ]; then
   forced=$(mktemp -d)
   cat > "$forced/sitecustomize.py" <<'PY'
