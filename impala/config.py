@@ -290,7 +290,7 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.num_actors == AUTO_ACTORS:  # resolved once, here: every reader of the config sees the number
-            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun
+            local_ranks = env_int("LOCAL_WORLD_SIZE", 1)  # set by torchrun
             other = self.ray_actors if self.ray == "local" else 0
             number = auto_num_actors(usable_cores(), max(local_ranks, 1), self.batch_size,
                                      self.envs_per_actor, other)
@@ -368,6 +368,15 @@ class Config:
                 problems.append(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.momentum >= 1:
             problems.append(f"--momentum must be in [0, 1), got {self.momentum}")
+        # Above these no run learns: every update would be non-finite or wreck the weights, and the run would stop
+        # after --max_bad_updates of them (a learning rate of 3e4 for 3e-4, say); said before anything starts.
+        for name, most in (("learning_rate", 1.0), ("epsilon", 1.0), ("entropy_cost", MAX_LOSS_WEIGHT),
+                           ("baseline_cost", MAX_LOSS_WEIGHT)):
+            if most < getattr(self, name) < math.inf:  # infinity: below
+                problems.append(f"--{name} must be at most {most:,g}, got {getattr(self, name)}")
+        for name in ("actor_timeout_s", "learner_timeout_s"):  # a timeout shorter than one step or one batch can take
+            if 0 < getattr(self, name) < MIN_TIMEOUT_S:
+                problems.append(f"--{name} must be 0 (never) or at least {MIN_TIMEOUT_S:g} s, got {getattr(self, name)}")
         if MAX_INFERENCE_WAIT_MS < self.inference_wait_ms < math.inf:  # infinity: below
             problems.append(f"--inference_wait_ms must be at most {MAX_INFERENCE_WAIT_MS:,.0f}, got "
                             f"{self.inference_wait_ms}")
@@ -614,7 +623,22 @@ MAX_NAME_BYTES = 255  # of one file name, on Linux's file systems
 MAX_XPID_CHARS = MAX_NAME_BYTES - 40  # room for what is named after a run (`NAME.rank-R.remote-A.life-L`)
 MAX_INFERENCE_WAIT_MS = 60_000.0  # a wait for more actors' requests; longer overflowed the selector's timeout
 MAX_EPISODES = 1_000_000  # test or evaluation games: their seeds are drawn up front
+MAX_LOSS_WEIGHT = 1_000.0  # --entropy_cost, --baseline_cost: the policy loss's weight is 1
+MIN_TIMEOUT_S = 1.0  # --actor_timeout_s, --learner_timeout_s other than 0 (never)
 MAX_HIDDEN_SIZE = 65_536  # the Atari net's layer is then 3,136 x 65,536 weights (822 MB); more only failed to allocate
+
+
+def env_int(name: str, default: int | None = None) -> int:
+    """The whole number in environment variable `name` (torchrun's RANK, WORLD_SIZE, ...), or `default` where it is
+    unset; anything else in it is a UserError naming it."""
+    text = os.environ.get(name)
+    if text is None and default is not None:
+        return default
+    try:
+        return int(text)  # type: ignore[arg-type]  # None: the TypeError below
+    except (TypeError, ValueError):
+        raise UserError(f"the environment variable {name} must be a whole number (torchrun sets it), "
+                        f"got {text!r}") from None
 
 
 def is_head_address(ray: str) -> bool:

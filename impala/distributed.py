@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from impala.config import Config, TrainingError, UserError, plain_name, run_path
+from impala.config import Config, TrainingError, UserError, env_int, plain_name, run_path
 from impala.learner import LearnerState
 from impala.metrics import ConsoleHandler, RunLog
 from impala.model import Net
@@ -90,12 +90,12 @@ def join(config: Config) -> tuple[Config, Coordinator | None]:
     if not launched_by_torchrun():
         return config, None
     xpid = config.xpid or default_xpid(config)
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world_size = env_int("RANK"), env_int("WORLD_SIZE")
     if config.ray == "local" and world_size > 1:
         raise UserError("--ray local starts a private Ray in every learner process; under torchrun start one "
                         "cluster (ray start --head) and pass --ray auto or --ray HOST:PORT")
-    local_rank = int(os.environ["LOCAL_RANK"])
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    local_rank = env_int("LOCAL_RANK")
+    local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     store = _attempt_store(rank, world_size, timeout)
     if not config.disable_cuda and torch.cuda.is_available():

@@ -84,10 +84,33 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--inference_wait_ms", "1e30"], r"--inference_wait_ms must be at most 60,000, got 1e\+30"),
     (["--test_episodes", "99999999999999999999"], r"--test_episodes must be at most 1,000,000, got 9+"),
     (["--hidden_size", "200000"], r"--hidden_size must be at most 65,536, got 200000"),
+    # Each once a run that started, skipped --max_bad_updates non-finite updates and stopped, or killed its actors
+    # or itself at their first step:
+    (["--learning_rate", "3e4"], r"--learning_rate must be at most 1, got 30000.0"),
+    (["--epsilon", "1e30"], r"--epsilon must be at most 1, got 1e\+30"),
+    (["--entropy_cost", "1e30"], r"--entropy_cost must be at most 1,000, got 1e\+30"),
+    (["--baseline_cost", "5000"], r"--baseline_cost must be at most 1,000, got 5000.0"),
+    (["--actor_timeout_s", "1e-9"], r"--actor_timeout_s must be 0 \(never\) or at least 1 s, got 1e-09"),
+    (["--learner_timeout_s", "0.5"], r"--learner_timeout_s must be 0 \(never\) or at least 1 s, got 0.5"),
 ])
 def test_bad_flags(capsys: pytest.CaptureFixture, tmp_path: Path, flags: list[str], pattern: str) -> None:
     _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), *flags], pattern)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+@pytest.mark.parametrize(("variables", "pattern"), [
+    ({"LOCAL_WORLD_SIZE": "abc"}, r"the environment variable LOCAL_WORLD_SIZE must be a whole number \(torchrun sets "
+                                  r"it\), got 'abc'"),
+    ({"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}, r"the environment variable WORLD_SIZE must be a whole number"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0.5"}, r"the environment variable LOCAL_RANK must be a whole number"),
+], ids=["local world size", "world size", "local rank"])
+def test_a_torchrun_variable_that_is_no_number_is_one_line(capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch, variables: dict[str, str],
+                                                          pattern: str) -> None:
+    for name, value in variables.items():  # once a ValueError's traceback from int()
+        monkeypatch.setenv(name, value)
+    _fails_with(capsys, [*QUICK, "--num_actors", "auto", "--savedir", str(tmp_path), "--xpid", "env"], pattern)
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(("content", "pattern"), [
