@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import faulthandler
 import logging
-import multiprocessing.queues
 import os
 import queue
 import select
@@ -39,7 +38,7 @@ import torch.multiprocessing as mp
 
 from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.buffers import Buffers
-from impala.channels import RecordQueue, SharedFloats, StopFlag
+from impala.channels import RecordQueue, SharedFloats, StopFlag, TracebackQueue
 from impala.config import Config, TrainingError
 from impala.inference import InferenceServers
 from impala.model import FlatWeights, Net
@@ -57,7 +56,6 @@ ACTOR_JOIN_TIMEOUT_S = 5.0  # then kill: shutdown is bounded whatever an env doe
 FORK_SERVER_STOP_TIMEOUT_S = 10.0  # then kill it
 RESTART_WINDOW_S = 600.0
 ACTOR_NICENESS = 10
-LOCK_PROBE_S = 1.0  # live processes hold a queue lock for microseconds; one held this long belongs to the dead
 
 
 class ActorPool(Protocol):
@@ -143,13 +141,13 @@ class LocalActorPool:
         self.lives = lives  # numbers every actor start and hands it its seeds
         self.inference: InferenceServers | None = None  # --inference central: set before `start`
         # Slot numbers and episodes travel in RecordQueues, which survive an actor killed at any instant.
-        # Only tracebacks, sent by an actor that is dying anyway, use a multiprocessing.Queue.
+        # So do tracebacks, sent by an actor that is dying anyway.
         full_queue = RecordQueue(ctx, "q", capacity=len(buffers["slot_owner"]))
         self.slots = _ledger(ctx, buffers["slot_owner"], config.num_actors, full_queue, remote_slots)
         positions = None
         # What the pool itself reads and closes; the actors see them through `channels`.
         self._episodes = RecordQueue(ctx, "qdq", capacity=4096)  # (actor index, return, length)
-        self._errors: multiprocessing.queues.Queue[tuple[int, str]] = ctx.Queue()  # (actor index, traceback text)
+        self._errors = TracebackQueue(ctx)  # (actor index, traceback text)
         self.heartbeats: SharedFloats = ctx.Array("d", config.num_actors, lock=False)  # each actor's last sign of progress
         # Each actor's seconds in each of ACTOR_PHASES, and their sums over the actors at the last `scalars`.
         self.phase_seconds: SharedFloats = ctx.Array("d", config.num_actors * len(ACTOR_PHASES), lock=False)
@@ -236,8 +234,7 @@ class LocalActorPool:
             return
         for _, process in dead:
             process.join()
-        tracebacks = self.tracebacks()  # read after the join: an actor flushes its traceback before it exits
-        _release_queue_locks(self._errors)
+        tracebacks = self.tracebacks()  # read after the join: an actor writes its traceback before it exits
         for index, process in dead:
             self._replace(index, process, tracebacks.get(index, "").strip())
 
@@ -286,7 +283,7 @@ class LocalActorPool:
         while True:
             try:
                 index, text = self._errors.get_nowait()
-            except (queue.Empty, OSError, ValueError):
+            except (queue.Empty, OSError):
                 return tracebacks
             tracebacks[index] = text
 
@@ -314,7 +311,6 @@ class LocalActorPool:
 
     def close(self) -> None:
         """Close every channel and stop the fork server; after `stop`."""
-        self._errors.cancel_join_thread()  # nobody reads it any more: never block on flushing it
         self.slots.close()
         self._episodes.close()
         self._errors.close()
@@ -443,23 +439,6 @@ def exit_description(exitcode: int | None) -> str:
         with contextlib.suppress(ValueError):
             return f"killed by {signal.Signals(-exitcode).name}"
     return f"exit code {exitcode}"
-
-
-def _release_queue_locks(error_queue: multiprocessing.queues.Queue[tuple[int, str]]) -> None:
-    """Free a multiprocessing.Queue lock a killed actor may have been holding (the RecordQueues have none).
-
-    An actor writes to the error queue only while it dies of an exception, and its feeder thread holds the
-    write lock for one small write, so a lock still taken after LOCK_PROBE_S belongs to a process that
-    died; left alone it would block the next actor that fails. A `multiprocessing.Lock` may be released by
-    any process. (`_wlock` is a private attribute of `multiprocessing.Queue`, stable since Python 3.4.)
-    """
-    locks = {"error_queue write": getattr(error_queue, "_wlock", None)}
-    for name, lock in locks.items():
-        if lock is None:
-            continue
-        if not lock.acquire(timeout=LOCK_PROBE_S):
-            log.warning("The dead actor held the %s lock; releasing it", name)
-        lock.release()
 
 
 def finish_within(timeout_s: float, step: Callable[[], None], what: str) -> None:

@@ -30,7 +30,7 @@ class SlotQueue(Protocol):
 
 
 class ErrorQueue(Protocol):
-    """Where a dying actor puts (actor index, traceback text): a `multiprocessing.Queue`."""
+    """Where a dying actor puts (actor index, traceback text): a `TracebackQueue`, or a `queue.Queue` inline."""
 
     def put(self, item: tuple[int, str]) -> None: ...
 
@@ -139,6 +139,36 @@ class RecordQueue:
     def close(self) -> None:
         self._reader.close()
         self._writer.close()
+
+
+class TracebackQueue:
+    """Where a dying actor puts (actor index, traceback text), read by the main process: a `RecordQueue` of records of
+    one pipe buffer each, so that every put is one atomic write, like the slot queues.
+
+    Unlike `multiprocessing.Queue` it holds no named semaphores (a run killed with its whole process group, kill -9,
+    left three in /dev/shm) and no lock a killed writer could keep. A traceback longer than a record keeps its end,
+    where the exception is.
+    """
+
+    TEXT_BYTES = select.PIPE_BUF - struct.calcsize("<i")
+
+    def __init__(self, ctx: BaseContext, capacity: int = 64) -> None:
+        self._records = RecordQueue(ctx, f"<i{self.TEXT_BYTES}s", capacity=capacity)
+
+    def put(self, item: tuple[int, str]) -> None:
+        index, text = item
+        data = text.encode("utf-8", "replace")
+        if len(data) > self.TEXT_BYTES:
+            data = b"[...]\n" + data[-(self.TEXT_BYTES - 6):]  # the cut may split a character: `get` replaces it
+        self._records.put((index, data))
+
+    def get_nowait(self) -> tuple[int, str]:
+        """The oldest traceback; raises queue.Empty where none is waiting."""
+        index, data = self._records.get_nowait()
+        return index, data.rstrip(b"\0").decode("utf-8", "replace")
+
+    def close(self) -> None:
+        self._records.close()
 
 
 # --inference central: an actor asks for actions and the inference thread answers, each with one byte on the pair's

@@ -99,8 +99,7 @@ def test_bad_flags(capsys: pytest.CaptureFixture, tmp_path: Path, flags: list[st
 
 
 @pytest.mark.parametrize(("variables", "pattern"), [
-    ({"LOCAL_WORLD_SIZE": "abc"}, r"the environment variable LOCAL_WORLD_SIZE must be a whole number \(torchrun sets "
-                                  r"it\), got 'abc'"),
+    ({"LOCAL_WORLD_SIZE": "abc"}, r"variable LOCAL_WORLD_SIZE must be a whole number \(torchrun sets it\), got 'abc'"),
     ({"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}, r"the environment variable WORLD_SIZE must be a whole number"),
     ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0.5"}, r"the environment variable LOCAL_RANK must be a whole number"),
 ], ids=["local world size", "world size", "local rank"])

@@ -225,6 +225,22 @@ def test_gnu_timeout_expiring_stops_the_run_in_order(tmp_path: Path) -> None:
             run.close()
 
 
+def test_a_run_killed_whole_leaves_nothing_in_dev_shm(tmp_path: Path) -> None:
+    """kill -9 of the whole process group, the resource tracker too, so that nothing can clean up: what the run
+    mapped from /dev/shm must be unlinked already (the traceback queue's three semaphores once stayed)."""
+    run = Training(tmp_path, "killed")
+    try:
+        run.wait_for_steps(200)
+        shm = run.shm_inodes()
+        assert shm, "the run maps its shared tensors from /dev/shm"
+        run.signal(signal.SIGKILL, group=True)
+        assert run.wait(timeout=30) == -signal.SIGKILL
+        assert wait_until_gone(run.pgid, timeout=30) == []
+        assert shm_left(shm) == []
+    finally:
+        run.close()
+
+
 def _on_a_terminal(run_dir: Path, nohup: bool = False) -> tuple[int, int]:
     """run.py on a pseudo-terminal of its own, as a shell over ssh runs it (under `nohup`: SIGHUP ignored), until
     it has printed three progress lines; (its pid, the terminal's other end). Closing that end is the dropped
