@@ -89,6 +89,7 @@ class Learners:
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
         self.errors: list[Exception] = []
+        self.failed_at: float | None = None  # when the first of them came (time.monotonic())
         self.pinned = False  # the slots' observations page-locked for the GPU (`buffers.pin_observations`)
         # When each thread took the batch it is working on (absent while it waits for slots): --learner_timeout_s.
         self.busy_since: dict[threading.Thread, float] = {}
@@ -123,17 +124,14 @@ class Learners:
             self._learn()
         except TrainingError as exc:  # not a bug: another learner process (torchrun) is gone; one line
             log.error("Learner thread %s stopped: %s", threading.current_thread().name, exc)
-            self.errors.append(exc)
-            self.stop_event.set()
+            self._fail(exc)
         except torch.OutOfMemoryError as exc:  # not a bug either: the run's sizes need more than the device has
             error = out_of_memory(exc, self.device)
             log.error("Learner thread %s stopped: %s", threading.current_thread().name, error)
-            self.errors.append(error)
-            self.stop_event.set()
+            self._fail(error)
         except Exception as exc:  # logged here with its traceback; the monitor stops the run
             log.exception("Learner thread %s failed", threading.current_thread().name)
-            self.errors.append(exc)
-            self.stop_event.set()
+            self._fail(exc)
         finally:
             self.busy_since.pop(threading.current_thread(), None)
 
@@ -215,7 +213,17 @@ class Learners:
         log.warning("Skipped a non-finite update at step %d (loss %s, grad norm %s)",
                     state.step, stats["total_loss"], stats["grad_norm"])
         if state.bad_updates_in_a_row >= self.config.max_bad_updates:
-            self.errors.append(TrainingError(
+            self._fail(TrainingError(
                 f"{state.bad_updates_in_a_row} non-finite updates in a row; stopping with the last good "
                 "checkpoint (try a lower --learning_rate or --grad_norm_clipping)"))
-            self.stop_event.set()
+
+    def _fail(self, error: Exception) -> None:
+        """Record why learning stopped, and stop every learner thread; the monitor ends the run with it."""
+        if self.failed_at is None:
+            self.failed_at = time.monotonic()
+        self.errors.append(error)
+        self.stop_event.set()
+
+    def failed_before(self, at: float | None) -> bool:
+        """Whether a learner thread failed before `at` (time.monotonic())."""
+        return self.failed_at is not None and at is not None and self.failed_at < at

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from types import FrameType
 
@@ -47,11 +48,13 @@ class StopRequests:
 
     def __init__(self) -> None:
         self.signum: int | None = None  # written by the handler, in the main thread, once
+        self.at: float | None = None  # when it came (time.monotonic())
 
     def record(self, signum: int, frame: FrameType | None) -> None:
         """The signal handler: remember the first signal; never raise, never log (the main thread may be
         inside a log call that holds the handler's lock)."""
         if self.signum is None:
+            self.at = time.monotonic()
             self.signum = signum
 
     @property

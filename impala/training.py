@@ -312,7 +312,9 @@ def monitor(run: Run) -> str:
     last_log_step = state.step
     console_rate = RecentRate(last_log_time - start_time, state.step)
     while True:
-        if run.stop.reason is not None:
+        # A learner's failure that came before the signal is why the run ends: under torchrun, a rank whose learner
+        # lost another rank is then sent SIGTERM by torchrun, which must not make the fault read as a stop.
+        if run.stop.reason is not None and not run.learners.failed_before(run.stop.at):
             log.info(run.stop.log_line)
             return run.stop.reason
         _check_threads(run)

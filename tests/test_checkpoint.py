@@ -137,8 +137,13 @@ def test_a_checkpoint_for_another_env_or_shape_is_refused_saying_which() -> None
     kwargs = {"env": "CartPole-v1", "model": "mlp", "use_lstm": False, "hidden_size": 32,
               "observation_shape": (4,), "num_actions": 2, "path": "x/model.tar"}
     check_compatible(state, **kwargs)
-    with pytest.raises(UserError, match=r"env 'CartPole-v1' vs 'Acrobot-v1'.*6 actions|2 actions vs 3"):
+    with pytest.raises(UserError, match=r"does not fit this run: env 'CartPole-v1' vs 'Acrobot-v1'; observation "
+                                        r"shape \(4,\) vs \(6,\); 2 actions vs 3 \(checkpoint vs flags\)"):
         check_compatible(state, **{**kwargs, "env": "Acrobot-v1", "observation_shape": (6,), "num_actions": 3})
+    with pytest.raises(UserError, match=r"does not fit this run: model 'mlp' vs 'shallow' \(checkpoint vs flags\)"):
+        check_compatible(state, **{**kwargs, "model": "shallow"})
+    with pytest.raises(UserError, match=r"does not fit this run: observation shape \(4,\) vs \(5,\) \(checkpoint"):
+        check_compatible(state, **{**kwargs, "observation_shape": (5,)})
     with pytest.raises(UserError, match="hidden_size 32 vs 64"):
         check_compatible(state, **{**kwargs, "hidden_size": 64})
     with pytest.raises(UserError, match="use_lstm False vs True"):

@@ -315,6 +315,11 @@ def test_kill_9_of_one_rank_ends_the_job_with_one_line_and_the_last_checkpoint_k
         text = run.text()
         lost = [line for line in text.splitlines() if "another learner process stopped answering" in line]
         assert lost, text
+        # What each rank left standing says in one line, whole: nothing of it on the lines after
+        failed = [line for line in text.splitlines() if "run.py: training failed:" in line]
+        assert failed and all(line.endswith("it died or was stopped, see its own output") for line in failed), text
+        # a fault, though torchrun then sends SIGTERM to the rank left (which once made it read as a stop)
+        assert json.loads((run.run_dir / "meta.json").read_text())["end_reason"] == "error"
         assert _impala_tracebacks(text) == [], text
         assert checkpoint_step(run.run_dir) > 0  # whole: the last periodic one, or one saved on the way out
         assert wait_until_gone(run.pgid) == []

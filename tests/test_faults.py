@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import errno
+import functools
 import json
 import os
 import re
@@ -37,6 +38,7 @@ from impala.config import Config
 from impala.learners import Learners
 from impala.metrics import IntervalStats
 from impala.model import Net
+from impala.stopping import StopRequests
 
 T, B = 5, 4
 
@@ -69,16 +71,40 @@ def test_a_run_of_non_finite_updates_stops_learning_with_a_clear_error() -> None
     config = Config(max_bad_updates=3)
     run = types.SimpleNamespace(config=config, errors=[], stop_event=threading.Event(),
                                 state=types.SimpleNamespace(skipped_updates=0, bad_updates_in_a_row=0, step=100),
-                                stats=IntervalStats())
+                                stats=IntervalStats(), failed_at=None)
+    run._fail = functools.partial(Learners._fail, run)
     bad = {"skipped": 1.0, "total_loss": float("nan"), "grad_norm": float("nan")}
-    for _ in range(2):
-        Learners.record(run, bad, 0.0)
-    assert run.state.skipped_updates == 2 and not run.stop_event.is_set()
+    good = {"skipped": 0.0, "total_loss": 0.5, "grad_norm": 0.25}
+    for stats in (bad, bad, good, bad, bad):  # a good update between: not 3 in a row yet
+        Learners.record(run, stats, 0.0)
+    assert run.state.skipped_updates == 4 and run.state.bad_updates_in_a_row == 2 and not run.stop_event.is_set()
+    assert run.errors == []
     Learners.record(run, bad, 0.0)
     assert run.stop_event.is_set()
     assert isinstance(run.errors[0], training.TrainingError)
     assert "3 non-finite updates in a row" in str(run.errors[0])
     assert "last good checkpoint" in str(run.errors[0])
+
+
+@pytest.mark.parametrize("failed_first", [True, False], ids=["fault then signal", "signal then fault"])
+def test_a_learners_fault_before_a_stop_signal_is_why_the_run_ends(failed_first: bool) -> None:
+    """torchrun sends SIGTERM to the ranks left once one died, after their learners found it gone: the run ends as
+    the fault (exit code 1, meta.json's "error"), not as a stop. A signal that came first stays the reason."""
+    stop = StopRequests()
+    learners = types.SimpleNamespace(errors=[], failed_at=None, stop_event=threading.Event())
+    fault = training.TrainingError("another learner process stopped answering")
+    events = [lambda: Learners._fail(learners, fault), lambda: stop.record(signal.SIGTERM, None)]
+    for event in events if failed_first else events[::-1]:
+        event()
+        time.sleep(0.002)  # apart on the monotonic clock
+    learners.failed_before = functools.partial(Learners.failed_before, learners)
+    run = types.SimpleNamespace(config=None, state=types.SimpleNamespace(step=0), started_s=None, stop=stop,
+                                learners=learners, inference=None)
+    if failed_first:
+        with pytest.raises(training.TrainingError, match="another learner process stopped answering"):
+            training.monitor(run)
+    else:
+        assert training.monitor(run) == "terminated"
 
 
 def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import torch
 from process_helpers import README_CARTPOLE, README_CARTPOLE_RANKS, README_CARTPOLE_STEPS
 
 from impala import training
-from impala.config import Config, usable_cores
+from impala.config import Config
 from impala.training import learner_threads
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -188,29 +188,37 @@ def test_any_seed_below_2_31_trains(tmp_path: Path, env: str, seed: int) -> None
     assert state["actor_lives"] == 2 and state["env_seeds_used"] == 4  # one life per actor: none died
 
 
-def test_a_cpu_learner_takes_the_threads_the_actors_leave_and_a_gpu_learner_one() -> None:
-    cores, cpu, gpu = usable_cores(), torch.device("cpu"), torch.device("cuda")
-    assert learner_threads(Config(num_actors=1), cpu) == max(1, cores - 1)
-    assert learner_threads(Config(num_actors=cores + 4), cpu) == 1
-    assert learner_threads(Config(num_actors=0), cpu, local_ranks=2) == max(1, cores // 2)
+def test_a_cpu_learner_takes_the_threads_the_actors_leave_and_a_gpu_learner_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("impala.learners.usable_cores", lambda: 16)  # on 2 cores nearly every answer would be 1
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert learner_threads(Config(num_actors=1), cpu) == 15
+    assert learner_threads(Config(num_actors=14), cpu) == 2
+    assert learner_threads(Config(num_actors=20), cpu) == 1
+    assert learner_threads(Config(num_actors=0), cpu, local_ranks=2) == 8
+    assert learner_threads(Config(num_actors=3), cpu, local_ranks=2) == 5
+    assert learner_threads(Config(num_actors=2, ray="local", ray_actors=3), cpu) == 11  # Ray's actors are here too
+    assert learner_threads(Config(num_actors=2, ray="auto", ray_actors=3), cpu) == 14  # elsewhere
     assert learner_threads(Config(num_actors=0), gpu) == learner_threads(Config(num_actors=1), gpu) == 1
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
     pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
-def test_a_built_run_gives_its_learner_its_threads_on_any_device(tmp_path: Path, device: str) -> None:
+def test_a_built_run_gives_its_learner_its_threads_on_any_device(tmp_path: Path, device: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU machine too (one): torch's default of one thread per core would take the actors' cores for the
     learner process's host work."""
+    monkeypatch.setattr("impala.learners.usable_cores", lambda: 6)  # on 2 cores the CPU's answer would be 1 too
     config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=2, batch_size=2, hidden_size=8,
                     disable_cuda=device == "cpu", savedir=str(tmp_path), xpid="threads")
     previous = torch.get_num_threads()
-    torch.set_num_threads(usable_cores() + 3)  # what no build would choose
+    torch.set_num_threads(11)  # what no build here would choose (5 on the CPU, 1 on a GPU)
     try:
         run = training.build(config)
         training.shutdown(run, save=False)
         assert run.device.type == device
         assert torch.get_num_threads() == learner_threads(config, run.device)
-        assert torch.get_num_threads() == (max(1, usable_cores() - 1) if device == "cpu" else 1)
+        assert torch.get_num_threads() == (5 if device == "cpu" else 1)
     finally:
         torch.set_num_threads(previous)
 
