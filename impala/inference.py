@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from impala import cudagraphs
 from impala.buffers import Buffers
 from impala.channels import signal, take_signal
 from impala.model import Net, actions_from_noise
@@ -109,6 +110,8 @@ class InferenceServer:
         self.forward_s = 0.0  # of it, the forward and sampling: inputs to the device, results back on the host
         self.serving_since: float | None = None  # when the batch being served began (--learner_timeout_s)
         self._taken = (time.monotonic(), 0, 0, 0.0, 0.0, 0.0)  # (time, batches, served, busy_s, slots_s, forward_s)
+        if self._stream is not None:  # the snapshots' copies and casts above ran on this thread's stream
+            self._stream.wait_stream(torch.cuda.current_stream(device))
 
     def connect(self, client: int, connection: Connection) -> None:
         """Serve `client` (one env split of one actor) on `connection`. A restarted actor gets new pipes: a
@@ -398,12 +401,11 @@ class _GraphedForward:
         self.obs = torch.zeros((rows, *flat["obs"].shape[1:]), dtype=flat["obs"].dtype, device=device)
         self.done = torch.zeros((rows,), dtype=torch.bool, device=device)
         self.noise = torch.ones((rows, num_actions), device=device)
-        with torch.no_grad():
+        with torch.no_grad(), cudagraphs.CAPTURE_LOCK:  # one capture at a time in the process
             for _ in range(2):  # kernels chosen and workspaces allocated outside the capture
                 _outputs(model, self.obs, self.done, self.noise, amp)
             self.graph = torch.cuda.CUDAGraph()
-            # Thread-local: the learner threads go on launching and copying meanwhile.
-            with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            with cudagraphs.capture(self.graph, pool=pool, stream=stream):
                 self.result = _outputs(model, self.obs, self.done, self.noise, amp)
 
     def __call__(self, staged: dict[str, torch.Tensor], generator: torch.Generator) -> torch.Tensor:

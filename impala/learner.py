@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from impala import losses, vtrace
+from impala import cudagraphs, losses, vtrace
 from impala.buffers import Buffers
 from impala.config import Config, UserError
 from impala.model import CoreState, Net
@@ -270,7 +270,7 @@ def loss_function(config: Config, device: torch.device, world_size: int = 1) -> 
     loss = eager_loss(config)
     if not config.compile:
         return loss
-    graphs = device.type == "cuda" and not uses_cuda_graph(config, device, world_size)
+    graphs = compiles_cuda_graphs(config, device, world_size)
     compiled = torch.compile(loss, mode="reduce-overhead" if graphs else None, dynamic=False)
     if not graphs:
         return compiled
@@ -283,6 +283,14 @@ def loss_function(config: Config, device: torch.device, world_size: int = 1) -> 
         return compiled(model, batch, core_state, config, reducer, advantage_moments)
 
     return compiled_loss
+
+
+def compiles_cuda_graphs(config: Config, device: torch.device, world_size: int = 1) -> bool:
+    """Whether `loss_function` compiles the loss as CUDA graphs of torch.compile's own (`--compile` on a GPU whose
+    update is not one graph of ours). Central inference then serves without graphs: torch.compile's captures
+    neither take `cudagraphs.CAPTURE_LOCK` nor leave alone the matrix multiplications' workspaces that another
+    graph was captured with (it clears every thread's, and their memory may go to other tensors)."""
+    return config.compile and device.type == "cuda" and not uses_cuda_graph(config, device, world_size)
 
 
 def make_optimizer(model: Net, config: Config, world_size: int = 1
@@ -530,19 +538,19 @@ class GraphedUpdate:
                                  None, loss_fn, skip_all)
 
         _set_capturable(optimizer, False)  # the warm-up runs uncaptured
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                steps()
-        torch.cuda.current_stream(device).wait_stream(side)
-        skip_all.zero_()  # read by the graph at every replay
-        graph = torch.cuda.CUDAGraph()
-        optimizer.zero_grad(set_to_none=True)  # the gradients are then allocated in the graph's memory
-        _set_capturable(optimizer, True)  # Adam refuses to be captured otherwise; its fused kernel is the same
-        # Thread-local: central inference and the monitor's copies go on in other threads meanwhile.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._names, self._sums = steps()
+        with cudagraphs.CAPTURE_LOCK:  # one capture at a time in the process: central inference captures too
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    steps()
+            torch.cuda.current_stream(device).wait_stream(side)
+            skip_all.zero_()  # read by the graph at every replay
+            graph = torch.cuda.CUDAGraph()
+            optimizer.zero_grad(set_to_none=True)  # the gradients are then allocated in the graph's memory
+            _set_capturable(optimizer, True)  # Adam refuses to be captured otherwise; its fused kernel is the same
+            with cudagraphs.capture(graph):
+                self._names, self._sums = steps()
         self._graph = graph
 
 

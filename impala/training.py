@@ -194,8 +194,9 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
             assert positions is not None, "made by the pool for --inference central"
             # Server k's sampling stream is the "life" k of the inference stream: one server's is the same as before.
             seeds = [sampling_seed(config.seed, session, INFERENCE_STREAM, k) for k in range(config.inference_threads)]
+            graphed = config.cuda_graph and not learner.compiles_cuda_graphs(config, device, world_size)
             servers = InferenceServers(model, buffers, positions, device, run.amp, config.inference_wait_ms / 1000, seeds,
-                                       graphed=config.cuda_graph, splits=config.env_splits)
+                                       graphed=graphed, splits=config.env_splits)
             run.inference, run.pool.inference = CentralInference(servers), servers
         return run
     except BaseException:

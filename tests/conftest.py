@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from process_helpers import README_CARTPOLE, README_CARTPOLE_STEPS, run_py
 
 
@@ -31,6 +32,15 @@ def no_thread_of_the_project_left_running() -> Iterator[None]:
             break
         time.sleep(0.05)
     assert not left, f"threads left running by the test: {[t.name for t in left]}"
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_as_they_were() -> Iterator[None]:
+    """A test that sets torch's intra-op threads (a build does, as a run's process would) leaves every later test
+    its own count, not one thread."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

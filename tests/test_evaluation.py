@@ -85,16 +85,23 @@ def test_flags_parse_and_are_validated() -> None:
 def test_keep_step_copy_keeps_the_newest_copies_whole(tmp_path: Path) -> None:
     model = _net()
     path = tmp_path / CHECKPOINT_NAME
-    for step in (100, 200, 300):
+    written_ns = time.time_ns()
+
+    def save(step: int) -> None:  # each a second after the last, whatever the file system's clock grain
+        nonlocal written_ns
         save_checkpoint(path, _state(model, step))
+        written_ns += 1_000_000_000
+        os.utime(path, ns=(written_ns, written_ns))  # the copy is a hard link: its time too
+
+    for step in (100, 200, 300):
+        save(step)
         removed = keep_step_copy(path, step, keep=2)
-        time.sleep(0.01)  # distinct write times on coarse-grained file systems
     assert [p.name for p in removed] == ["model_step_100.tar"]
     kept = sorted(p.name for p in tmp_path.iterdir())
     assert kept == [CHECKPOINT_NAME, "model_step_200.tar", "model_step_300.tar"]  # no temporary left
     assert load_checkpoint(tmp_path / "model_step_200.tar")["step"] == 200  # the old one, not model.tar's
     # Resumed from an earlier step: its copy is the newest written, whatever the step numbers say.
-    save_checkpoint(path, _state(model, 150))
+    save(150)
     assert [p.name for p in keep_step_copy(path, 150, keep=2)] == ["model_step_200.tar"]
     assert keep_step_copy(path, 260, keep=0) == [] and not (tmp_path / "model_step_260.tar").exists()
 

@@ -309,6 +309,7 @@ def test_a_short_run_learns_on_the_gpu(tmp_path, inference):
     assert "device cuda" in result.stdout
     output = result.stdout + result.stderr
     assert "Could not page-lock" not in output and "Could not release" not in output  # --pin_slots held
+    assert "Could not capture" not in output  # the update's graph, and central inference's, held (`cudagraphs`)
     meta = json.loads((tmp_path / "gpu" / "meta.json").read_text())
     assert meta["end_reason"] == "finished" and meta["final_step"] >= GPU_RUN_STEPS
     with open(tmp_path / "gpu" / "logs.csv", newline="") as f:
@@ -497,3 +498,67 @@ def test_two_graphed_inference_threads_serve_at_once_what_the_model_computes():
             thread.join(5)
     assert all(server.graphed and server._graphs for server in servers.servers)
     assert [server.served for server in servers.servers] == [24, 24]
+
+
+def test_the_learners_capture_and_central_inferences_take_turns(monkeypatch: pytest.MonkeyPatch):
+    """The learner captures its first update while central inference meets its first batch (`cudagraphs`): the
+    inference thread waits for the learner's capture to end instead of synchronizing the device inside it, and both
+    keep their graphs (either capture once fell back to eager launches for the rest of the run)."""
+    import threading
+    import time
+    from multiprocessing import Pipe
+
+    from impala.channels import signal, take_signal
+    from impala.inference import InferenceServer
+
+    device = torch.device("cuda")
+    config = Config(unroll_length=20, batch_size=16, cuda_graph=True)
+    torch.manual_seed(0)
+    model = Net((4, 84, 84), 6).to(device)
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    update = learner.update_function(config, device)
+    assert isinstance(update, learner.GraphedUpdate)
+    buffers = create_buffers(BufferSpec(2, 2, (4, 84, 84), torch.uint8, 6))
+    buffers["obs"].random_(0, 255)
+    buffers["done"].zero_()
+    server = InferenceServer(model, buffers, torch.tensor([[0, 1, 0]]), device, amp=False, wait_s=0.0, seed=0,
+                             graphed=True)
+    main_end, actor_end = Pipe()
+    server.connect(0, main_end)
+    capturing = threading.Event()
+    real_steps = learner._update_steps
+
+    def slow_steps(*args, **kwargs):  # inside the capture: give the inference thread time to begin its own
+        if torch.cuda.is_current_stream_capturing():
+            capturing.set()
+            time.sleep(0.5)
+        return real_steps(*args, **kwargs)
+
+    monkeypatch.setattr(learner, "_update_steps", slow_steps)
+    served: list[int] = []
+
+    def serve_when_the_learner_captures():
+        assert capturing.wait(60)
+        signal(actor_end)
+        served.append(server.serve_once(timeout_s=30.0))
+
+    thread = threading.Thread(target=serve_when_the_learner_captures)
+    thread.start()
+    stats = update(model, optimizer, scheduler, _random_gpu_batch(config, device), (), config)
+    thread.join(60)
+    assert capturing.is_set() and served == [1] and actor_end.poll(5.0) and take_signal(actor_end)
+    assert not update.failed and update._graph is not None and stats["skipped"] == 0
+    assert server.graphed and server._graphs
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+def test_a_failed_capture_leaves_the_thread_on_its_own_stream():
+    """torch.cuda.graph's exit raises before it leaves its capture stream; every later launch of the thread would
+    go there (`cudagraphs.capture` puts it back)."""
+    from impala import cudagraphs
+
+    before = torch.cuda.current_stream()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError), cudagraphs.CAPTURE_LOCK, cudagraphs.capture(graph):
+        torch.ones(4, device="cuda").sum().item()  # waiting for the GPU is not allowed while capturing
+    assert torch.cuda.current_stream() == before

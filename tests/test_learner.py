@@ -1023,3 +1023,14 @@ def test_the_reported_learning_rate_is_the_schedules_without_reading_the_optimis
         assert learner.scheduled_lr(scheduler) == pytest.approx(expected)
         assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(expected)
         scheduler.step()
+
+
+def test_torch_compiles_cuda_graphs_of_its_own_only_where_the_update_is_not_one_of_ours() -> None:
+    """Central inference serves without graphs where torch.compile captures its own (`cudagraphs`)."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert learner.compiles_cuda_graphs(Config(compile=True, optimizer="rmsprop"), cuda)
+    assert learner.compiles_cuda_graphs(Config(compile=True, cuda_graph=False), cuda)
+    assert learner.compiles_cuda_graphs(Config(compile=True), cuda, world_size=2)  # torchrun: no graph of ours
+    assert not learner.compiles_cuda_graphs(Config(compile=True), cuda)  # compiled inside our graph of the update
+    assert not learner.compiles_cuda_graphs(Config(optimizer="rmsprop"), cuda)
+    assert not learner.compiles_cuda_graphs(Config(compile=True, optimizer="rmsprop"), cpu)
