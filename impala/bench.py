@@ -736,6 +736,7 @@ def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "
             usage = measure_process_tree(argv, cwd=REPO_ROOT, log_path=log_path)
         steps = _final_step(Path(savedir) / "bench")
         logged = run_scalars(Path(savedir) / "bench")
+        fell_back = fallbacks(log_path.read_text(errors="replace") if log_path.exists() else "")
         if usage.returncode != 0 or steps is None:
             tail = log_path.read_text(errors="replace").splitlines()[-20:]
             print(f"bench: end-to-end run {variant!r} exited with {usage.returncode}:\n" + "\n".join(tail),
@@ -746,7 +747,18 @@ def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "
             "cpu_s_wait4": usage.cpu_s_wait4, "cpu_s_by_depth": usage.cpu_s_by_depth, "steps_per_s": steps / usage.wall_s,
             "steps_per_cpu_s": steps / usage.cpu_s if usage.cpu_s else 0.0,
             "peak_pss_mib": usage.peak_pss_bytes / 2**20, "processes": usage.processes,
-            "monitor_cpu_s": usage.monitor_cpu_s, **logged, **busy}
+            "monitor_cpu_s": usage.monitor_cpu_s, "fallbacks": fell_back, **logged, **busy}
+
+
+def fallbacks(log_text: str) -> list[str]:
+    """What a run said it could not do and did otherwise ("Could not capture the update as a CUDA graph ...;
+    updating without one"), each once: a row measured without what it was meant to measure says so."""
+    found: list[str] = []
+    for line in log_text.splitlines():
+        _, mark, said = line.partition("Could not ")
+        if mark and (said := mark + said) not in found:
+            found.append(said)
+    return found
 
 
 # What the run itself logged, shown under its row: (CSV column, key in the row, how the rows combine, label,
@@ -957,6 +969,7 @@ def format_table(results: dict[str, Any]) -> str:
                 lines.append(f"  {', '.join(shares)}")
             if logged:
                 lines.append(f"  logged by the run: {', '.join(logged)}")
+            lines += [f"  the run fell back: {said}" for said in r.get("fallbacks", ())]
             lines.append(f"  command: (cd {r['cwd']} && {r['command']})")
     return "\n".join(lines)
 

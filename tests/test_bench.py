@@ -469,3 +469,22 @@ def test_a_row_carries_what_the_run_logged(tmp_path: Path) -> None:
                                "components": {}, "ceiling": None, "end_to_end": [row]})
     assert ("  logged by the run: mean policy lag 2.00, learner ms per batch updating 15.0, actors' time stepping "
             "envs 38%, Ray bytes per agent step 29,100, receiver ms per unroll 0.250") in text.splitlines()
+
+
+def test_a_row_says_what_its_run_could_not_do_and_did_otherwise() -> None:
+    """A GPU row measured after a capture fell back to eager launches must not pass for the graphed one."""
+    log = ("[01:00:00] Run x: Pong\n"
+           "[01:00:05] Could not capture the update as a CUDA graph (boom); updating without one\n"
+           "[01:00:06] Could not page-lock the slots' observations for the GPU (no, 30 MiB); the learner stacks\n"
+           "[01:00:09] Could not capture the update as a CUDA graph (boom); updating without one\n")
+    said = bench.fallbacks(log)
+    assert said == ["Could not capture the update as a CUDA graph (boom); updating without one",
+                    "Could not page-lock the slots' observations for the GPU (no, 30 MiB); the learner stacks"]
+    assert bench.fallbacks("[01:00:00] Run x: Pong\n") == []
+    row = {"variant": "", "returncode": 0, "steps": 300, "wall_s": 1.0, "steps_per_s": 300.0, "cpu_s": 2.0,
+           "steps_per_cpu_s": 150.0, "peak_pss_mib": 10.0, "cpu_s_by_depth": [1.0], "monitor_cpu_s": 0.1, "cwd": ".",
+           "command": "run.py", "fallbacks": said}
+    text = bench.format_table({"machine": {"cpu": "x", "cores_usable": 2, "torch": "t", "device": "cuda"},
+                               "load_average_start": [0.0, 0.0, 0.0], "wall_provisional": False,
+                               "components": {}, "ceiling": None, "end_to_end": [row]})
+    assert "  the run fell back: Could not capture the update as a CUDA graph (boom); updating without one\n" in text
