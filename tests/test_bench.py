@@ -328,14 +328,14 @@ def test_physical_cores_count_the_hyperthreads_of_one_core_once(tmp_path: Path) 
 
 def test_gpu_busy_is_the_mean_of_nvidia_smis_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = tmp_path / "nvidia-smi"  # prints three samples, then waits to be stopped as the real one does
-    fake.write_text("#!/bin/sh\necho \"$@\" > \"$(dirname \"$0\")/args\"\necho 10\necho 20\necho 45\nexec sleep 60\n")
+    # its arguments written after the samples: once they are there, so are the samples, in the pipe
+    fake.write_text("#!/bin/sh\necho 10\necho 20\necho 45\necho \"$@\" > \"$(dirname \"$0\")/args\"\nexec sleep 60\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     with bench.gpu_busy(1) as busy:
         deadline = time.monotonic() + 10
         while not (tmp_path / "args").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(0.2)
     assert busy == {"gpu_busy": pytest.approx(0.25)}  # (10 + 20 + 45) / 3 percent
     assert (tmp_path / "args").read_text().split() == ["--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
                                                         "-i", "1", "-lms", str(bench.GPU_POLL_MS)]
