@@ -161,7 +161,8 @@ fi
 # and in one thread waiting 0.5 ms for more requests, against inference in the actors, $2 agent steps a row (default
 # 300,000: some five 5-s intervals at the steady rate). About 4.5 minutes.
 if [ "$what" = threads ]; then
-  timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider -k "inference_threads or central_inference" \
+  timeout 90 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    -k "inference_threads or central_inference or take_turns or failed_capture" \
     > "$out/pytest_gpu.txt" 2>&1
   echo "pytest rc $?" >> "$out/pytest_gpu.txt"
   tail -n 3 "$out/pytest_gpu.txt"
@@ -197,6 +198,11 @@ if os.environ.get("MAIN_THREADS") and sys.argv[:1] == ["run.py"]:
 
     torch.set_num_threads = _forced
 PY
+  # first the captures in two threads at once (`impala/cudagraphs.py`, since 6ea0a69; about 20 s)
+  timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -k "take_turns or failed_capture or inference_threads" \
+    > "$out/pytest_gpu.txt" 2>&1
+  echo "pytest rc $?" >> "$out/pytest_gpu.txt"
+  tail -n 3 "$out/pytest_gpu.txt"
   for v in "--inference actor " "--inference central --env_splits 2"; do
     name=$(echo "$v" | tr -c 'a-z0-9\n' '_' | tr -s _)
     for threads in 1 16; do
