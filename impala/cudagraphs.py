@@ -29,10 +29,11 @@ def capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: torch.cuda.St
     caller holds `CAPTURE_LOCK`. A capture that fails raises as it would, with the thread back on the stream it was
     on: `torch.cuda.graph`'s exit raises before it leaves its capture stream, and every later launch of the thread
     would go there."""
-    previous = torch.cuda.current_stream()
+    device, previous = torch.cuda.current_device(), torch.cuda.current_stream()
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             yield
     except BaseException:
         torch.cuda.set_stream(previous)
+        torch.cuda.set_device(device)  # the capture stream's context had switched it too
         raise

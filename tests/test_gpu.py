@@ -561,4 +561,5 @@ def test_a_failed_capture_leaves_the_thread_on_its_own_stream():
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError), cudagraphs.CAPTURE_LOCK, cudagraphs.capture(graph):
         torch.ones(4, device="cuda").sum().item()  # waiting for the GPU is not allowed while capturing
-    assert torch.cuda.current_stream() == before
+    assert torch.cuda.current_stream() == before and torch.cuda.current_device() == before.device.index
+    assert torch.ones(4, device="cuda").sum().item() == 4  # the thread launches and waits as before
