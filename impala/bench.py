@@ -75,7 +75,7 @@ from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.actor_pool import keep_freed_memory
 from impala.buffers import BufferSpec, create_buffers, pin_observations, unpin_observations
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from impala.config import Config, UserError, add_flags, cpu_quota, parse_config, to_flags
+from impala.config import Config, UserError, add_flags, cpu_quota, env_int, parse_config, to_flags
 from impala.environment import EnvBatch, probe_env
 from impala.inference import InferenceServer, InferenceServers
 from impala.learners import learner_threads, select_device
@@ -1070,6 +1070,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     try:
         args, config, only = parse_args(argv)
+        reports = env_int("RANK", 0) == 0  # under torchrun rank 0 reports for all
         results = run_bench(args, config, only)
     except UserError as exc:
         print(f"bench: error: {exc}", file=sys.stderr)
@@ -1078,8 +1079,8 @@ def _main(argv: Sequence[str] | None) -> int:
         terminated = isinstance(exc, Terminated)
         print("bench: stopped by SIGTERM" if terminated else "bench: interrupted", file=sys.stderr)
         return 128 + (signal.SIGTERM if terminated else signal.SIGINT)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return 0  # under torchrun rank 0 reports for all
+    if not reports:
+        return 0
     print(format_table(results))
     text = json.dumps(results, indent=2)
     print(text)

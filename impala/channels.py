@@ -143,29 +143,51 @@ class RecordQueue:
 
 class TracebackQueue:
     """Where a dying actor puts (actor index, traceback text), read by the main process: a `RecordQueue` of records of
-    one pipe buffer each, so that every put is one atomic write, like the slot queues.
+    one pipe buffer each, so that every write is atomic, like the slot queues'. A traceback longer than one record
+    goes in several, numbered, which `get_nowait` joins again (one actor writes its records in order; the records of
+    two actors dying at once may interleave).
 
     Unlike `multiprocessing.Queue` it holds no named semaphores (a run killed with its whole process group, kill -9,
-    left three in /dev/shm) and no lock a killed writer could keep. A traceback longer than a record keeps its end,
-    where the exception is.
+    left three in /dev/shm) and no lock a killed writer could keep. A traceback of more than MAX_PARTS records keeps
+    its end, where the exception is.
     """
 
-    TEXT_BYTES = select.PIPE_BUF - struct.calcsize("<i")
+    HEADER = "<iHH"  # actor index, part, parts
+    TEXT_BYTES = select.PIPE_BUF - struct.calcsize(HEADER)
+    MAX_PARTS = 16  # 64 KiB of traceback
 
     def __init__(self, ctx: BaseContext, capacity: int = 64) -> None:
-        self._records = RecordQueue(ctx, f"<i{self.TEXT_BYTES}s", capacity=capacity)
+        self._records = RecordQueue(ctx, f"{self.HEADER}{self.TEXT_BYTES}s", capacity=capacity)
+        self._parts: dict[int, list[bytes]] = {}  # the reader's: an actor's parts so far
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"records": self._records}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._records, self._parts = state["records"], {}
 
     def put(self, item: tuple[int, str]) -> None:
         index, text = item
         data = text.encode("utf-8", "replace")
-        if len(data) > self.TEXT_BYTES:
-            data = b"[...]\n" + data[-(self.TEXT_BYTES - 6):]  # the cut may split a character: `get` replaces it
-        self._records.put((index, data))
+        most = self.MAX_PARTS * self.TEXT_BYTES
+        if len(data) > most:  # the cut may split a character: `get_nowait` replaces it
+            data = b"[...]\n" + data[len(data) - most + 6:]
+        chunks = [data[at:at + self.TEXT_BYTES] for at in range(0, len(data), self.TEXT_BYTES)] or [b""]
+        for part, chunk in enumerate(chunks):
+            self._records.put((index, part, len(chunks), chunk))
 
     def get_nowait(self) -> tuple[int, str]:
-        """The oldest traceback; raises queue.Empty where none is waiting."""
-        index, data = self._records.get_nowait()
-        return index, data.rstrip(b"\0").decode("utf-8", "replace")
+        """The oldest traceback whose every part has come; raises queue.Empty where none has."""
+        while True:
+            index, part, parts, chunk = self._records.get_nowait()
+            chunk = chunk.rstrip(b"\0") if part == parts - 1 else chunk  # the padding of the last part
+            received = self._parts.setdefault(index, [])
+            if part == 0:
+                received.clear()  # a restarted actor's first part: what its predecessor left half-written goes
+            received.append(chunk)
+            if len(received) == parts:
+                del self._parts[index]
+                return index, b"".join(received).decode("utf-8", "replace")
 
     def close(self) -> None:
         self._records.close()

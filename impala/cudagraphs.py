@@ -27,8 +27,8 @@ CAPTURE_LOCK = threading.Lock()
 def capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: torch.cuda.Stream | None = None) -> Iterator[None]:
     """`torch.cuda.graph` in thread-local mode (the run's other threads go on launching and copying meanwhile). The
     caller holds `CAPTURE_LOCK`. A capture that fails raises as it would, with the thread back on the stream it was
-    on: `torch.cuda.graph`'s exit raises before it leaves its capture stream, and every later launch of the thread
-    would go there."""
+    on (`torch.cuda.graph`'s exit raises before it leaves its capture stream, and every later launch of the thread
+    would go there) and the allocator no longer capturing (`_end_pool`)."""
     device, previous = torch.cuda.current_device(), torch.cuda.current_stream()
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
@@ -36,4 +36,23 @@ def capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: torch.cuda.St
     except BaseException:
         torch.cuda.set_stream(previous)
         torch.cuda.set_device(device)  # the capture stream's context had switched it too
+        _end_pool(graph)
         raise
+
+
+def _end_pool(graph: torch.cuda.CUDAGraph) -> None:
+    """What a failed capture leaves undone (torch 2.13's `capture_end` raises before it): the caching allocator still
+    routes the capture stream's allocations to the graph's memory pool, counts a capture under way (and so never
+    reuses a block freed after another stream's use: memory that grows over a long run) and holds the pool. As
+    `torch.cuda.use_mem_pool` ends a pool. Private functions of torch's: where they are missing or refuse (the capture
+    failed before it began allocating), nothing is done."""
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is None or release is None:
+        return
+    try:
+        pool = graph.pool()
+        end(torch.cuda.current_device(), pool)
+        release(torch.cuda.current_device(), pool)
+    except RuntimeError:
+        pass

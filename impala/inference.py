@@ -318,6 +318,10 @@ class InferenceServer:
         rows = min(1 << (clients - 1).bit_length(), self.max_clients) * envs
         key = (id(self.model), rows)
         if key not in self._graphs:
+            # Another thread capturing (the learner's first update, a minute with --compile's warm-up): this batch
+            # eagerly, the capture at a later one, rather than every actor waiting meanwhile.
+            if not cudagraphs.CAPTURE_LOCK.acquire(blocking=False):
+                return None
             try:
                 self._graphs[key] = _GraphedForward(self.model, rows, self._flat, self.num_actions, self.amp,
                                                     self._stream, self._graph_pool)
@@ -327,6 +331,8 @@ class InferenceServer:
                 self._graphed = False
                 self._graphs.clear()
                 return None
+            finally:
+                cudagraphs.CAPTURE_LOCK.release()
         return self._graphs[key]
 
 
@@ -401,7 +407,7 @@ class _GraphedForward:
         self.obs = torch.zeros((rows, *flat["obs"].shape[1:]), dtype=flat["obs"].dtype, device=device)
         self.done = torch.zeros((rows,), dtype=torch.bool, device=device)
         self.noise = torch.ones((rows, num_actions), device=device)
-        with torch.no_grad(), cudagraphs.CAPTURE_LOCK:  # one capture at a time in the process
+        with torch.no_grad():  # the caller holds cudagraphs.CAPTURE_LOCK: one capture at a time in the process
             for _ in range(2):  # kernels chosen and workspaces allocated outside the capture
                 _outputs(model, self.obs, self.done, self.noise, amp)
             self.graph = torch.cuda.CUDAGraph()

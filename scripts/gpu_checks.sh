@@ -210,7 +210,7 @@ PY
         python3 -m impala.bench --num_actors auto --total_steps "${2:-300000}" --only e2e --variants "$v" \
         > "$out/main_threads_$threads$name.txt" 2>&1
       echo "run.py at $threads thread(s):"
-      grep -E "^bench: end to end .* in |logged by the run|Error" "$out/main_threads_$threads$name.txt" \
+      grep -E "^bench: end to end .* in |logged by the run|the run fell back|Error" "$out/main_threads_$threads$name.txt" \
         || tail -n 5 "$out/main_threads_$threads$name.txt"
     done
   done

@@ -328,8 +328,9 @@ def test_physical_cores_count_the_hyperthreads_of_one_core_once(tmp_path: Path) 
 
 def test_gpu_busy_is_the_mean_of_nvidia_smis_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = tmp_path / "nvidia-smi"  # prints three samples, then waits to be stopped as the real one does
-    # its arguments written after the samples: once they are there, so are the samples, in the pipe
-    fake.write_text("#!/bin/sh\necho 10\necho 20\necho 45\necho \"$@\" > \"$(dirname \"$0\")/args\"\nexec sleep 60\n")
+    # its arguments written, whole (renamed into place), after the samples: once they are there, so are the samples
+    fake.write_text("#!/bin/sh\necho 10\necho 20\necho 45\nd=$(dirname \"$0\")\n"
+                    "echo \"$@\" > \"$d/args.tmp\" && mv \"$d/args.tmp\" \"$d/args\"\nexec sleep 60\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     with bench.gpu_busy(1) as busy:

@@ -309,7 +309,7 @@ def test_a_short_run_learns_on_the_gpu(tmp_path, inference):
     assert "device cuda" in result.stdout
     output = result.stdout + result.stderr
     assert "Could not page-lock" not in output and "Could not release" not in output  # --pin_slots held
-    assert "Could not capture" not in output  # the update's graph, and central inference's, held (`cudagraphs`)
+    assert "Could not capture" not in output  # central inference's graphs held (the update here is RMSprop's, eager)
     meta = json.loads((tmp_path / "gpu" / "meta.json").read_text())
     assert meta["end_reason"] == "finished" and meta["final_step"] >= GPU_RUN_STEPS
     with open(tmp_path / "gpu" / "logs.csv", newline="") as f:
@@ -502,8 +502,8 @@ def test_two_graphed_inference_threads_serve_at_once_what_the_model_computes():
 
 def test_the_learners_capture_and_central_inferences_take_turns(monkeypatch: pytest.MonkeyPatch):
     """The learner captures its first update while central inference meets its first batch (`cudagraphs`): the
-    inference thread waits for the learner's capture to end instead of synchronizing the device inside it, and both
-    keep their graphs (either capture once fell back to eager launches for the rest of the run)."""
+    inference thread serves that batch eagerly instead of synchronizing the device inside the learner's capture, and
+    captures at its next batch; both keep their graphs (either capture once fell back to eager launches for good)."""
     import threading
     import time
     from multiprocessing import Pipe
@@ -528,7 +528,7 @@ def test_the_learners_capture_and_central_inferences_take_turns(monkeypatch: pyt
     capturing = threading.Event()
     real_steps = learner._update_steps
 
-    def slow_steps(*args, **kwargs):  # inside the capture: give the inference thread time to begin its own
+    def slow_steps(*args, **kwargs):  # inside the capture: give the inference thread time to serve meanwhile
         if torch.cuda.is_current_stream_capturing():
             capturing.set()
             time.sleep(0.5)
@@ -537,19 +537,28 @@ def test_the_learners_capture_and_central_inferences_take_turns(monkeypatch: pyt
     monkeypatch.setattr(learner, "_update_steps", slow_steps)
     served: list[int] = []
 
-    def serve_when_the_learner_captures():
+    def serve_while_the_learner_captures():
         assert capturing.wait(60)
         signal(actor_end)
         served.append(server.serve_once(timeout_s=30.0))
+        served.append(len(server._graphs))
 
-    thread = threading.Thread(target=serve_when_the_learner_captures)
-    thread.start()
-    stats = update(model, optimizer, scheduler, _random_gpu_batch(config, device), (), config)
-    thread.join(60)
-    assert capturing.is_set() and served == [1] and actor_end.poll(5.0) and take_signal(actor_end)
-    assert not update.failed and update._graph is not None and stats["skipped"] == 0
-    assert server.graphed and server._graphs
-    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    thread = threading.Thread(target=serve_while_the_learner_captures)
+    try:
+        thread.start()
+        stats = update(model, optimizer, scheduler, _random_gpu_batch(config, device), (), config)
+        thread.join(60)
+        assert capturing.is_set() and served == [1, 0]  # answered, eagerly: no capture begun inside the learner's
+        assert actor_end.poll(5.0) and take_signal(actor_end)
+        assert not update.failed and update._graph is not None and stats["skipped"] == 0
+        signal(actor_end)  # the next batch, the learner's capture over: captured now
+        assert server.serve_once(timeout_s=30.0) == 1 and actor_end.poll(5.0) and take_signal(actor_end)
+        assert server.graphed and len(server._graphs) == 1
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    finally:
+        server._selector.close()
+        main_end.close()
+        actor_end.close()
 
 
 def test_a_failed_capture_leaves_the_thread_on_its_own_stream():
@@ -563,3 +572,14 @@ def test_a_failed_capture_leaves_the_thread_on_its_own_stream():
         torch.ones(4, device="cuda").sum().item()  # waiting for the GPU is not allowed while capturing
     assert torch.cuda.current_stream() == before and torch.cuda.current_device() == before.device.index
     assert torch.ones(4, device="cuda").sum().item() == 4  # the thread launches and waits as before
+
+
+def test_a_run_with_a_graphed_update_and_graphed_central_inference_keeps_both(tmp_path):
+    """Adam (the update one CUDA graph) and central inference graphed, in one short run: neither capture falls back."""
+    command = [sys.executable, "run.py", "--env", "CartPole-v1", "--inference", "central", "--num_actors", "2",
+               "--envs_per_actor", "4", "--unroll_length", "5", "--batch_size", "8", "--total_steps", "20000",
+               "--savedir", str(tmp_path), "--xpid", "graphs"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "device cuda" in result.stdout and "Could not capture" not in output, output[-3000:]
