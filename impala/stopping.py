@@ -48,7 +48,9 @@ class StopRequests:
 
     def __init__(self) -> None:
         self.signum: int | None = None  # written by the handler, in the main thread, once
-        self.at: float | None = None  # when it came (time.monotonic())
+        # When its handler ran (time.monotonic()): when it came, or where the main thread was inside a long call (a
+        # checkpoint's write), when that returned
+        self.at: float | None = None
 
     def record(self, signum: int, frame: FrameType | None) -> None:
         """The signal handler: remember the first signal; never raise, never log (the main thread may be
