@@ -160,12 +160,6 @@ class TracebackQueue:
         self._records = RecordQueue(ctx, f"{self.HEADER}{self.TEXT_BYTES}s", capacity=capacity)
         self._parts: dict[int, list[bytes]] = {}  # the reader's: an actor's parts so far
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"records": self._records}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._records, self._parts = state["records"], {}
-
     def put(self, item: tuple[int, str]) -> None:
         index, text = item
         data = text.encode("utf-8", "replace")

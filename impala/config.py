@@ -635,8 +635,8 @@ def env_int(name: str, default: int | None = None) -> int:
     if text is None and default is not None:
         return default
     try:
-        return int(text)  # type: ignore[arg-type]  # None: the TypeError below
-    except (TypeError, ValueError):
+        return int(text or "")
+    except ValueError:
         raise UserError(f"the environment variable {name} must be a whole number (torchrun sets it), "
                         f"got {text!r}") from None
 

@@ -211,16 +211,12 @@ def test_a_built_run_gives_its_learner_its_threads_on_any_device(tmp_path: Path,
     monkeypatch.setattr("impala.learners.usable_cores", lambda: 6)  # on 2 cores the CPU's answer would be 1 too
     config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=2, batch_size=2, hidden_size=8,
                     disable_cuda=device == "cpu", savedir=str(tmp_path), xpid="threads")
-    previous = torch.get_num_threads()
-    torch.set_num_threads(11)  # what no build here would choose (5 on the CPU, 1 on a GPU)
-    try:
-        run = training.build(config)
-        training.shutdown(run, save=False)
-        assert run.device.type == device
-        assert torch.get_num_threads() == learner_threads(config, run.device)
-        assert torch.get_num_threads() == (5 if device == "cpu" else 1)
-    finally:
-        torch.set_num_threads(previous)
+    torch.set_num_threads(11)  # what no build here would choose (5 on the CPU, 1 on a GPU); conftest restores it
+    run = training.build(config)
+    training.shutdown(run, save=False)
+    assert run.device.type == device
+    assert torch.get_num_threads() == learner_threads(config, run.device)
+    assert torch.get_num_threads() == (5 if device == "cpu" else 1)
 
 
 def _flag_values(args: list[str]) -> dict[str, str]:
