@@ -376,7 +376,7 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
     """What one learner thread does per batch: stack B slots [T+1, B], copy them to the device, update. Under
     torchrun, every rank at once with the gradients all-reduced: the steps are those of all ranks."""
     _, coordinator = distributed.join(config)
-    reducer = coordinator.reducer if coordinator is not None else None
+    reducer = coordinator.step_reducer if coordinator is not None else None
     world_size = coordinator.ranks.world_size if coordinator is not None else 1
     device = coordinator.ranks.device if coordinator is not None else select_device(config)
     threads = learner_threads(config, device, coordinator.ranks.local_world_size if coordinator else 1)
@@ -393,8 +393,8 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
             pinned = pin_observations(buffers, device)
         staging = learner.BatchStaging(buffers, config.batch_size, pin=device.type == "cuda")
         slots = list(range(config.batch_size))
-        loss_fn = learner.loss_function(config, device)  # compiled with --compile, in the warm-up
-        update = learner.update_function(config, device)  # a CUDA graph on a GPU, captured in the warm-up
+        loss_fn = learner.loss_function(config, device, world_size)  # compiled with --compile, in the warm-up
+        update = learner.update_function(config, device, world_size)  # a CUDA graph on a GPU, captured in the warm-up
 
         phases_ms: dict[str, list[float]] = {"stack": [], "copy": [], "update": []}
 

@@ -209,6 +209,13 @@ class Coordinator:
     def rank(self) -> int:
         return self.ranks.rank
 
+    @property
+    def step_reducer(self) -> GradientReducer | None:
+        """What each gradient step reduces through, or None for a job of one rank: its gradients and advantage
+        moments are already the whole batch's, and without a reducer its update can be one CUDA graph
+        (`learner.uses_cuda_graph`), as a plain run's is."""
+        return self.reducer if self.ranks.world_size > 1 else None
+
     def vote(self, stop: bool, steps: int) -> int:
         """One update's vote: this rank adds `steps` agent steps, or wants to stop. Returns the agent steps of
         every rank in this update, or 0 when any rank voted to stop (then every rank stops here)."""

@@ -150,7 +150,7 @@ class Learners:
     def _learn(self) -> None:
         config, state = self.config, self.state
         staging = learner.BatchStaging(self.buffers, config.batch_size, pin=self.device.type == "cuda")
-        reducer = self.coordinator.reducer if self.coordinator is not None else None
+        reducer = self.coordinator.step_reducer if self.coordinator is not None else None
         this_thread = threading.current_thread()
         while self.coordinator is not None or not self.stop_event.is_set():
             self.busy_since.pop(this_thread, None)  # waiting for the actors is not the learner's time
