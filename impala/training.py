@@ -165,14 +165,14 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     buffers = create_buffers(spec)
     # Connected before anything is written: a bad or unreachable address leaves the run directory as it was.
     ray_connection = ray_pool.connect(config, ray_pool.unroll_bytes(buffers)) if config.ray else None
+    runlog: RunLog = distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
+    session, started_session = 0, False
     try:
         stop.check()  # the last moment at which stopping changes nothing
-        runlog: RunLog
-        session, runlog = 0, distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
         if writes_files:
             prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # the last check: nothing changed before
             keep_replaced_checkpoint(run_dir, checkpoint_path)
-            session = write_run_files(config, run_dir, resuming, world_size)
+            session, started_session = write_run_files(config, run_dir, resuming, world_size), True
             runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
             runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained
         if coordinator is not None:
@@ -200,6 +200,14 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
             run.inference, run.pool.inference = CentralInference(servers), servers
         return run
     except BaseException:
+        # What the failure leaves written (a rank lost while sharing rank 0's state, the GPU out of memory for
+        # central inference): the logs closed, and this session's end in meta.json, which would read as a kill.
+        runlog.close()
+        if started_session:
+            try:
+                finish_run_files(run_dir, "error", state.step)
+            except OSError as exc:
+                log.error("Could not record the end of the run in %s: %s", run_dir, exc)
         if ray_connection is not None:
             ray_pool.disconnect(ray_connection)
         raise

@@ -31,6 +31,7 @@ from process_helpers import (
     train_through_one_crash,
     wait_until_gone,
 )
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from impala import learner, training
 from impala.actor_pool import LocalActorPool
@@ -422,6 +423,26 @@ def test_a_learner_out_of_device_memory_ends_the_run_in_one_line_naming_the_flag
     ended = re.search(r"Run ended \(error\) at step (\d+)", text)
     assert ended and 0 < int(ended[1]) <= 10 * 20, text  # 10 updates of 20 agent steps at most
     assert checkpoint_step(run.run_dir) == int(ended[1])  # the final checkpoint, at the step it ended
+
+
+def test_a_build_that_fails_after_the_run_files_were_written_records_its_end(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure late in the build (here central inference's servers; the GPU out of memory would do) ends the
+    session it began as an error in meta.json, not as the open session a kill leaves, and closes its logs."""
+    def no_servers(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(training, "InferenceServers", no_servers)
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=5, batch_size=4,
+                    hidden_size=16, total_steps=100, disable_cuda=True, inference="central",
+                    savedir=str(tmp_path), xpid="late")
+    with pytest.raises(RuntimeError, match="out of memory"):
+        training.train(config)
+    meta = json.loads((tmp_path / "late" / "meta.json").read_text())
+    assert meta["end_reason"] == "error" and meta["final_step"] == 0 and meta["ended"] is not None
+    events = EventAccumulator(str(tmp_path / "late"))  # the writer closed: the run's flags are in its file
+    events.Reload()
+    assert "flags/text_summary" in events.Tags()["tensors"]
 
 
 def test_a_crash_of_the_main_process_prints_where_its_threads_were(tmp_path: Path,
