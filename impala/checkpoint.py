@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from impala.config import UserError
+from impala.config import UserError, first_line
 
 CHECKPOINT_NAME = "model.tar"
 BEST_CHECKPOINT_NAME = "model_best.tar"  # the agent of the best evaluation so far
@@ -75,7 +75,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for truncated, garbage or unsafe files
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         raise UserError(f"checkpoint {path} is not a readable checkpoint ({reason[:200]}); it may be truncated "
                         "or not a checkpoint: restore it or start a new run with another --xpid") from None
     required: dict[str, type | tuple[type, ...]] = {"model_state_dict": dict, "flags": dict, "step": int, "observation_shape": (list, tuple),

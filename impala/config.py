@@ -28,6 +28,12 @@ class TrainingError(RuntimeError):
     """The run stopped because of a fault in the run itself (actors crashing, numerical failure)."""
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, for a one-line report; its type's name where it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 

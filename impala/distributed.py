@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from impala.config import Config, TrainingError, UserError, env_int, plain_name, run_path
+from impala.config import Config, TrainingError, UserError, env_int, first_line, plain_name, run_path
 from impala.learner import LearnerState
 from impala.metrics import ConsoleHandler, RunLog
 from impala.model import Net
@@ -133,7 +133,7 @@ def leave(coordinator: Coordinator | None) -> None:
 
 def _lost(what: str, exc: Exception) -> TrainingError:
     """The one line a rank ends with when a collective fails: another rank died, hung or was stopped."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = first_line(exc)
     text = re.sub(r"^\[[^\]]*\] ", "", text).split(". ")[0]  # gloo's "[file:line] Read error ...: reason. Hint"
     return TrainingError(f"another learner process stopped answering ({what}: {text[:160]}): it died or was "
                          "stopped, see its own output")

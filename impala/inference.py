@@ -33,6 +33,7 @@ import torch
 from impala import cudagraphs
 from impala.buffers import Buffers
 from impala.channels import signal, take_signal
+from impala.config import first_line
 from impala.model import Net, actions_from_noise
 
 log = logging.getLogger(__name__)
@@ -327,7 +328,7 @@ class InferenceServer:
                                                     self._stream, self._graph_pool)
             except RuntimeError as exc:  # nothing depends on it: the eager forward computes the same
                 log.warning("Could not capture central inference's forward as a CUDA graph (%s); serving without one",
-                            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+                            first_line(exc))
                 self._graphed = False
                 self._graphs.clear()
                 return None

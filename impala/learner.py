@@ -18,7 +18,7 @@ import torch
 
 from impala import cudagraphs, losses, vtrace
 from impala.buffers import Buffers
-from impala.config import Config, UserError
+from impala.config import Config, UserError, first_line
 from impala.model import CoreState, Net
 from impala.seeding import ActorLives
 
@@ -505,7 +505,7 @@ class GraphedUpdate:
             # update needs no graph pool, and if it does not fit either, it ends the run as `OutOfDeviceMemory`.
             except RuntimeError as exc:
                 log.warning("Could not capture the update as a CUDA graph (%s); updating without one",
-                            str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+                            first_line(exc))
                 self.failed = True
                 _set_capturable(optimizer, False)
                 return update(model, optimizer, scheduler, batch, core_state, config, amp, reducer, loss_fn)
@@ -657,9 +657,8 @@ def _load(target: Any, state: dict[str, Any], path: Path) -> None:
     try:
         target.load_state_dict(state)
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"checkpoint {path} does not fit this run's {type(target).__name__}: "
-                        f"{first_line[:300]}") from None
+                        f"{first_line(exc)[:300]}") from None
 
 
 def _to_cpu(value: Any) -> Any:

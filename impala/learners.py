@@ -15,7 +15,7 @@ import torch
 from impala import learner
 from impala.actor_pool import ActorPool
 from impala.buffers import Buffers, pin_observations, unpin_observations
-from impala.config import Config, TrainingError, usable_cores
+from impala.config import Config, TrainingError, first_line, usable_cores
 from impala.learner import LearnerState
 from impala.metrics import IntervalStats
 
@@ -56,7 +56,7 @@ class OutOfDeviceMemory(TrainingError):
 def out_of_memory(exc: torch.OutOfMemoryError, device: torch.device) -> OutOfDeviceMemory:
     """The one line a learner that ran out of device memory ends the run with: the allocator's first two sentences
     (what ran out, what it tried to allocate) and the flags that make an update smaller."""
-    first = ". ".join(str(exc).strip().splitlines()[0].split(". ")[:2]) if str(exc).strip() else type(exc).__name__
+    first = ". ".join(first_line(exc).split(". ")[:2])
     return OutOfDeviceMemory(f"the learner ran out of memory on {device} ({first}): a smaller update fits, "
                              "with a lower --batch_size or --unroll_length, or more --minibatches")
 

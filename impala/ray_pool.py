@@ -37,7 +37,7 @@ import torch
 from impala.actor import ActorChannels, run_actor
 from impala.actor_pool import ACTOR_NICENESS, RESTART_WINDOW_S, LocalActorPool
 from impala.buffers import Buffers, BufferSpec, create_buffers
-from impala.config import Config, TrainingError, UserError, is_head_address
+from impala.config import Config, TrainingError, UserError, first_line, is_head_address
 from impala.environment import is_atari
 from impala.learner import BATCH_KEYS
 from impala.model import Net
@@ -540,8 +540,8 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
     try:
         ray.init(**options)
     except (ConnectionError, ValueError, RuntimeError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"--ray {config.ray}: could not connect to Ray: {first_line} (start a cluster with "
+        reason = first_line(exc)
+        raise UserError(f"--ray {config.ray}: could not connect to Ray: {reason} (start a cluster with "
                         "`ray start --head`, or use --ray local)") from None
     finally:
         if threading.current_thread() is threading.main_thread():

@@ -39,7 +39,7 @@ from impala.actor_pool import (
 )
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, keep_step_copy, save_checkpoint
-from impala.config import Config, TrainingError, UserError, changed_flags, cpu_quota, usable_cores
+from impala.config import Config, TrainingError, UserError, changed_flags, cpu_quota, first_line, usable_cores
 from impala.distributed import Coordinator
 from impala.environment import is_atari, probe_env
 from impala.evaluator import Evaluator, check_evaluator, make_evaluator, start_evaluator, stop_evaluator
@@ -357,8 +357,8 @@ def _check_threads(run: Run) -> None:
         raise TrainingError(f"learner thread failed: {error!r}") from error
     if run.inference is not None and run.inference.error is not None:
         error = run.inference.error
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise TrainingError(f"the central inference thread failed: {type(error).__name__}: {first_line}") from error
+        raise TrainingError(f"the central inference thread failed: {type(error).__name__}: {first_line(error)}"
+                            ) from error
 
 
 def _drain_episodes(run: Run) -> None:
@@ -580,7 +580,7 @@ def _run(run: Run) -> Path:
             started = True
             reason = _start_and_monitor(run)
     except BaseException as exc:
-        log.error("Stopping: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        log.error("Stopping: %s", first_line(exc))
         raise
     finally:
         save_error = _end(run, reason, save=started and run.learners.weights_whole())

@@ -20,6 +20,7 @@ from impala.config import (
     changed_flags,
     config_from_dict,
     cpu_quota,
+    first_line,
     given_flags,
     parse_config,
     run_path,
@@ -399,3 +400,10 @@ def test_xpid_latest_without_a_latest_run_is_a_user_error(tmp_path: Path) -> Non
     (tmp_path / "latest").write_text("\n")
     with pytest.raises(UserError, match="--xpid latest: no run in"):
         run_path(tmp_path, "latest")
+
+
+def test_an_exceptions_first_line_skips_leading_blank_lines_and_names_its_type_when_it_has_no_text() -> None:
+    assert first_line(RuntimeError("\n  CUDA error: out of memory\nCompile with TORCH_USE_CUDA_DSA")) == \
+        "CUDA error: out of memory"
+    assert first_line(ValueError("  \n ")) == "ValueError"
+    assert first_line(KeyError()) == "KeyError"
