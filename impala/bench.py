@@ -400,7 +400,7 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
 
         def step() -> int:
             start = time.perf_counter()
-            staging.fill(buffers, slots)
+            staging.fill(slots)
             stacked = time.perf_counter()
             batch, core_state = staging.to(device)
             copied = time.perf_counter()
@@ -414,7 +414,7 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
             rate = timed_loop(step, seconds, lockstep=coordinator is not None)
         operations = {}
         if coordinator is None:  # counted after the timing: the ranks' all-reduces are left out of it
-            staging.fill(buffers, slots)
+            staging.fill(slots)
             operations["operations_per_gradient_step"] = operations_per_gradient_step(
                 model, optimizer, scheduler, *staging.to(device), config, amp)
         if pinned:

@@ -1,5 +1,6 @@
-"""Central inference (--inference central): one thread in the main process batches the observations
-of every waiting actor on the learner's device, SEED RL / PolyBeast style.
+"""Central inference (--inference central): one thread in the main process (or one per share of the actors,
+`--inference_threads`, `InferenceServers`) batches the observations of the waiting actors on the learner's
+device, SEED RL / PolyBeast style.
 
 Actors only step envs. Each writes its observations into its slots as usual, publishes where they are
 (slots and row) in a shared `positions` tensor and sends one byte on its pipe. The server reads the
@@ -119,7 +120,7 @@ class InferenceServer:
         request its predecessor left unanswered goes away with the old one.
 
         The old pipe is closed by the serving thread at its next snapshot, not here: `serve_once` may be
-        waiting on it right now, and `wait()` on a closed Connection raises OSError.
+        waiting on it right now in its selector, and a closed Connection cannot be unregistered from it (OSError).
         """
         with self._lock:
             old = self.connections.get(client)

@@ -63,25 +63,25 @@ class BatchStaging:
             shape = (per_slot[0], batch_size, *per_slot[1:])
             tensor = torch.empty(shape, dtype=buffers[key].dtype)
             self.tensors[key] = tensor.pin_memory() if pin else tensor
-        self.core_state = [torch.empty((buffers[k].shape[1], batch_size, buffers[k].shape[2]))
-                           for k in sorted(buffers) if k.startswith("core_state_")]
+        self._core_keys = [f"core_state_{i}" for i in range(sum(k.startswith("core_state_") for k in buffers))]
+        self.core_state = [torch.empty((buffers[k].shape[1], batch_size, buffers[k].shape[2])) for k in self._core_keys]
         if pin:
             self.core_state = [s.pin_memory() for s in self.core_state]
         self._copied: torch.cuda.Event | None = None  # the last copy to a GPU, which reads these tensors
         self._buffers = buffers
         self._slots: list[int] = []  # those of the last `fill`
 
-    def fill(self, buffers: Buffers, slots: Sequence[int]) -> None:
-        """Stack `slots` into the host tensors (every field but those `to` copies straight from the slots).
+    def fill(self, slots: Sequence[int]) -> None:
+        """Stack `slots` of the buffers into the host tensors (every field but those `to` copies straight from them).
         Waits first for the previous asynchronous copy to a GPU to have read these tensors, if it has not yet."""
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
         for key, out in self.tensors.items():
-            torch.stack([buffers[key][i] for i in slots], dim=1, out=out)
-        for i, out in enumerate(self.core_state):
-            torch.stack([buffers[f"core_state_{i}"][s] for s in slots], dim=1, out=out)
-        self._buffers, self._slots = buffers, list(slots)
+            torch.stack([self._buffers[key][i] for i in slots], dim=1, out=out)
+        for key, out in zip(self._core_keys, self.core_state, strict=True):
+            torch.stack([self._buffers[key][s] for s in slots], dim=1, out=out)
+        self._slots = list(slots)
 
     def to(self, device: torch.device) -> tuple[dict[str, torch.Tensor], CoreState]:
         """The batch of the last `fill` on `device`. To a GPU asynchronously, from pinned memory: the host goes on
@@ -438,7 +438,8 @@ def _finish_update(names: list[str], sums: torch.Tensor, steps: int,
 
 
 def scheduled_lr(scheduler: torch.optim.lr_scheduler.LRScheduler) -> float:
-    """The learning rate of the coming step, computed on the host by `make_schedule`'s LambdaLR: where
+    """The learning rate the schedule gives now (before `scheduler.step()`: the one the update just used),
+    computed on the host by `make_schedule`'s LambdaLR: where
     `GraphedUpdate` made it a tensor on the device, reading it back would wait for the GPU."""
     if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
         return float(scheduler.base_lrs[0] * scheduler.lr_lambdas[0](scheduler.last_epoch))
@@ -464,8 +465,7 @@ class GraphedUpdate:
     """`update` as one CUDA graph: every gradient step of a batch (the minibatches' gathers, forward, V-trace,
     losses, backward, clipping, fused Adam and the stats' sums) captured once, then replayed with one launch
     per batch. Eagerly, PyTorch launches a small kernel or so for each of a gradient step's operations (about 200
-    for the default rule, `bench.operations_per_gradient_step`; 600 before V-trace lost its loop over time) and the
-    host, not the GPU, sets the pace (6-8 ms per step on an H100 machine whatever the step's size, then).
+    for the default rule, `bench.operations_per_gradient_step`) and the host, not the GPU, sets the pace.
 
     Called as `update`. Each batch is copied into the graph's inputs and the minibatch orders are drawn as
     `update` draws them, so a replay computes what the eager update would, from the same random stream. The
@@ -620,8 +620,8 @@ class LearnerState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     lives: ActorLives  # numbers every actor start and hands it its seeds
     step: int = 0  # agent steps learned from
-    updates: int = 0  # updates applied (the policy version)
-    skipped_updates: int = 0  # non-finite updates skipped, run-wide
+    updates: int = 0  # updates made (the policy version), skipped ones included
+    skipped_updates: int = 0  # updates with a non-finite gradient step (that step not applied), run-wide
     episodes: int = 0  # full games finished by the actors
     bad_updates_in_a_row: int = 0  # the current streak of skipped updates; not saved
     world_size: int = 1  # learner processes of the run (torchrun); not saved: a run resumes on any number

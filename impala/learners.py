@@ -161,9 +161,9 @@ class Learners:
             self.busy_since[this_thread] = time.monotonic()
             copy_start = stack_end = time.perf_counter()
             if slots is not None:
-                staging.fill(self.buffers, slots)
+                staging.fill(slots)
                 stack_end = time.perf_counter()
-                versions = self.buffers["policy_version"][slots].clone()
+                versions = self.buffers["policy_version"][slots]  # a copy: indexed by a list
                 batch, core_state = staging.to(self.device)
                 for slot in slots:  # nothing reads them any more
                     self.pool.slots.give_back(slot)
@@ -210,7 +210,7 @@ class Learners:
             return
         state.skipped_updates += 1
         state.bad_updates_in_a_row += 1
-        log.warning("Skipped a non-finite update at step %d (loss %s, grad norm %s)",
+        log.warning("Skipped a non-finite gradient step in the update at step %d (loss %s, grad norm %s)",
                     state.step, stats["total_loss"], stats["grad_norm"])
         if state.bad_updates_in_a_row >= self.config.max_bad_updates:
             self._fail(TrainingError(

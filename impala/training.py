@@ -1,7 +1,8 @@
 """A training run: build, start, monitor, shut down. The actor processes are made in `actor_pool.py`, the
 evaluation process in `evaluator.py`, the learner threads in `learners.py`; the central inference threads here.
 
-    main thread: build() -> start_actors() -> start_learners() -> monitor() -> shutdown()
+    main thread: build() -> start_inference() -> start_actors() -> start_learners() -> start_evaluator()
+                 -> monitor() -> shutdown()   (central inference serves before the first actor asks)
     actor processes (actor_pool.py): actor.run_actor(), filling slots from their own free pipe into the full queue
     learner threads: take batch_size full slots, update, publish weights through the actor pool
     evaluation process (--eval_interval_s, evaluator.py): full games with a weights snapshot

@@ -57,7 +57,7 @@ def test_a_gpu_update_from_pinned_staging_moves_the_weights_and_reports_finite_s
     buffers["policy_logits"].normal_()
     staging = learner.BatchStaging(buffers, config.batch_size, pin=True)
     assert all(t.is_pinned() for t in staging.tensors.values())
-    staging.fill(buffers, [0, 2, 4, 6])
+    staging.fill([0, 2, 4, 6])
     batch, core_state = staging.to(device)
     assert batch["obs"].device.type == "cuda" and batch["obs"].shape == (21, 4, 4, 84, 84)
     before = [p.detach().clone() for p in model.parameters()]
@@ -75,10 +75,10 @@ def test_staging_is_refilled_only_after_the_gpu_has_read_it():
     for slot in range(8):
         buffers["obs"][slot] = slot
     staging = learner.BatchStaging(buffers, config.batch_size, pin=True)
-    staging.fill(buffers, [0, 1, 2, 3])
+    staging.fill([0, 1, 2, 3])
     torch.cuda._sleep(200_000_000)  # keep the stream busy, so the copy below is still queued when `to` returns
     batch, _ = staging.to(torch.device("cuda"))
-    staging.fill(buffers, [4, 5, 6, 7])
+    staging.fill([4, 5, 6, 7])
     assert batch["obs"][:, :, 0, 0, 0].cpu().amax(0).tolist() == [0, 1, 2, 3]
 
 
@@ -93,14 +93,14 @@ def test_page_locked_observations_go_to_the_gpu_unstacked_and_equal_the_stacked_
     stacked = learner.BatchStaging(buffers, config.batch_size, pin=True)
     assert stacked.direct == () and "obs" in stacked.tensors
     slots = [6, 1, 4, 3]
-    stacked.fill(buffers, slots)
+    stacked.fill(slots)
     expected, _ = stacked.to(torch.device("cuda"))
     assert pin_observations(buffers, torch.device("cuda"))
     try:
         assert buffers["obs"].is_pinned() and not buffers["reward"].is_pinned()
         direct = learner.BatchStaging(buffers, config.batch_size, pin=True)
         assert direct.direct == ("obs",) and "obs" not in direct.tensors
-        direct.fill(buffers, slots)
+        direct.fill(slots)
         batch, _ = direct.to(torch.device("cuda"))
         assert list(batch) == list(expected)
         for key, value in expected.items():
@@ -121,7 +121,7 @@ def test_slots_copied_straight_to_the_gpu_may_be_reused_once_to_returns():
     assert pin_observations(buffers, torch.device("cuda"))
     try:
         staging = learner.BatchStaging(buffers, config.batch_size, pin=True)
-        staging.fill(buffers, [0, 1, 2, 3])
+        staging.fill([0, 1, 2, 3])
         torch.cuda._sleep(200_000_000)  # keep the stream busy, so the copies queue behind it
         batch, _ = staging.to(torch.device("cuda"))
         buffers["obs"][:4] = 99  # what the actors would write into the slots given back

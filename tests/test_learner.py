@@ -479,7 +479,7 @@ def test_batch_staging_stacks_slots_time_major() -> None:
         buffers["core_state_0"][slot] = slot
         buffers["core_state_1"][slot] = -slot
     staging = learner.BatchStaging(buffers, batch_size=2, pin=False)
-    staging.fill(buffers, [3, 1])
+    staging.fill([3, 1])
     batch, core_state = staging.to(torch.device("cpu"))
     assert batch["obs"].shape == (T + 1, 2, *OBS_SHAPE)
     assert batch["policy_logits"].shape == (T + 1, 2, NUM_ACTIONS)
