@@ -169,6 +169,7 @@ class Learners:
                     self.pool.slots.give_back(slot)
             copy_end = time.perf_counter()
             with self.update_lock:
+                locked = time.perf_counter()
                 steps = self._steps_of_update(stop=slots is None)
                 if not steps:
                     return
@@ -184,9 +185,11 @@ class Learners:
                 state.updates += 1
                 timings_s = {"wait_batch": copy_start - wait_start, "host_to_device": copy_end - copy_start,
                              "stack": stack_end - copy_start,  # the part of host_to_device that stacks the slots
-                             "update_lock_wait": update_start - copy_end,
+                             "update_lock_wait": locked - copy_end,
                              "forward_backward": publish_start - update_start,
                              "publish": publish_end - publish_start}
+                if self.coordinator is not None:  # waiting in the vote for every rank to agree on this update
+                    timings_s["vote"] = update_start - locked
                 self.record(stats, float((state.updates - 1 - versions).float().mean()), timings_s)
 
     def _steps_of_update(self, stop: bool) -> int:

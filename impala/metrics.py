@@ -7,7 +7,7 @@ Tags follow the CleanRL / Stable-Baselines3 grouping, always against agent steps
     stats/    grad_norm, policy_lag, rho_mean, rho_clipped_fraction, ppo_clip_fraction, full_queue_size, free_queue_size,
               ..., inference_actors_per_batch, inference_busy_share (--inference central)
     timing/   wait_batch_ms, host_to_device_ms (stack_ms of it), update_lock_wait_ms, forward_backward_ms, publish_ms,
-              inference_batch_ms, inference_forward_ms, inference_slots_ms (--inference central)
+              vote_ms (torchrun), inference_batch_ms, inference_forward_ms, inference_slots_ms (--inference central)
     actors/   slot_wait_share, policy_share, env_share, write_share (where the local actors' time went)
     eval/     episodic_return_mean, episodic_return_std, episode_length_mean, games_cut, cpu_s (while training);
               episodic_return_mean and video (test mode)

@@ -360,7 +360,10 @@ def test_torchrun_cartpole_learns_as_one_run_that_test_mode_plays(tmp_path: Path
     assert sorted(p.name for p in savedir.iterdir()) == ["cartpole", "cartpole.console", "latest"]  # one run
     assert len(list(run_dir.glob("events.out.tfevents.*"))) == 1  # one TensorBoard run
     with open(run_dir / "logs.csv", newline="") as f:
-        rows = [row for row in csv.DictReader(f) if row.get("charts/mean_return_100")]
+        every = list(csv.DictReader(f))
+    votes = [float(row["timing/vote_ms"]) for row in every if row.get("timing/vote_ms")]
+    assert votes and all(v >= 0 for v in votes)  # the ranks' agreement before each update, timed apart
+    rows = [row for row in every if row.get("charts/mean_return_100")]
     best = max(float(row["charts/mean_return_100"]) for row in rows)
     assert int(rows[-1]["step"]) == 80_000
     assert best >= 250, [row["charts/mean_return_100"] for row in rows]

@@ -72,6 +72,7 @@ def test_every_tag_group_has_values_against_agent_steps(trained: TrainedRun) -> 
     scalars = trained.events.Tags()["scalars"]
     missing = [tag for tag in ALL_TAGS if tag not in scalars]
     assert not missing, f"missing tags {missing}; present: {scalars}"
+    assert "timing/vote_ms" not in scalars  # torchrun's alone
     for tag in ALL_TAGS:
         events = trained.events.Scalars(tag)
         steps = [e.step for e in events]
