@@ -204,10 +204,7 @@ def batch_advantage_moments(model: Net, batch: dict[str, torch.Tensor], core_sta
     processes with `reducer`), with the model as it is: `--advantage_norm batch` normalises every minibatch's
     advantages with them. In a game whose rewards are rare, most minibatches of a few unrolls hold none, and
     normalised on their own their advantages would be value noise scaled up to the size of a real signal."""
-    batch = vtrace_inputs(batch, config)
-    output, _ = model(batch["obs"], batch["done"], core_state)
-    advantages = _vtrace(output.policy_logits[:-1].float(), output.baseline.float(), batch, config).advantages
-    return reducer.moments(advantages) if reducer is not None else (advantages.mean(), advantages.std())
+    return _moments(_returns(model, vtrace_inputs(batch, config), core_state, config).advantages, reducer)
 
 
 @torch.no_grad()
@@ -219,15 +216,23 @@ def batch_samples(model: Net, batch: dict[str, torch.Tensor], core_state: CoreSt
     `--advantage_norm batch` also their mean and deviation over the batch (over all learner processes' with
     `reducer`), else None."""
     batch = vtrace_inputs(batch, config)
-    output, _ = model(batch["obs"], batch["done"], core_state)
-    returns = _vtrace(output.policy_logits[:-1].float(), output.baseline.float(), batch, config)
-    advantages = returns.advantages
+    returns = _returns(model, batch, core_state, config)
     samples = {"obs": batch["obs"][:-1], "action": batch["action"][:-1],
-               "behaviour_log_probs": batch["behaviour_log_probs"], "vs": returns.vs, "advantage": advantages}
-    moments = None
-    if config.advantage_norm == "batch":
-        moments = reducer.moments(advantages) if reducer is not None else (advantages.mean(), advantages.std())
+               "behaviour_log_probs": batch["behaviour_log_probs"], "vs": returns.vs, "advantage": returns.advantages}
+    moments = _moments(returns.advantages, reducer) if config.advantage_norm == "batch" else None
     return {name: value.flatten(0, 1) for name, value in samples.items()}, moments
+
+
+def _returns(model: Net, batch: dict[str, torch.Tensor], core_state: CoreState, config: Config
+             ) -> vtrace.VTraceFromLogitsReturns:
+    """The V-trace returns of a `vtrace_inputs` batch under `model` as it is."""
+    output, _ = model(batch["obs"], batch["done"], core_state)
+    return _vtrace(output.policy_logits[:-1].float(), output.baseline.float(), batch, config)
+
+
+def _moments(advantages: torch.Tensor, reducer: GradientReducer | None) -> Moments:
+    """The mean and standard deviation of `advantages`, over those of all learner processes with `reducer`."""
+    return reducer.moments(advantages) if reducer is not None else (advantages.mean(), advantages.std())
 
 
 def compute_sample_loss(model: Net, samples: dict[str, torch.Tensor], core_state: CoreState, config: Config,
