@@ -78,7 +78,7 @@ from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import Config, UserError, add_flags, cpu_quota, env_int, parse_config, to_flags
 from impala.environment import EnvBatch, probe_env
 from impala.inference import InferenceServer, InferenceServers
-from impala.learners import learner_threads, select_device
+from impala.learners import learner_torch_threads, select_device
 from impala.model import CastTorso, Net, sample_actions, use_amp
 from impala.seeding import first_life
 from impala.stopping import Terminated, sigterm_as_ctrl_c
@@ -287,7 +287,7 @@ def _bench_server(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
     share of the clients at once, as the trainer runs them: what K threads answer together (`_concurrent_loop`)."""
     device = select_device(config)
     clients, envs = config.num_actors * config.env_splits, config.envs_per_actor // config.env_splits
-    threads = learner_threads(config, device)
+    threads = learner_torch_threads(config, device)
     amp = use_amp(config.amp, device, shape.model)
     model = Net(shape.observation_shape, shape.num_actions, config.model, config.use_lstm, config.hidden_size)
     model = model.to(device).eval()
@@ -379,7 +379,7 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
     reducer = coordinator.step_reducer if coordinator is not None else None
     world_size = coordinator.ranks.world_size if coordinator is not None else 1
     device = coordinator.ranks.device if coordinator is not None else select_device(config)
-    threads = learner_threads(config, device, coordinator.ranks.local_world_size if coordinator else 1)
+    threads = learner_torch_threads(config, device, coordinator.ranks.local_world_size if coordinator else 1)
     amp = use_amp(config.amp, device, shape.model)
     with torch_threads(threads):
         torch.manual_seed(config.seed)

@@ -31,7 +31,7 @@ def select_device(config: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def learner_threads(config: Config, device: torch.device, local_ranks: int = 1) -> int:
+def learner_torch_threads(config: Config, device: torch.device, local_ranks: int = 1) -> int:
     """Torch threads of the learner's process. On the CPU, the cores the actors leave (of this process's share when
     `local_ranks` learner processes share the machine): extra torch threads on busy cores cost more CPU per update
     than they save (measured in BENCHMARKS.md). With a GPU, one: the process's CPU work is then small copies

@@ -46,7 +46,7 @@ from impala.environment import is_atari, probe_env
 from impala.evaluator import Evaluator, check_evaluator, make_evaluator, start_evaluator, stop_evaluator
 from impala.inference import InferenceServer, InferenceServers
 from impala.learner import LearnerState
-from impala.learners import Learners, learner_threads, select_device
+from impala.learners import Learners, learner_torch_threads, select_device
 from impala.metrics import STATUS, IntervalStats, RecentRate, RunLog, close_console, progress_line, setup_console
 from impala.model import Net, use_amp
 from impala.ray_pool import RayActorPool, require_ray
@@ -154,7 +154,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     world_size = coordinator.ranks.world_size if coordinator is not None else 1
     # On a GPU too (one thread): torch's default of one per core takes cores from the actors.
     local_ranks = coordinator.ranks.local_world_size if coordinator is not None else 1
-    torch.set_num_threads(learner_threads(config, device, local_ranks))
+    torch.set_num_threads(learner_torch_threads(config, device, local_ranks))
     optimizer, scheduler = learner.make_optimizer(model.to(device), config, world_size)
     state = LearnerState(model, optimizer, scheduler, ActorLives(config.seed, session=0), world_size=world_size)
     if checkpoint is not None:

@@ -77,7 +77,7 @@ def _operations_per_gradient_step(unroll_length: int) -> float:
     optimizer, scheduler = learner.make_optimizer(model, config)
     slots = bench._synthetic_slots(config, shape, model)
     staging = learner.BatchStaging(slots, config.batch_size, pin=False)
-    staging.fill(slots, list(range(config.batch_size)))
+    staging.fill(list(range(config.batch_size)))
     batch, core_state = staging.to(torch.device("cpu"))
     learner.update(model, optimizer, scheduler, batch, core_state, config)  # the optimiser's state, made once
     return bench.operations_per_gradient_step(model, optimizer, scheduler, batch, core_state, config, amp=False)

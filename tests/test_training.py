@@ -16,7 +16,7 @@ from process_helpers import README_CARTPOLE, README_CARTPOLE_RANKS, README_CARTP
 
 from impala import training
 from impala.config import Config
-from impala.training import learner_threads
+from impala.training import learner_torch_threads
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -192,14 +192,14 @@ def test_a_cpu_learner_takes_the_threads_the_actors_leave_and_a_gpu_learner_one(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("impala.learners.usable_cores", lambda: 16)  # on 2 cores nearly every answer would be 1
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    assert learner_threads(Config(num_actors=1), cpu) == 15
-    assert learner_threads(Config(num_actors=14), cpu) == 2
-    assert learner_threads(Config(num_actors=20), cpu) == 1
-    assert learner_threads(Config(num_actors=0), cpu, local_ranks=2) == 8
-    assert learner_threads(Config(num_actors=3), cpu, local_ranks=2) == 5
-    assert learner_threads(Config(num_actors=2, ray="local", ray_actors=3), cpu) == 11  # Ray's actors are here too
-    assert learner_threads(Config(num_actors=2, ray="auto", ray_actors=3), cpu) == 14  # elsewhere
-    assert learner_threads(Config(num_actors=0), gpu) == learner_threads(Config(num_actors=1), gpu) == 1
+    assert learner_torch_threads(Config(num_actors=1), cpu) == 15
+    assert learner_torch_threads(Config(num_actors=14), cpu) == 2
+    assert learner_torch_threads(Config(num_actors=20), cpu) == 1
+    assert learner_torch_threads(Config(num_actors=0), cpu, local_ranks=2) == 8
+    assert learner_torch_threads(Config(num_actors=3), cpu, local_ranks=2) == 5
+    assert learner_torch_threads(Config(num_actors=2, ray="local", ray_actors=3), cpu) == 11  # Ray's actors are here too
+    assert learner_torch_threads(Config(num_actors=2, ray="auto", ray_actors=3), cpu) == 14  # elsewhere
+    assert learner_torch_threads(Config(num_actors=0), gpu) == learner_torch_threads(Config(num_actors=1), gpu) == 1
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
@@ -215,7 +215,7 @@ def test_a_built_run_gives_its_learner_its_threads_on_any_device(tmp_path: Path,
     run = training.build(config)
     training.shutdown(run, save=False)
     assert run.device.type == device
-    assert torch.get_num_threads() == learner_threads(config, run.device)
+    assert torch.get_num_threads() == learner_torch_threads(config, run.device)
     assert torch.get_num_threads() == (5 if device == "cpu" else 1)
 
 
