@@ -191,13 +191,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
                   update_lock=update_lock, coordinator=coordinator, stop=stop,
                   changed_flags=tuple(changed_flags(checkpoint["flags"], config)) if checkpoint is not None else ())
         if config.inference == "central":
-            positions = run.pool.channels.inference_positions
-            assert positions is not None, "made by the pool for --inference central"
-            # Server k's sampling stream is the "life" k of the inference stream: one server's is the same as before.
-            seeds = [sampling_seed(config.seed, session, INFERENCE_STREAM, k) for k in range(config.inference_threads)]
-            graphed = config.cuda_graph and not learner.compiles_cuda_graphs(config, device, world_size)
-            servers = InferenceServers(model, buffers, positions, device, run.amp, config.inference_wait_ms / 1000, seeds,
-                                       graphed=graphed, splits=config.env_splits)
+            servers = _inference_servers(run, session)
             run.inference, run.pool.inference = CentralInference(servers), servers
         return run
     except BaseException:
@@ -212,6 +206,18 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         if ray_connection is not None:
             ray_pool.disconnect(ray_connection)
         raise
+
+
+def _inference_servers(run: Run, session: int) -> InferenceServers:
+    """--inference central: the servers of the run's actors, on its learner's device, acting with the learner's
+    model as last published."""
+    config, positions = run.config, run.pool.channels.inference_positions
+    assert positions is not None, "made by the pool for --inference central"
+    # Server k's sampling stream is the "life" k of the inference stream: with one server, life 0.
+    seeds = [sampling_seed(config.seed, session, INFERENCE_STREAM, k) for k in range(config.inference_threads)]
+    graphed = config.cuda_graph and not learner.compiles_cuda_graphs(config, run.device, run.state.world_size)
+    return InferenceServers(run.state.model, run.buffers, positions, run.device, run.amp, config.inference_wait_ms / 1000,
+                            seeds, graphed=graphed, splits=config.env_splits)
 
 
 def _actor_pool(config: Config, ctx: BaseContext, buffers: Buffers, state: LearnerState, actor_model: Net,
