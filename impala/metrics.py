@@ -231,6 +231,7 @@ class RunLog:
 
     def _widen_csv(self, fieldnames: list[str]) -> None:
         self._csv_file.close()
+        self._csv_file = self._csv = None  # if the rewrite fails, the next row reopens the file as it is and tries again
         with open(self._csv_path, newline="") as f:
             rows = list(csv.DictReader(f))
         self._replace_csv(fieldnames, [[row.get(key) or "" for key in fieldnames] for row in rows])

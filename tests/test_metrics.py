@@ -379,6 +379,30 @@ def test_tensorboard_on_a_disk_that_stays_full_is_tried_anew_without_a_traceback
     assert len(event_files) == 2 and all(f.stat().st_size > 0 for f in event_files)  # the first and the one after
 
 
+def test_a_csv_whose_widening_failed_on_a_full_disk_keeps_taking_rows_and_widens_once_it_can(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Widening rewrites the whole file (a second copy's worth of space): failing there loses that row only."""
+    runlog = RunLog(tmp_path)
+    runlog.scalars(10, {"charts/SPS": 1.0})
+    replace = runlog._replace_csv
+
+    def full(header: object, rows: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(runlog, "_replace_csv", full)
+    with caplog.at_level(logging.ERROR, logger="impala"):
+        runlog.scalars(20, {"charts/SPS": 2.0, "eval/episodic_return_mean": 5.0})  # a first evaluation's tag
+    assert "Could not write logs.csv" in caplog.text
+    runlog.scalars(30, {"charts/SPS": 3.0})
+    monkeypatch.setattr(runlog, "_replace_csv", replace)  # space again
+    runlog.scalars(40, {"charts/SPS": 4.0, "eval/episodic_return_mean": 6.0})
+    runlog.close()
+    with open(tmp_path / "logs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["charts/SPS"], r["eval/episodic_return_mean"]) for r in rows] == [
+        ("10", "1.0", ""), ("30", "3.0", ""), ("40", "4.0", "6.0")]
+
+
 def test_closing_the_logs_on_a_full_disk_reports_instead_of_raising(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     runlog = RunLog(tmp_path)
