@@ -165,6 +165,7 @@ class LocalActorPool:
         )
         self.processes: list[Any] = []  # multiprocessing.Process of each actor's current life
         self.restarts: list[float] = []  # times of deaths, for the crash-rate limit
+        self._unclaimed: dict[int, str] = {}  # tracebacks of actors not yet seen dead (still exiting)
         self.last_hang_check = time.monotonic()
 
     # ------------------------------------------------------------------------------------- start
@@ -226,17 +227,19 @@ class LocalActorPool:
     # ------------------------------------------------------------------------------------- watch
 
     def check(self) -> None:
-        """Replace every actor that died or hung: report it (with the traceback it sent, if any), free the
-        queue locks and the slots it held, start a new one. Too many deaths raise TrainingError instead."""
+        """Replace every actor that died or hung: report it (with the traceback it sent, if any), give its
+        slots to its replacement and start that. Too many deaths raise TrainingError instead."""
         self.kill_hung()
         dead = [(index, process) for index, process in enumerate(self.processes) if not process.is_alive()]
         if not dead:
             return
         for _, process in dead:
             process.join()
-        tracebacks = self.tracebacks()  # read after the join: an actor writes its traceback before it exits
+        # Read after the join: an actor writes its traceback before it exits. One that failed at the same time
+        # may have sent its own and not yet exited: kept for the check that sees it dead.
+        self._unclaimed.update(self.tracebacks())
         for index, process in dead:
-            self._replace(index, process, tracebacks.get(index, "").strip())
+            self._replace(index, process, self._unclaimed.pop(index, "").strip())
 
     def _replace(self, index: int, process: BaseProcess, detail: str) -> None:
         how = exit_description(process.exitcode)
@@ -307,7 +310,9 @@ class LocalActorPool:
                 log.warning("Actor %s (pid %d) did not stop in %.0f s; killing it", process.name, process.pid,
                             ACTOR_JOIN_TIMEOUT_S)
                 process.kill()
-            process.join()
+            process.join(timeout=ACTOR_JOIN_TIMEOUT_S)  # a process in the kernel's uninterruptible sleep
+            if process.is_alive():                      # outlives even SIGKILL for a while: not waited on
+                log.warning("Actor %s (pid %d) did not end after SIGKILL; leaving it", process.name, process.pid)
 
     def close(self) -> None:
         """Close every channel and stop the fork server; after `stop`."""

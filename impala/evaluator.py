@@ -41,6 +41,7 @@ from impala.rundir import record_best
 log = logging.getLogger("impala")
 
 EVALUATOR_NICENESS = 19  # evaluation plays with the CPU time actors and learners leave; it is never in their way
+KILLED_JOIN_TIMEOUT_S = 5.0  # how long stopping waits for the killed evaluation process to end
 
 
 @dataclass
@@ -283,12 +284,16 @@ def stop_evaluator(run: EvaluatedRun) -> None:
     evaluator = run.evaluator
     if evaluator is None or evaluator.process is None:
         return
-    if not evaluator.disabled:
-        _receive_evaluation(run, evaluator)
     process = evaluator.process
-    _pipe(evaluator).close()
-    if process.is_alive():
-        process.kill()
-    process.join()
+    try:
+        if not evaluator.disabled:
+            _receive_evaluation(run, evaluator)
+    finally:
+        _pipe(evaluator).close()
+        if process.is_alive():
+            process.kill()
+        process.join(timeout=KILLED_JOIN_TIMEOUT_S)
+        if process.is_alive():  # in the kernel's uninterruptible sleep: not waited on
+            log.warning("The evaluation process (pid %d) did not end after SIGKILL; leaving it", process.pid)
 
 

@@ -185,6 +185,39 @@ def test_a_failed_inference_thread_stops_the_run_with_one_line_and_keeps_a_check
     assert checkpoint_step(tmp_path / "dead-inference") > 0  # what was learned before the fault is saved
 
 
+class _Exiting:
+    """An actor process as `LocalActorPool.check` sees it: alive or not."""
+
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_the_traceback_of_an_actor_still_exiting_is_reported_with_its_death_at_the_next_check() -> None:
+    """Two actors fail together: one has exited, the other has sent its traceback and is still exiting. The
+    first check reads both tracebacks; the second actor's is kept for the check that finds it dead."""
+    pool = object.__new__(LocalActorPool)
+    first, second = _Exiting(alive=False), _Exiting(alive=True)
+    sent = [{0: "Traceback: first", 1: "Traceback: second"}, {}]
+    replaced: list[tuple[int, str]] = []
+    pool.processes = [first, second]
+    pool._unclaimed = {}
+    pool.kill_hung = lambda: None
+    pool.tracebacks = lambda: sent.pop(0)
+    pool._replace = lambda index, process, detail: replaced.append((index, detail))
+    pool.check()
+    assert replaced == [(0, "Traceback: first")]
+    pool.processes = [_Exiting(alive=True), second]  # the first one's replacement runs; the second has exited
+    second.alive = False
+    pool.check()
+    assert replaced == [(0, "Traceback: first"), (1, "Traceback: second")]
+
+
 def test_a_hung_actor_is_killed_and_replaced(tmp_path: Path) -> None:
     run = Training(tmp_path, "hung-actor", "--actor_timeout_s", "3")
     try:
@@ -443,6 +476,19 @@ def test_a_build_that_fails_after_the_run_files_were_written_records_its_end(
     events = EventAccumulator(str(tmp_path / "late"))  # the writer closed: the run's flags are in its file
     events.Reload()
     assert "flags/text_summary" in events.Tags()["tensors"]
+
+
+def test_a_fault_in_stopping_the_evaluator_comes_after_the_final_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_stop(run: object) -> None:
+        raise RuntimeError("the evaluator's fault")
+
+    monkeypatch.setattr(training, "stop_evaluator", failing_stop)
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=5, batch_size=4,
+                    hidden_size=16, total_steps=200, disable_cuda=True, savedir=str(tmp_path), xpid="eval-fault")
+    with pytest.raises(RuntimeError, match="the evaluator's fault"):
+        training.train(config)
+    assert checkpoint_step(tmp_path / "eval-fault") == 200  # saved before the fault was raised
 
 
 def test_a_crash_of_the_main_process_prints_where_its_threads_were(tmp_path: Path,
