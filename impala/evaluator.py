@@ -232,7 +232,8 @@ def finish_evaluation(run: EvaluatedRun, evaluator: Evaluator, pending: dict, ga
 
 def _save_best(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: list[float]) -> None:
     """Write model_best.tar (atomically, as model.tar) and record it in meta.json. A failed write is reported
-    and training goes on; the best stays the previous one, so the next better evaluation tries again."""
+    and training goes on; the best stays the one in model_best.tar, so the next better evaluation tries again and
+    no worse one replaces it (a failed meta.json leaves the new best in model_best.tar: it is the best)."""
     mean, std = statistics.fmean(returns), statistics.pstdev(returns)
     state = {
         "model_state_dict": {k: v.detach().clone() for k, v in evaluator.model.state_dict().items()},
@@ -242,17 +243,32 @@ def _save_best(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: 
         "observation_shape": list(evaluator.model.observation_shape), "num_actions": evaluator.model.num_actions,
     }
     path = run.run_dir / BEST_CHECKPOINT_NAME
+    before = _inode(path)
     try:
         save_checkpoint(path, state)
-        record_best(run.run_dir, {"step": pending["step"], "episodic_return_mean": mean,
-                                  "episodic_return_std": std, "episodes": len(returns),
-                                  "actions": run.config.eval_actions, "checkpoint": BEST_CHECKPOINT_NAME})
     except OSError as exc:
+        if _inode(path) != before:  # renamed into place before the error (the directory's sync): it is the best
+            evaluator.best = (mean, pending["step"])
         log.error("Could not save the best agent (step %d, mean return %.2f) to %s: %s; training goes on",
                   pending["step"], mean, path, exc)
         return
     evaluator.best = (mean, pending["step"])
     log.info("New best evaluation: mean return %.2f at step %d, saved to %s", mean, pending["step"], path)
+    try:
+        record_best(run.run_dir, {"step": pending["step"], "episodic_return_mean": mean,
+                                  "episodic_return_std": std, "episodes": len(returns),
+                                  "actions": run.config.eval_actions, "checkpoint": BEST_CHECKPOINT_NAME})
+    except OSError as exc:
+        log.error("Could not record the best agent in %s: %s (it is saved in %s)", run.run_dir / "meta.json", exc,
+                  path)
+
+
+def _inode(path: Path) -> int | None:
+    """Which file `path` is (None where there is none): a rename into place makes it another."""
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
 
 
 def replace_evaluator(run: EvaluatedRun, evaluator: Evaluator) -> None:

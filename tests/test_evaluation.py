@@ -5,12 +5,14 @@ copies, and --checkpoint picks what test mode and resume load."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import multiprocessing
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -35,6 +37,8 @@ from process_helpers import (
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import impala.checkpoint
+import impala.evaluator
 import run
 from impala.checkpoint import (
     BEST_CHECKPOINT_NAME,
@@ -329,6 +333,38 @@ def test_only_a_better_evaluation_replaces_the_best(tmp_path: Path, caplog: pyte
     assert [e.value for e in events.Scalars("eval/games_cut")] == [0, 0, 0, 1]
     assert "Evaluation at step 400: mean return 40.00 (std 0.00, 2 games, 0.50 CPU s). Games lasted 500-500 " \
         "agent steps (mean 500); 1 of 2 cut by the time limit" in caplog.text
+
+
+@pytest.mark.parametrize("failing", ["meta.json", "the directory's sync"])
+def test_a_best_agent_saved_whose_record_failed_is_still_the_best_a_worse_one_must_beat(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, failing: str) -> None:
+    """model_best.tar holds the 20 once it is renamed into place, whatever failed after: the 15 that comes next
+    must not replace it."""
+    run_ = _fake_run(tmp_path, best=(10.0, 100))
+    pending = {"number": 2, "step": 200, "updates": 10, "episodes": 9}
+    if failing == "meta.json":
+        def no_space(*args: object) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(impala.evaluator, "record_best", no_space)
+    else:
+        real_fsync = os.fsync
+
+        def failing_fsync(fd: int) -> None:  # the rename's sync, after the file's own
+            if stat.S_ISDIR(os.fstat(fd).st_mode):
+                raise OSError(errno.EIO, "Input/output error")
+            real_fsync(fd)
+
+        monkeypatch.setattr(impala.checkpoint.os, "fsync", failing_fsync)
+    with caplog.at_level(logging.ERROR, logger="impala"):
+        finish_evaluation(run_, run_.evaluator, pending, _games([20.0, 20.0]))
+    assert "Could not" in caplog.text
+    assert load_checkpoint(tmp_path / BEST_CHECKPOINT_NAME)["step"] == 200
+    monkeypatch.undo()
+    finish_evaluation(run_, run_.evaluator, {**pending, "step": 300}, _games([15.0, 15.0]))
+    assert run_.evaluator.best == (20.0, 200)
+    assert load_checkpoint(tmp_path / BEST_CHECKPOINT_NAME)["step"] == 200
+    run_.runlog.close()
 
 
 def test_an_evaluator_that_keeps_dying_ends_evaluation_not_training(tmp_path: Path,
