@@ -184,8 +184,9 @@ def _print_results(games: Games, state: dict) -> float:
     return mean
 
 
-# Evaluation k plays games seeded EVAL_SEED_OFFSET + k after the run's seed: other games than the actors'
-# and the test mode's, and other games in every evaluation, so the best is not chosen on one fixed set.
+# Evaluation k of a session plays the games seeded EVAL_SEED_OFFSET + k x eval_episodes after the run's seed, one per
+# game (`play`): other games than the actors' and the test mode's, and other games in every evaluation of a session,
+# so the best is not chosen on one fixed set. (A resumed session numbers its evaluations from 0 again.)
 EVAL_SEED_OFFSET = 1_000_000
 
 
@@ -210,7 +211,7 @@ def serve_evaluations(model: Net, config: Config, connection: Connection, heartb
             return
         beat()
         start_cpu_s = time.process_time()
-        games = play(model, config.env, config.eval_episodes, config.seed + EVAL_SEED_OFFSET + number,
+        games = play(model, config.env, config.eval_episodes, config.seed + EVAL_SEED_OFFSET + number * config.eval_episodes,
                      greedy=config.eval_actions == "greedy", on_step=beat, fire_on_life_loss=config.fire_on_life_loss,
                      max_steps=config.eval_max_steps)
         connection.send((number, step, games, time.process_time() - start_cpu_s))

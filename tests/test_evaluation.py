@@ -188,7 +188,7 @@ def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
     server.join(timeout=30)
     assert not server.is_alive()
     assert (number, step) == (2, 1234)
-    assert games == play(model, "CartPole-v1", 3, 7 + EVAL_SEED_OFFSET + 2, greedy=True)
+    assert games == play(model, "CartPole-v1", 3, 7 + EVAL_SEED_OFFSET + 2 * 3, greedy=True)  # after evaluations 0, 1
     assert len(games.returns) == 3 and all(r >= 1 for r in games.returns) and cpu_s > 0
     # It beat once on taking the request and once per agent step: the games run side by side, the longest last.
     assert heartbeat.beats == 1 + max(games.lengths)
@@ -518,7 +518,7 @@ def test_an_evaluator_whose_game_raises_is_reported_once_with_its_traceback_and_
     import crashing_env
 
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "tests"))  # for the env's module, in every process of the run
-    monkeypatch.setenv("CRASHING_ENV_SEED", str(EVAL_SEED_OFFSET + 1))  # the first game of the first evaluation
+    monkeypatch.setenv("CRASHING_ENV_SEED", str(EVAL_SEED_OFFSET + 2))  # the first game of evaluation 1 (2 games each)
     run_ = Training(tmp_path, "crash", "--env", crashing_env.ENV, "--eval_interval_s", "1", "--eval_episodes", "2")
     try:
         died = run_.wait_for(r"Evaluator \(pid \d+\) died: exit code 1; the evaluation of step \d+ is lost")
