@@ -84,7 +84,8 @@ class ActorPool(Protocol):
         """Tell every actor to stop, without waiting."""
 
     def stop(self, drain: Callable[[], None]) -> None:
-        """Stop every actor, bounded in time; `drain` is called while waiting (actors may flush episodes)."""
+        """Stop every actor, bounded in time; `drain` is called while waiting (an actor blocked on a full episode
+        pipe sees the stop flag only once it is read)."""
 
     def close(self) -> None:
         """Release the channels, after `stop`."""
@@ -124,8 +125,8 @@ def process_context() -> BaseContext:
 class LocalActorPool:
     """Actor processes on this machine: each fills its own slots in shared memory (`actor.run_actor`).
 
-    Owns every channel between them and the main process (created here, in one place) and the
-    processes themselves: their start, their heartbeats, their restart with the slots they held, their
+    Owns every channel between them and the main process (made here, the slots' pipes by its `slots.SlotLedger`)
+    and the processes themselves: their start, their heartbeats, their restart with the slots they held, their
     stop. Only the main thread calls it, except `publish` (a learner thread, under the update lock).
     """
 
@@ -296,8 +297,8 @@ class LocalActorPool:
         self.channels.stop_event.set()
 
     def stop(self, drain: Callable[[], None]) -> None:
-        """Set the stop flag and wait for actors to see it, calling `drain` meanwhile (an exiting process first
-        flushes what it put, and would block on a full pipe); then kill the stragglers (actors ignore SIGTERM)."""
+        """Set the stop flag and wait for actors to see it, calling `drain` meanwhile (an actor blocked writing to
+        a full episode pipe sees the flag only once it is read); then kill the stragglers (actors ignore SIGTERM)."""
         self.channels.stop_event.set()
         deadline = time.monotonic() + ACTOR_JOIN_TIMEOUT_S
         while time.monotonic() < deadline and any(process.is_alive() for process in self.processes):
@@ -362,7 +363,8 @@ def start_fork_server() -> None:
     blocked, as `start_process` would start it (see there). After `process_context`, which names what it
     preloads.
 
-    The resource tracker (which unlinks the run's semaphores should the main process die) comes first, also
+    The resource tracker (which the fork server requires; it unlinks what multiprocessing registered with it
+    should the main process die) comes first, also
     started with the stop signals blocked: it ignores Ctrl-C and SIGTERM of its own accord but would die of a
     SIGHUP to the process group (a closed terminal), and keeps the block for good. Its start unblocks Ctrl-C and
     SIGTERM in this thread on its way out: so each start under its own block."""
@@ -477,8 +479,7 @@ def stop_fork_server() -> None:
     It would otherwise live as long as this Python process: harmless for `run.py`, which exits next, but
     a long-lived caller (a notebook, a test session) would keep an idle, torch-importing process per run.
     The next run starts a fresh one. `_stop` is the multiprocessing internal its own tests use (Python 3.8+).
-    The resource tracker is left running: the queues' semaphores still unregister with it when they are
-    garbage-collected, and it exits with this process, unlinking whatever is left in /dev/shm.
+    The resource tracker is left running: it exits with this process.
 
     Killed, then reaped by `_stop`: left to exit by itself once its "alive" pipe closes, the server would
     first run its interpreter's exit with torch loaded (0.7 s of every run's end measured here), and a

@@ -1,6 +1,7 @@
 """Channels between the main process and its actors that a process killed at any instant cannot break.
 
-Defined here, created only by `actor_pool.py` (which owns the actor processes of a run and every channel to them).
+Defined here, created by `actor_pool.py` (which owns the actor processes of a run and every channel to them) and,
+for the slots' free pipes, by `slots.py`.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class RecordQueue:
     other actor stalls for good. Here every `put` is one `write` of one record and every `get` one `read`
     of one record on a non-blocking pipe; the kernel makes each atomic (records are far below PIPE_BUF),
     so there is no lock to keep and no half-read record. Readers wait with `select`, holding nothing.
-    Created by `actor_pool.py`; picklable only while starting a process (it carries two pipe ends).
+    Picklable only while starting a process (it carries two pipe ends).
     The subset of the `queue.Queue` interface that actors and learners use: put, get, get_nowait, qsize.
     """
 

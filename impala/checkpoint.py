@@ -85,7 +85,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     hidden_size = state["flags"].get("hidden_size")  # older checkpoints may have none: the run's own is used
     if hidden_size is not None and (not isinstance(hidden_size, int) or isinstance(hidden_size, bool)
                                     or hidden_size < 1):
-        # Checked here, where every mode reads the file: `int()` on it raised ValueError in both test and training.
+        # Checked here, where every mode reads the file, before anything converts it.
         raise UserError(f"checkpoint {path} is not an impala checkpoint (its flags' hidden_size {hidden_size!r} is "
                         "not a whole number >= 1)")
     returns = state.get("recent_returns", [])  # the last 100 games' returns; older checkpoints have none

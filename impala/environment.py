@@ -236,8 +236,8 @@ class EnvBatch:
         return step
 
     def _check_finite(self, what: str, values: np.ndarray) -> None:
-        """Raise when an env sent a NaN or an infinity: the actor fails and says so. Unchecked, they went on
-        silently: a NaN made the learner skip update after update, an infinite reward was clipped to 1."""
+        """Raise when an env sent a NaN or an infinity: the actor fails and says so. Unchecked, a NaN would make
+        the learner skip update after update, and an infinite reward would be clipped to 1, silently."""
         if values.dtype.kind == "f" and not np.isfinite(values).all():
             bad = np.flatnonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1))
             raise NonFiniteEnvOutput(f"env {self.env_id!r} sent a non-finite {what} (NaN or inf) in {len(bad)} of "

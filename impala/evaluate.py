@@ -45,7 +45,7 @@ def _saved_net(state: dict[str, Any], path: Path) -> Net:
 
     Weights that do not fit that header (keys renamed, another hidden size or number of actions: a damaged file,
     or one of another version) are the checkpoint's fault: a UserError naming it, as training says for the same
-    file (`learner.LearnerState.load_state_dict`), where a RuntimeError's traceback came out.
+    file (`learner.LearnerState.load_state_dict`), not a traceback.
     """
     flags = state["flags"]
     description = (f"{state.get('model')}, observations {tuple(state['observation_shape'])}, "

@@ -3,9 +3,11 @@ handed out twice.
 
 A slot is always in exactly one of these places:
 
-    its actor's free pipe, or being filled      slot_owner = the actor
-    the full queue (handed to the learners)     slot_owner = the actor still
-    with a learner thread                       slot_owner = -1
+    its actor's free pipe, or being filled              slot_owner = the actor
+    the full queue (handed to the learners)             slot_owner = the actor still
+    the backlog (what was in the full queue when an
+      actor died, taken by the learners first)          slot_owner = -1
+    with a learner thread                               slot_owner = -1
 
 Each slot belongs to one actor (slot % num_actors, or the `homes` given), which gets it back every time a
 learner is done with it. A writer that is not a process (the thread that copies in the unrolls of remote

@@ -61,7 +61,7 @@ class StopRequests:
 
     @property
     def reason(self) -> str | None:
-        """Why the run stops, as meta.json records it: interrupted or terminated; None while none came."""
+        """Why the run stops, as meta.json records it: interrupted, terminated or hangup; None while none came."""
         return None if self.signum is None else _REASONS.get(self.signum, "terminated")
 
     @property
