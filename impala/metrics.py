@@ -197,15 +197,6 @@ class RunLog:
 
         self._tensorboard(write)
 
-    def video(self, tag: str, frames: np.ndarray, step: int, fps: float) -> None:
-        """An animated GIF of `frames` ([T, H, W, 3] or [T, H, W] uint8) in TensorBoard's IMAGES tab.
-
-        This is what `SummaryWriter.add_video` writes, encoded with Pillow (already installed with
-        matplotlib) because add_video needs moviepy, a dependency we would add for this one call.
-        """
-        summary = video_summary(tag, frames, fps)
-        self._tensorboard(lambda writer: writer._get_file_writer().add_summary(summary, step))
-
     def _write_csv(self, row: dict[str, float]) -> None:
         if self._csv is None:
             fieldnames = list(row)
@@ -247,9 +238,6 @@ class RunLog:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def flush(self) -> None:
-        self._tensorboard(lambda writer: writer.flush())
-
     def close(self) -> None:
         if self._tensorboard_failed_at is None:
             try:
@@ -274,7 +262,9 @@ def flags_markdown(flags: Mapping[str, Any]) -> str:
 
 
 def video_summary(tag: str, frames: np.ndarray, fps: float) -> Summary:
-    """A TensorBoard image summary holding `frames` ([T, H, W, 3] or [T, H, W] uint8) as an animated GIF."""
+    """A TensorBoard image summary holding `frames` ([T, H, W, 3] or [T, H, W] uint8) as an animated GIF, in the
+    IMAGES tab: what `SummaryWriter.add_video` writes, encoded with Pillow (installed with matplotlib), where
+    add_video needs moviepy, a dependency for this one call."""
     from PIL import Image
 
     frames = np.asarray(frames)
