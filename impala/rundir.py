@@ -133,12 +133,25 @@ def restarts_unsaved_run(config: Config, run_dir: Path) -> bool:
     without model.tar (moved away: the next --keep_checkpoints would delete them), or another env's run."""
     if not run_dir.is_dir():
         return False
+    checkpoint = run_dir / CHECKPOINT_NAME
+    if os.path.lexists(checkpoint):  # not a file: a directory, or a link to a file moved away
+        raise UserError(f"{checkpoint} is not a checkpoint file (a directory, or a link to nothing): restore it, "
+                        "or choose another --xpid")
     kept = sorted(run_dir.glob("model_step_*.tar"), key=lambda p: p.stat().st_mtime)
     if kept:
         raise UserError(f"run {run_dir} has no {CHECKPOINT_NAME} but keeps {kept[-1].name}: pass --checkpoint "
                         f"{kept[-1]} to continue from it, or choose another --xpid")
+    saved_step = _recorded(run_dir, "checkpoint_step")
+    if isinstance(saved_step, int) and not isinstance(saved_step, bool):
+        raise UserError(f"run {run_dir} saved a checkpoint at step {saved_step} (its {META_NAME}) but has no "
+                        f"{CHECKPOINT_NAME}: restore it, pass --checkpoint PATH to continue from a copy, or choose "
+                        "another --xpid")
     flags_path = run_dir / "flags.json"
     if not flags_path.is_file():
+        ours = [name for name in (META_NAME, "logs.csv", "out.log") if (run_dir / name).exists()]
+        if ours:  # a new run would write over them
+            raise UserError(f"{run_dir} holds {', '.join(ours)} but no flags.json: not a run this program can "
+                            "continue or start there; choose another --xpid")
         return False  # not a run's directory (or an empty one): a new run
     try:
         env = json.loads(flags_path.read_text()).get("env")
@@ -259,6 +272,23 @@ def record_best(run_dir: Path, best: dict[str, float | int | str]) -> None:
     """Record the best evaluation so far (step, mean and spread of its returns) in meta.json, atomically."""
     meta = read_meta(run_dir)
     meta["best_evaluation"] = best
+    _write_json(run_dir / META_NAME, meta)
+
+
+def _recorded(run_dir: Path, key: str) -> Any:
+    """`key` of the run's meta.json, or None where it has none or the file cannot be read (nothing is moved)."""
+    try:
+        meta = json.loads((run_dir / META_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta.get(key) if isinstance(meta, dict) else None
+
+
+def record_checkpoint(run_dir: Path, step: int) -> None:
+    """Record in meta.json that the run saved a checkpoint (model.tar) at `step`: a run whose model.tar is then
+    lost is refused rather than started again from step 0 over its logs (`restarts_unsaved_run`)."""
+    meta = read_meta(run_dir)
+    meta["checkpoint_step"] = step
     _write_json(run_dir / META_NAME, meta)
 
 

@@ -57,6 +57,7 @@ from impala.rundir import (
     keep_replaced_checkpoint,
     open_run,
     prepare_run_directory,
+    record_checkpoint,
     write_run_files,
 )
 from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
@@ -429,6 +430,10 @@ def checkpoint(run: Run) -> None:
     save_checkpoint(run.run_dir / CHECKPOINT_NAME, state)
     run.saved_step = state["step"]
     log.info("Saved checkpoint at step %d to %s", state["step"], run.run_dir / CHECKPOINT_NAME)
+    try:
+        record_checkpoint(run.run_dir, state["step"])
+    except OSError as exc:
+        log.error("Could not record the checkpoint in %s: %s (model.tar is saved)", run.run_dir / "meta.json", exc)
     _keep_step_copy(run, state["step"])
 
 

@@ -274,16 +274,40 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_keeping_its_start
 @pytest.mark.parametrize(("damage", "pattern"), [
     ("kept copy", r"has no model.tar but keeps model_step_40.tar: pass --checkpoint .*model_step_40.tar to continue"),
     ("another env", r"is a run of Acrobot-v1 \(its flags.json; killed before its first checkpoint\), not of Cart"),
-], ids=["kept copy", "another env"])
+    ("saved before", r"saved a checkpoint at step 20000 \(its meta.json\) but has no model.tar: restore it, pass "),
+    ("a directory", r"model.tar is not a checkpoint file \(a directory, or a link to nothing\): restore it"),
+    ("a broken link", r"model.tar is not a checkpoint file \(a directory, or a link to nothing\): restore it"),
+], ids=["kept copy", "another env", "saved before", "a directory", "a broken link"])
 def test_a_run_without_model_tar_is_not_started_over_where_that_loses_what_it_saved(
         capsys: pytest.CaptureFixture, tmp_path: Path, damage: str, pattern: str) -> None:
     run_dir = _unsaved_run(tmp_path, "moved", env="Acrobot-v1" if damage == "another env" else "CartPole-v1")
     if damage == "kept copy":  # model.tar moved away, its --keep_checkpoints copy left: the next run would prune it
         save_checkpoint(run_dir / "model_step_40.tar", torch.load(_saved_run(tmp_path, "source") / CHECKPOINT_NAME,
                                                                    weights_only=True))
-    before = _snapshot(run_dir)
+    elif damage == "saved before":  # a finished run whose model.tar was deleted: its logs go to step 20,000
+        (run_dir / "meta.json").write_text(json.dumps({"starts": ["before"], "checkpoint_step": 20_000,
+                                                       "end_reason": "finished", "final_step": 20_000}))
+    elif damage == "a directory":
+        (run_dir / CHECKPOINT_NAME).mkdir()
+    elif damage == "a broken link":  # the checkpoint moved to another disk
+        (run_dir / CHECKPOINT_NAME).symlink_to(tmp_path / "elsewhere" / CHECKPOINT_NAME)
+    before = {p.name: p.read_bytes() for p in sorted(run_dir.iterdir()) if p.is_file()}
     _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "moved"], pattern)
-    assert _snapshot(run_dir) == before
+    assert {p.name: p.read_bytes() for p in sorted(run_dir.iterdir()) if p.is_file()} == before
+    assert os.path.lexists(run_dir / CHECKPOINT_NAME) == (damage in ("a directory", "a broken link"))
+
+
+def test_a_directory_with_files_of_a_run_but_no_flags_is_not_written_over(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """Not a run this program can continue (no flags.json), and a new run would replace its meta.json and logs."""
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "meta.json").write_text('{"author": "someone"}')
+    (other / "logs.csv").write_text("step,x\n1,2\n")
+    before = _snapshot(other)
+    _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "notes"],
+                r"notes holds meta.json, logs.csv but no flags.json: not a run this program can continue")
+    assert _snapshot(other) == before
 
 
 @pytest.mark.parametrize("resuming", [False, True])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import re
 import shutil
 import signal
@@ -45,6 +46,7 @@ def test_sigterm_then_resume_reaches_total_steps_with_one_curve(tmp_path: Path) 
         first.close()
     stopped_at = checkpoint_step(first.run_dir)
     assert 1_000 <= stopped_at < TOTAL_STEPS
+    assert json.loads((first.run_dir / "meta.json").read_text())["checkpoint_step"] == stopped_at  # recorded
     saved = load_checkpoint(first.run_dir / CHECKPOINT_NAME)
     assert saved["updates"] == stopped_at // 20
     assert saved["optimizer_state_dict"]["state"], "RMSprop's running averages are saved"
