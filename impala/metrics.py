@@ -201,7 +201,7 @@ class RunLog:
         if self._csv is None:
             fieldnames = list(row)
             if self._csv_path.exists() and self._csv_path.stat().st_size > 0:
-                with open(self._csv_path, newline="") as f:
+                with open(self._csv_path, newline="", errors="replace") as f:
                     fieldnames = next(csv.reader(f), fieldnames)  # appending to a resumed run
                 self._open_csv(fieldnames, append=True)
             else:
@@ -223,7 +223,7 @@ class RunLog:
     def _widen_csv(self, fieldnames: list[str]) -> None:
         self._csv_file.close()
         self._csv_file = self._csv = None  # if the rewrite fails, the next row reopens the file as it is and tries again
-        with open(self._csv_path, newline="") as f:
+        with open(self._csv_path, newline="", errors="replace") as f:
             rows = list(csv.DictReader(f))
         self._replace_csv(fieldnames, [[row.get(key) or "" for key in fieldnames] for row in rows])
         self._open_csv(fieldnames, append=True)

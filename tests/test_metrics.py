@@ -67,6 +67,18 @@ def test_csv_of_a_resumed_run_keeps_its_header_and_appends(tmp_path: Path) -> No
     assert rows == [{"step": "40", "a": "1.0", "b": "2.0"}, {"step": "80", "a": "4.0", "b": "3.0"}]
 
 
+def test_a_resumed_csv_with_bytes_that_are_not_text_takes_rows_and_widens(tmp_path: Path) -> None:
+    """A header damaged on disk costs its column's name, not the run."""
+    (tmp_path / "logs.csv").write_bytes(b"step,charts/S\xffPS\n10,1.0\n")
+    runlog = RunLog(tmp_path)
+    runlog.scalars(20, {"charts/SPS": 2.0})
+    runlog.scalars(30, {"charts/SPS": 3.0, "losses/total_loss": 0.5})
+    runlog.close()
+    with open(tmp_path / "logs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["losses/total_loss"]) for r in rows] == [("10", ""), ("20", ""), ("30", "0.5")]
+
+
 def test_a_resumed_run_drops_the_events_and_rows_from_its_checkpoints_step_on(tmp_path: Path) -> None:
     """TensorBoard's merged view and the CSV agree, and a point logged again at the checkpoint's step (a resumed
     session evaluates the checkpoint's weights first) is not there twice."""
