@@ -72,6 +72,27 @@ class StopFlag:
         return bool(self._value.value)
 
 
+def pipe_records(record_bytes: int, wanted: int) -> int:
+    """How many records of `record_bytes` a pipe made here can hold, grown (as `RecordQueue` grows its pipe) to
+    `wanted` of them where the system allows: at most /proc/sys/fs/pipe-max-size bytes for a process without
+    CAP_SYS_RESOURCE."""
+    read_end, write_end = os.pipe()
+    try:
+        if wanted * record_bytes > 65536 and hasattr(fcntl, "F_SETPIPE_SZ"):
+            try:
+                fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, wanted * record_bytes)
+            except OSError:  # more than allowed: what is allowed
+                with contextlib.suppress(OSError, ValueError):
+                    limit = int(open("/proc/sys/fs/pipe-max-size").read())  # noqa: SIM115 - read at once
+                    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, limit)
+        if not hasattr(fcntl, "F_GETPIPE_SZ"):
+            return wanted  # not Linux: cannot be told
+        return fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ) // record_bytes
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
 class RecordQueue:
     """A queue of fixed-size records (`struct` format `fmt`) over an OS pipe, for any number of processes,
     that a process killed at any instant cannot break.

@@ -23,15 +23,30 @@ from __future__ import annotations
 
 import collections
 import queue
+import struct
 import threading
 import time
 from typing import Any
 
 import torch
 
-from impala.channels import RecordQueue
+from impala.channels import RecordQueue, pipe_records
+from impala.config import UserError
+
+SLOT_RECORD = "q"  # a slot number as the pipes carry it
 
 NO_OWNER = -1
+
+
+def check_pipes_hold(local_slots: int, num_actors: int, remote_slots: int) -> None:
+    """Raise UserError, before a run writes anything, where an actor's free pipe could not hold all its slots:
+    filling it at the start would block the main process for good."""
+    most = max(-(-local_slots // num_actors) if num_actors else 0, remote_slots) + 1
+    fits = pipe_records(struct.calcsize(SLOT_RECORD), most)
+    if most > fits:
+        raise UserError(f"{local_slots + remote_slots} slots (--num_buffers, or what --batch_size asks for) put up "
+                        f"to {most - 1} in one actor's pipe, which holds {fits - 1} here "
+                        "(/proc/sys/fs/pipe-max-size): lower --num_buffers or --batch_size, or add --num_actors")
 
 
 class SlotLedger:
@@ -52,7 +67,7 @@ class SlotLedger:
             self.give_back(slot)
 
     def _new_free_queue(self, actor_index: int) -> RecordQueue:
-        return RecordQueue(self._ctx, "q", capacity=self._homes.count(actor_index) + 1)
+        return RecordQueue(self._ctx, SLOT_RECORD, capacity=self._homes.count(actor_index) + 1)
 
     def free_queue(self, actor_index: int) -> RecordQueue:
         """The pipe actor `actor_index` takes its slots from."""

@@ -61,6 +61,7 @@ from impala.rundir import (
     write_run_files,
 )
 from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
+from impala.slots import check_pipes_hold
 from impala.stopping import StopRequests, stop_requests
 
 log = logging.getLogger("impala")
@@ -162,6 +163,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         assert checkpoint_path is not None
         state.load_state_dict(checkpoint, config, checkpoint_path)
     local_slots = config.resolved_num_buffers(learner_keeps_up=learner.uses_cuda_graph(config, device, world_size))
+    check_pipes_hold(local_slots, config.num_actors, config.remote_slots)
     spec = BufferSpec(local_slots + config.remote_slots, config.unroll_length, observation_shape, observation_dtype,
                       num_actions, model.core_state_shapes())
     buffers = create_buffers(spec)

@@ -16,6 +16,7 @@ import torch
 from process_helpers import run_py
 
 import run
+from impala import slots
 from impala.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from impala.model import Net
 
@@ -295,6 +296,18 @@ def test_a_run_without_model_tar_is_not_started_over_where_that_loses_what_it_sa
     _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "moved"], pattern)
     assert {p.name: p.read_bytes() for p in sorted(run_dir.iterdir()) if p.is_file()} == before
     assert os.path.lexists(run_dir / CHECKPOINT_NAME) == (damage in ("a directory", "a broken link"))
+
+
+def test_more_slots_than_an_actors_pipe_holds_are_refused_before_anything_is_written(
+        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Filling a pipe that cannot hold them would block the main process for good, before any actor reads."""
+    monkeypatch.setattr(slots, "pipe_records", lambda record_bytes, wanted: 65)  # a system that allows 64 slots
+    _fails_with(capsys, [*QUICK, "--num_buffers", "100", "--savedir", str(tmp_path), "--xpid", "many"],
+                r"100 slots \(--num_buffers, or what --batch_size asks for\) put up to 100 in one actor's pipe, which "
+                r"holds 64 here")
+    assert not (tmp_path / "many").exists()
+    monkeypatch.setattr(slots, "pipe_records", lambda record_bytes, wanted: 101)
+    assert run.main([*QUICK, "--num_buffers", "100", "--savedir", str(tmp_path), "--xpid", "many"]) == 0
 
 
 def test_a_directory_with_files_of_a_run_but_no_flags_is_not_written_over(

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from impala.channels import TracebackQueue
+from impala.channels import RecordQueue, TracebackQueue, pipe_records
 
 CTX = mp.get_context("fork")
 
@@ -57,3 +57,15 @@ def test_a_traceback_longer_than_every_part_keeps_its_end_and_a_half_written_one
     tracebacks.put((5, "Traceback\nKeyError: 1\n"))
     assert tracebacks.get_nowait() == (5, "Traceback\nKeyError: 1\n")
     tracebacks.close()
+
+
+def test_a_pipe_grown_to_what_pipe_records_says_takes_that_many_records_without_a_reader() -> None:
+    fits = pipe_records(8, 20_000)
+    assert fits >= 65536 // 8  # never below a pipe's default size
+    assert pipe_records(8, 10**9) >= fits  # asked for too much: as much as the system allows
+    wanted = min(fits, 20_000)
+    records = RecordQueue(mp.get_context("fork"), "q", capacity=wanted)
+    for slot in range(wanted):
+        records.put(slot)  # would block for good on a pipe too small
+    assert records.qsize() == wanted
+    assert [records.get_nowait() for _ in range(3)] == [0, 1, 2]
