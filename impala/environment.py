@@ -53,6 +53,8 @@ def env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
     module, _, name = env_id.rpartition(":")
     if not name:
         raise UserError(f"env {env_id!r} names no env id; pass ID, or MODULE:ID for an env that MODULE registers")
+    if ":" in env_id and not module:
+        raise UserError(f"env {env_id!r}: MODULE of MODULE:ID is empty; pass ID alone, or MODULE:ID")
     if module.startswith("."):  # relative to no package: importlib raises TypeError for it
         raise UserError(f"env {env_id!r}: MODULE of MODULE:ID must be an absolute module name (as in "
                         f"`import MODULE`), got {module!r}")

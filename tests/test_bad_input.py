@@ -58,6 +58,7 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--env", "no_such_module_here:Maze-v0"], r"no module 'no_such_module_here' to import; put the module"),
     (["--env", "json:Maze-v0"], r"unknown env id 'json:Maze-v0'"),  # the module is there, the id is not
     (["--env", "my_envs:"], r"env 'my_envs:' names no env id; pass ID, or MODULE:ID"),
+    (["--env", ":CartPole-v1"], r"env ':CartPole-v1': MODULE of MODULE:ID is empty; pass ID alone, or MODULE:ID"),
     (["--xpid", "latest"], r"--xpid latest: no run in .* yet \(the file .*latest names the run started last\)"),
     (["--batch_size", "0"], r"--batch_size must be >= 1, got 0"),
     (["--num_actors", "-2"], r"--num_actors: takes a number >= 0 or auto, got .-2."),
