@@ -651,11 +651,16 @@ class LearnerState:
         if "optimizer_state_dict" in state and trained_with != config.optimizer:
             self.optimizer_trained_with = trained_with
         elif "optimizer_state_dict" in state:
+            _check_optimizer_state(self.optimizer, state["optimizer_state_dict"], path)
             _load(self.optimizer, state["optimizer_state_dict"], path)
-        for name in self.COUNTERS:
-            setattr(self, name, int(state.get(name, 0)))
+        try:
+            for name in self.COUNTERS:
+                setattr(self, name, int(state.get(name, 0)))
+            self.lives.load_state_dict(state)
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"checkpoint {path} has a counter that is not a whole number: {first_line(exc)[:200]}"
+                            ) from None
         self.scheduler = make_schedule(self.optimizer, config, start_step=self.step, world_size=self.world_size)
-        self.lives.load_state_dict(state)
 
 
 def _load(target: Any, state: dict[str, Any], path: Path) -> None:
@@ -664,6 +669,23 @@ def _load(target: Any, state: dict[str, Any], path: Path) -> None:
     except (RuntimeError, ValueError, KeyError, TypeError) as exc:
         raise UserError(f"checkpoint {path} does not fit this run's {type(target).__name__}: "
                         f"{first_line(exc)[:300]}") from None
+
+
+def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: Any, path: Path) -> None:
+    """Raise UserError where `saved` (an optimiser's state_dict) holds a moment whose shape is not its parameter's:
+    `Optimizer.load_state_dict` checks the groups' sizes only, and a fused step over mis-sized moments reads and
+    writes past them. What else does not fit is left to `load_state_dict`, which `_load` reports."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        raise UserError(f"checkpoint {path} does not fit this run's {type(optimizer).__name__}: its optimiser state is "
+                        "not a state_dict")
+    saved_ids = [i for group in saved.get("param_groups") or [] if isinstance(group, dict) for i in group.get("params", [])]
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, parameter in zip(saved_ids, parameters, strict=False):  # unequal counts: load_state_dict says so
+        moments = saved["state"].get(index)
+        for name, value in (moments.items() if isinstance(moments, dict) else ()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != parameter.shape:
+                raise UserError(f"checkpoint {path} does not fit this run's {type(optimizer).__name__}: its {name} "
+                                f"of parameter {index} is {tuple(value.shape)}, the parameter {tuple(parameter.shape)}")
 
 
 def _to_cpu(value: Any) -> Any:

@@ -299,6 +299,33 @@ def test_a_run_without_model_tar_is_not_started_over_where_that_loses_what_it_sa
     assert os.path.lexists(run_dir / CHECKPOINT_NAME) == (damage in ("a directory", "a broken link"))
 
 
+@pytest.mark.parametrize(("damage", "pattern"), [
+    ("another model's moments", r"RMSprop: its square_avg of parameter 0 is \(32, 6\), the parameter \(32, 4\)"),
+    ("no state_dict", r"does not fit this run's RMSprop: its optimiser state is not a state_dict"),
+    ("a counter", r"has a counter that is not a whole number: invalid literal for int\(\)"),
+], ids=["another model's moments", "no state_dict", "a counter"])
+def test_a_checkpoint_whose_optimiser_state_or_counters_do_not_fit_is_one_line(
+        capsys: pytest.CaptureFixture, tmp_path: Path, damage: str, pattern: str) -> None:
+    """An optimiser state taken from another model's checkpoint loads without a word in torch, and a fused step over
+    its mis-sized moments corrupts the heap."""
+    run_dir = _saved_run(tmp_path, "mixed")
+    state = torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)
+    if damage == "another model's moments":  # Acrobot's first layer takes 6 inputs, CartPole's 4
+        acrobot = Net((6,), 3, "mlp", False, 32)
+        optimizer = torch.optim.RMSprop(acrobot.parameters())
+        sum(p.sum() for p in acrobot.parameters()).backward()
+        optimizer.step()
+        state["optimizer_state_dict"] = optimizer.state_dict()
+    elif damage == "no state_dict":
+        state["optimizer_state_dict"] = None
+    else:
+        state["updates"] = "x"
+    save_checkpoint(run_dir / CHECKPOINT_NAME, state)
+    before = _snapshot(run_dir)
+    _fails_with(capsys, [*QUICK, "--optimizer", "rmsprop", "--savedir", str(tmp_path), "--xpid", "mixed"], pattern)
+    assert _snapshot(run_dir) == before
+
+
 def test_more_slots_than_an_actors_pipe_holds_are_refused_before_anything_is_written(
         capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Filling a pipe that cannot hold them would block the main process for good, before any actor reads."""
