@@ -9,6 +9,7 @@ one. It is loaded with `torch.load(weights_only=True)`: a checkpoint is data and
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import shutil
@@ -145,9 +146,11 @@ def best_so_far(run_dir: Path) -> tuple[float, int] | None:
     if not path.is_file():
         return None
     state = load_checkpoint(path)
-    if "eval_return_mean" not in state:
-        raise UserError(f"{path} records no evaluation score; move it away to start a new best")
-    return float(state["eval_return_mean"]), int(state["step"])
+    score = state.get("eval_return_mean")
+    if isinstance(score, bool) or not isinstance(score, (int, float)) or math.isnan(score):
+        raise UserError(f"{path} records no evaluation score (eval_return_mean {score!r}); move it away to start a "
+                        "new best")
+    return float(score), int(state["step"])
 
 
 def link_or_copy(source: Path, target: Path) -> None:

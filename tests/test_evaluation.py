@@ -120,6 +120,10 @@ def test_find_checkpoint_names_what_is_missing(tmp_path: Path) -> None:
     assert find_checkpoint(tmp_path, "best") == tmp_path / BEST_CHECKPOINT_NAME
     assert best_so_far(tmp_path) == (12.5, 40)
     assert best_so_far(tmp_path / "elsewhere") is None
+    for score in (None, "abc", float("nan")):  # a damaged file: one line, not a traceback at resume
+        save_checkpoint(tmp_path / BEST_CHECKPOINT_NAME, _state(_net(), 40, eval_return_mean=score))
+        with pytest.raises(UserError, match=r"model_best.tar records no evaluation score \(eval_return_mean "):
+            best_so_far(tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["test", "train"])
