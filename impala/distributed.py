@@ -52,6 +52,23 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
 
 
+def check_launch(rank: int, world_size: int, local_rank: int, local_world_size: int) -> None:
+    """Raise UserError, before the rendezvous waits for ranks that may never come, for a launch that torchrun would
+    not make: the variables set by hand, or left over in a shell."""
+    problem = None
+    if world_size < 1 or not 0 <= rank < world_size:
+        problem = f"RANK {rank} of WORLD_SIZE {world_size} (0 <= RANK < WORLD_SIZE)"
+    elif local_world_size < 1 or not 0 <= local_rank < local_world_size:
+        problem = f"LOCAL_RANK {local_rank} of LOCAL_WORLD_SIZE {local_world_size} (0 <= LOCAL_RANK < LOCAL_WORLD_SIZE)"
+    elif not os.environ.get("MASTER_ADDR"):
+        problem = "no MASTER_ADDR"
+    elif not os.environ.get("MASTER_PORT", "").isdigit() or not 0 < int(os.environ["MASTER_PORT"]) < 65536:
+        problem = f"MASTER_PORT {os.environ.get('MASTER_PORT')!r} (a port number)"
+    if problem is not None:
+        raise UserError(f"the torchrun environment is not one torchrun sets: {problem}; launch with torchrun, or "
+                        f"unset {', '.join(TORCHRUN_VARIABLES)} for a run of one process")
+
+
 def default_xpid(config: Config) -> str:
     """The run name under torchrun when --xpid is not given: ENV-RUN_ID, torchrun's rendezvous id (a fresh
     one per launch with --standalone), the same on every rank and in every restart of one launch
@@ -96,6 +113,7 @@ def join(config: Config) -> tuple[Config, Coordinator | None]:
                         "cluster (ray start --head) and pass --ray auto or --ray HOST:PORT")
     local_rank = env_int("LOCAL_RANK")
     local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
+    check_launch(rank, world_size, local_rank, local_world_size)
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     store = _attempt_store(rank, world_size, timeout)
     if not config.disable_cuda and torch.cuda.is_available():

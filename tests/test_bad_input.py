@@ -104,13 +104,23 @@ def test_bad_flags(capsys: pytest.CaptureFixture, tmp_path: Path, flags: list[st
     ({"LOCAL_WORLD_SIZE": "abc"}, r"variable LOCAL_WORLD_SIZE must be a whole number \(torchrun sets it\), got 'abc'"),
     ({"RANK": "0", "WORLD_SIZE": "two", "LOCAL_RANK": "0"}, r"the environment variable WORLD_SIZE must be a whole number"),
     ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0.5"}, r"the environment variable LOCAL_RANK must be a whole number"),
-], ids=["local world size", "world size", "local rank"])
+    ({"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, r"not one torchrun sets: RANK 3 of WORLD_SIZE 2 \(0 <= RANK"),
+    ({"RANK": "0", "WORLD_SIZE": "0", "LOCAL_RANK": "0"}, r"not one torchrun sets: RANK 0 of WORLD_SIZE 0"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "-1"}, r"LOCAL_RANK -1 of LOCAL_WORLD_SIZE 1"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}, r"no MASTER_ADDR; launch with torchrun, or unset RANK, WORLD_"),
+    ({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "localhost", "MASTER_PORT": "abc"},
+     r"MASTER_PORT 'abc' \(a port number\)"),
+], ids=["local world size", "world size", "local rank", "rank past the world", "no world", "negative local rank",
+        "no master address", "a port that is no number"])
 def test_a_torchrun_variable_that_is_no_number_is_one_line(capsys: pytest.CaptureFixture, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch, variables: dict[str, str],
                                                           pattern: str) -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT"):  # as a shell may have them
+        monkeypatch.delenv(name, raising=False)
     for name, value in variables.items():  # once a ValueError's traceback from int()
         monkeypatch.setenv(name, value)
-    _fails_with(capsys, [*QUICK, "--num_actors", "auto", "--savedir", str(tmp_path), "--xpid", "env"], pattern)
+    _fails_with(capsys, [*QUICK, "--num_actors", "auto", "--savedir", str(tmp_path), "--xpid", "env"], pattern,
+                prefix="run.py: error")  # " (rank 3): " where the rank can be read
     assert list(tmp_path.iterdir()) == []
 
 
