@@ -43,6 +43,7 @@ import contextlib
 import csv
 import dataclasses
 import json
+import math
 import multiprocessing
 import os
 import platform
@@ -75,7 +76,7 @@ from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.actor_pool import keep_freed_memory
 from impala.buffers import BufferSpec, create_buffers, pin_observations, unpin_observations
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from impala.config import Config, UserError, add_flags, cpu_quota, env_int, parse_config, to_flags
+from impala.config import Config, OneLineErrorParser, UserError, add_flags, cpu_quota, env_int, parse_config, to_flags
 from impala.environment import EnvBatch, probe_env
 from impala.inference import InferenceServer, InferenceServers
 from impala.learners import learner_torch_threads, select_device
@@ -996,20 +997,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, Config, list[str]]:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    parser.__class__ = OneLineErrorParser  # a mistyped flag is one line, as in run.py
+    args = parser.parse_args(argv)
     only = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(only) - set(COMPONENTS))
     if unknown:
         raise UserError(f"--only {args.only!r}: unknown {', '.join(unknown)}; choose from {','.join(COMPONENTS)}")
-    if not args.seconds > 0:
-        raise UserError(f"--seconds must be > 0, got {args.seconds}")
+    if not 0 < args.seconds < math.inf:
+        raise UserError(f"--seconds must be > 0 and finite, got {args.seconds}")
     for name, text in [("--extra", args.extra)] + [("--variants", v) for v in args.variants or []]:
         try:
             shlex.split(text)
         except ValueError as exc:
             raise UserError(f"{name} {text!r}: {exc}") from None
-    if args.json and not os.access(Path(args.json).expanduser().resolve().parent, os.W_OK):
+    json_path = Path(args.json).expanduser().resolve() if args.json else None
+    if json_path is not None and (not json_path.parent.is_dir() or not os.access(json_path.parent, os.W_OK)):
         raise UserError(f"--json {args.json}: its directory does not exist or cannot be written")
+    if json_path is not None and json_path.is_dir():
+        raise UserError(f"--json {args.json} is a directory; name a file in it")
     config = Config(**{name: getattr(args, name) for name in CONFIG_FLAGS})
     if problems := config.validate():
         raise UserError("; ".join(problems))

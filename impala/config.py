@@ -546,7 +546,9 @@ def _arg_type(annotation: str) -> Any:
     return {"int": int, "float": float, "str": str}[base]
 
 
-class _ErrorRaisingParser(argparse.ArgumentParser):
+class OneLineErrorParser(argparse.ArgumentParser):
+    """A parser whose errors are a UserError: one line, exit code 2, where argparse prints its usage first."""
+
     def error(self, message: str) -> NoReturn:  # argparse would print usage and exit; we want one line
         raise UserError(message)
 
@@ -554,7 +556,7 @@ class _ErrorRaisingParser(argparse.ArgumentParser):
 def parse_config(argv: Sequence[str] | None = None) -> Config:
     """Flags -> validated Config. Raises UserError naming every problem found."""
     parser = build_parser()
-    parser.__class__ = _ErrorRaisingParser
+    parser.__class__ = OneLineErrorParser
     args = parser.parse_args(argv)
     values: dict[str, Any] = vars(args)
     values["plot_xpids"] = tuple(values["plot_xpids"] or ())
@@ -578,7 +580,7 @@ def given_flags(argv: Sequence[str] | None = None) -> frozenset[str]:
     """The names of the flags `argv` gives (abbreviated or not), whatever their values; those left out are not in
     it. For `argv` that `parse_config` accepts."""
     parser = build_parser()
-    parser.__class__ = _ErrorRaisingParser
+    parser.__class__ = OneLineErrorParser
     for action in parser._actions:
         action.default = argparse.SUPPRESS
     return frozenset(vars(parser.parse_args(argv)))

@@ -380,8 +380,13 @@ def test_unknown_component_is_a_user_error(capsys: pytest.CaptureFixture) -> Non
 
 
 @pytest.mark.parametrize(("flags", "pattern"), [
-    (["--seconds", "0"], r"--seconds must be > 0, got 0.0"),
-    (["--seconds", "nan"], r"--seconds must be > 0, got nan"),
+    (["--seconds", "0"], r"--seconds must be > 0 and finite, got 0.0"),
+    (["--seconds", "nan"], r"--seconds must be > 0 and finite, got nan"),
+    (["--seconds", "inf"], r"--seconds must be > 0 and finite, got inf"),
+    (["--seconds", "abc"], r"argument --seconds: invalid float value: 'abc'"),
+    (["--bogus", "1"], r"unrecognized arguments: --bogus 1"),
+    (["--json", "/tmp"], r"--json /tmp is a directory; name a file in it"),
+    (["--json", "/dev/null/b.json"], r"--json /dev/null/b.json: its directory does not exist"),
     (["--extra", "--xpid 'a"], r"--extra \"--xpid 'a\": No closing quotation"),
     (["--variants", "", "--seed '3"], r"--variants \"--seed '3\": No closing quotation"),
     (["--json", "/nonexistent-dir/b.json"], r"--json /nonexistent-dir/b.json: its directory does not exist"),
