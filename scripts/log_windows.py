@@ -36,21 +36,40 @@ def samples_per_entropy_term(flags: dict) -> float:
     return flags["unroll_length"] * flags["batch_size"] / max(1, flags.get("minibatches", 1))
 
 
+class DamagedRun(Exception):
+    """A run directory whose flags.json cannot be read as a run's: one line, exit code 2."""
+
+
+def _number(text: str | None) -> float | None:
+    """`text` as a finite number, or None: empty, not a number (a row cut short by a kill, bytes garbled)."""
+    try:
+        value = float(text or "")
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
 def windows(run_dir: Path, window: int) -> list[dict[str, float]]:
-    """One dict per window that has rows: `start`, `end` (agent steps), `return` and COLUMNS' headings."""
-    flags = json.loads((run_dir / "flags.json").read_text())
-    per_entropy = flags["entropy_cost"] * samples_per_entropy_term(flags)
+    """One dict per window that has rows: `start`, `end` (agent steps), `return` and COLUMNS' headings. Rows
+    whose step is not a number are left out, and values that are not numbers."""
+    try:
+        flags = json.loads((run_dir / "flags.json").read_text(errors="replace"))
+        per_entropy = float(flags["entropy_cost"]) * samples_per_entropy_term(flags)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DamagedRun(f"{run_dir / 'flags.json'} is not a run's flags ({type(exc).__name__}: {exc})") from None
     groups: dict[int, list[dict[str, str]]] = {}
-    with open(run_dir / "logs.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            groups.setdefault(int(row["step"]) // window, []).append(row)
+    with open(run_dir / "logs.csv", newline="", errors="replace") as f:
+        for row in csv.DictReader(line.replace("\0", "") for line in f):
+            step = _number(row.get("step"))
+            if step is not None:
+                groups.setdefault(int(step) // window, []).append(row)
     table = []
     for index in sorted(groups):
         rows = groups[index]
-        returns = [float(r[RETURN]) for r in rows if r.get(RETURN)]
+        returns = [v for r in rows if (v := _number(r.get(RETURN))) is not None]
         line = {"start": index * window, "end": (index + 1) * window, "return": returns[-1] if returns else math.nan}
         for column, heading in COLUMNS.items():
-            values = [float(r[column]) for r in rows if r.get(column)]
+            values = [v for r in rows if (v := _number(r.get(column))) is not None]
             line[heading] = sum(values) / len(values) if values else math.nan
         line["entropy"] = -line["entropy"] / per_entropy if per_entropy else math.nan  # no entropy cost: unknown
         table.append(line)
@@ -78,7 +97,12 @@ def main() -> int:
         if not (run_dir / "logs.csv").is_file() or not (run_dir / "flags.json").is_file():
             print(f"log_windows: error: {run_dir} has no logs.csv and flags.json (not a run directory?)", file=sys.stderr)
             return 2
-    print("\n\n".join(format_table(run_dir, windows(run_dir, args.window)) for run_dir in args.runs))
+    try:
+        tables = [format_table(run_dir, windows(run_dir, args.window)) for run_dir in args.runs]
+    except DamagedRun as exc:
+        print(f"log_windows: error: {exc}", file=sys.stderr)
+        return 2
+    print("\n\n".join(tables))
     return 0
 
 

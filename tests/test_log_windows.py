@@ -66,3 +66,20 @@ def test_a_directory_that_is_not_a_run_is_one_line_and_exit_code_2(tmp_path: Pat
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
         f"log_windows: error: {tmp_path} has no logs.csv and flags.json (not a run directory?)"]
+
+
+def test_rows_cut_short_or_garbled_are_left_out_and_damaged_flags_are_one_line(tmp_path: Path) -> None:
+    """A kill cuts the last row short, a disk fault garbles bytes: the rest of the table still comes out."""
+    rows = [[1024, 400, -0.028, 0.1, 0.3, 0.02, 2, -20.0], [2048, 400, -0.026, "x", 0.5, 0.04, 2, -19.0]]
+    run_dir = _run(tmp_path, {"policy_loss": "ppo", "entropy_cost": 0.01}, rows)
+    with open(run_dir / "logs.csv", "ab") as f:
+        f.write(b"30\xff72,400,-0.5\n20")  # a garbled step, and a row cut short after its step
+    (line,) = log_windows.windows(run_dir, 500_000)
+    assert line["return"] == -19.0 and math.isclose(line["clip fraction"], 0.1)  # "x" is no number: left out
+    assert math.isclose(line["entropy"], 2.7)  # the row of step 20 has no entropy: it counts for nothing
+    for flags in ("{not json", "{}"):
+        (run_dir / "flags.json").write_text(flags)
+        done = subprocess.run([sys.executable, str(REPO / "scripts" / "log_windows.py"), str(run_dir)],
+                              check=False, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2
+        assert len(done.stderr.splitlines()) == 1 and "flags.json is not a run's flags" in done.stderr, done.stderr
