@@ -137,6 +137,8 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     observation_shape, observation_dtype, num_actions = probe_env(config.env, config.seed)
     torch.manual_seed(config.seed)
     try:
+        with torch.device("meta"):  # its shapes alone: no memory, no draw from torch's generator
+            check_model_fits(Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size))
         model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -221,6 +223,21 @@ def _inference_servers(run: Run, session: int) -> InferenceServers:
     graphed = config.cuda_graph and not learner.compiles_cuda_graphs(config, run.device, run.state.world_size)
     return InferenceServers(run.state.model, run.buffers, positions, run.device, run.amp, config.inference_wait_ms / 1000,
                             seeds, graphed=graphed, splits=config.env_splits)
+
+
+TRAINING_COPIES = 4  # of the weights, at the least: themselves, their gradients, Adam's two moments
+
+
+def check_model_fits(model: Net) -> None:
+    """Raise UserError where `model` (made on the meta device: no memory of its own) could not be trained in this
+    machine's memory: --hidden_size of an MLP grows it as its square (65,536: 4.3 billion weights, 17 GB a copy)."""
+    weights = sum(p.numel() for p in model.parameters())
+    needed = TRAINING_COPIES * 4 * weights  # float32
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > memory:
+        raise UserError(f"the {model.model} net has {weights:,} weights, and training holds at least {TRAINING_COPIES} "
+                        f"float32 copies of them ({needed / 2**30:.1f} GiB) where this machine has {memory / 2**30:.1f} "
+                        "GiB: lower --hidden_size")
 
 
 def _actor_pool(config: Config, ctx: BaseContext, buffers: Buffers, state: LearnerState, actor_model: Net,

@@ -16,7 +16,7 @@ import torch
 from process_helpers import run_py
 
 import run
-from impala import slots
+from impala import slots, training
 from impala.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from impala.model import Net
 
@@ -334,6 +334,17 @@ def test_a_checkpoint_whose_optimiser_state_or_counters_do_not_fit_is_one_line(
     before = _snapshot(run_dir)
     _fails_with(capsys, [*QUICK, "--optimizer", "rmsprop", "--savedir", str(tmp_path), "--xpid", "mixed"], pattern)
     assert _snapshot(run_dir) == before
+
+
+def test_a_net_too_big_for_the_machines_memory_is_one_line_before_anything_is_allocated(
+        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An MLP's weights grow as --hidden_size squared: 20,000 on CartPole is 400M weights, 6.0 GiB in four copies."""
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 2**20}  # a machine of 4 GiB
+    monkeypatch.setattr(training.os, "sysconf", lambda name: pages[name])
+    _fails_with(capsys, [*QUICK, "--hidden_size", "20000", "--savedir", str(tmp_path), "--xpid", "big"],
+                r"the mlp net has 400,180,003 weights, and training holds at least 4 float32 copies of them "
+                r"\(6.0 GiB\) where this machine has 4.0 GiB: lower --hidden_size")
+    assert not (tmp_path / "big").exists()
 
 
 def test_more_slots_than_an_actors_pipe_holds_are_refused_before_anything_is_written(
