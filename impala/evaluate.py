@@ -97,14 +97,14 @@ def play(model: Net, env_id: str, episodes: int, seed: int, greedy: bool = True,
     """
     env = EnvBatch(env_id, episodes, seed, episodic_life=False, fire_on_life_loss=fire_on_life_loss,
                    max_episode_steps=max_steps)
-    check_compatible_env(model, env)
     returns: list[float | None] = [None] * episodes
     lengths, cut = [0] * episodes, [False] * episodes
-    obs = torch.from_numpy(env.reset())
-    done = torch.ones(episodes, dtype=torch.bool)
-    core_state = model.initial_state(episodes)
-    generator = torch.Generator().manual_seed(seed)
-    try:
+    try:  # the envs closed however it ends, a checkpoint of another env's shapes too
+        check_compatible_env(model, env)
+        obs = torch.from_numpy(env.reset())
+        done = torch.ones(episodes, dtype=torch.bool)
+        core_state = model.initial_state(episodes)
+        generator = torch.Generator().manual_seed(seed)
         while any(r is None for r in returns):
             with torch.no_grad():
                 output, core_state = model(obs[None], done[None], core_state)
