@@ -1012,10 +1012,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
         except ValueError as exc:
             raise UserError(f"{name} {text!r}: {exc}") from None
     json_path = Path(args.json).expanduser().resolve() if args.json else None
-    if json_path is not None and (not json_path.parent.is_dir() or not os.access(json_path.parent, os.W_OK)):
-        raise UserError(f"--json {args.json}: its directory does not exist or cannot be written")
     if json_path is not None and json_path.is_dir():
         raise UserError(f"--json {args.json} is a directory; name a file in it")
+    if json_path is not None and (not json_path.parent.is_dir() or not os.access(json_path.parent, os.W_OK)):
+        raise UserError(f"--json {args.json}: its directory does not exist or cannot be written")
     config = Config(**{name: getattr(args, name) for name in CONFIG_FLAGS})
     if problems := config.validate():
         raise UserError("; ".join(problems))

@@ -62,7 +62,8 @@ def check_launch(rank: int, world_size: int, local_rank: int, local_world_size: 
         problem = f"LOCAL_RANK {local_rank} of LOCAL_WORLD_SIZE {local_world_size} (0 <= LOCAL_RANK < LOCAL_WORLD_SIZE)"
     elif not os.environ.get("MASTER_ADDR"):
         problem = "no MASTER_ADDR"
-    elif not os.environ.get("MASTER_PORT", "").isdigit() or not 0 < int(os.environ["MASTER_PORT"]) < 65536:
+    elif not os.environ.get("MASTER_PORT", "").isascii() or not os.environ["MASTER_PORT"].isdecimal() \
+            or not 0 < int(os.environ["MASTER_PORT"]) < 65536:
         problem = f"MASTER_PORT {os.environ.get('MASTER_PORT')!r} (a port number)"
     if problem is not None:
         raise UserError(f"the torchrun environment is not one torchrun sets: {problem}; launch with torchrun, or "

@@ -186,7 +186,7 @@ def _print_results(games: Games, state: dict) -> float:
 
 # Evaluation k of a session plays the games seeded EVAL_SEED_OFFSET + k x eval_episodes after the run's seed, one per
 # game (`play`): other games than the actors' and the test mode's, and other games in every evaluation of a session,
-# so the best is not chosen on one fixed set. (A resumed session numbers its evaluations from 0 again.)
+# so the best is not chosen on one fixed set. (A resumed session numbers its evaluations from 1 again.)
 EVAL_SEED_OFFSET = 1_000_000
 
 

@@ -148,7 +148,8 @@ def restarts_unsaved_run(config: Config, run_dir: Path) -> bool:
                         "another --xpid")
     flags_path = run_dir / "flags.json"
     if not flags_path.is_file():
-        ours = [name for name in (META_NAME, "logs.csv", "out.log") if (run_dir / name).exists()]
+        # Not out.log: a job scheduler may make it before the run starts (SLURM's --output).
+        ours = [name for name in (META_NAME, "logs.csv") if (run_dir / name).exists()]
         if ours:  # a new run would write over them
             raise UserError(f"{run_dir} holds {', '.join(ours)} but no flags.json: not a run this program can "
                             "continue or start there; choose another --xpid")

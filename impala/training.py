@@ -228,12 +228,16 @@ def _inference_servers(run: Run, session: int) -> InferenceServers:
 TRAINING_COPIES = 4  # of the weights, at the least: themselves, their gradients, Adam's two moments
 
 
+def physical_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def check_model_fits(model: Net) -> None:
     """Raise UserError where `model` (made on the meta device: no memory of its own) could not be trained in this
     machine's memory: --hidden_size of an MLP grows it as its square (65,536: 4.3 billion weights, 17 GB a copy)."""
     weights = sum(p.numel() for p in model.parameters())
     needed = TRAINING_COPIES * 4 * weights  # float32
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = physical_memory_bytes()
     if needed > memory:
         raise UserError(f"the {model.model} net has {weights:,} weights, and training holds at least {TRAINING_COPIES} "
                         f"float32 copies of them ({needed / 2**30:.1f} GiB) where this machine has {memory / 2**30:.1f} "
@@ -641,14 +645,21 @@ def _end(run: Run, reason: str, save: bool) -> OSError | None:
     """Shut down and record the end; returns the final save's error. A Ctrl-C or SIGTERM meanwhile changes
     nothing (`stopping.py`). `save`: False after a numerical failure (the last good checkpoint stays) and
     for a run stopped before it started (nothing learned)."""
+    failure: Exception | None = None
+    save_error = None
     try:
-        save_error = shutdown(run, save=save)
+        try:
+            save_error = shutdown(run, save=save)
+        except Exception as exc:  # noqa: BLE001 - a fault while stopping (the evaluator's): recorded, raised below
+            failure, reason = exc, "error"
         try:
             if run.writes_files:
                 finish_run_files(run.run_dir, reason, run.state.step)
         except OSError as exc:
             log.error("Could not record the end of the run in %s: %s", run.run_dir, exc)
         log.info("Run ended (%s) at step %d in %s", reason, run.state.step, run.run_dir)
+        if failure is not None:
+            raise failure
     finally:
         close_console()
     return save_error

@@ -173,7 +173,8 @@ def _read_json(path: Path) -> dict:
 
 def run_state(run_dir: Path) -> str:
     """What a rerun does with `run_dir`: "finished" (trained to its own total_steps: skip it), "resume" (a
-    checkpoint to continue from: run.py resumes it given the same --xpid) or "new" (train from the start)."""
+    checkpoint to continue from: run.py resumes it given the same --xpid) or "new" (train from the start; run.py
+    refuses a directory whose meta.json records a checkpoint that is gone)."""
     meta, flags = _read_json(run_dir / "meta.json"), _read_json(run_dir / "flags.json")
     if meta.get("end_reason") == "finished" and (meta.get("final_step") or 0) >= flags.get("total_steps", float("inf")):
         return "finished"

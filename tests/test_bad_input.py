@@ -339,8 +339,7 @@ def test_a_checkpoint_whose_optimiser_state_or_counters_do_not_fit_is_one_line(
 def test_a_net_too_big_for_the_machines_memory_is_one_line_before_anything_is_allocated(
         capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An MLP's weights grow as --hidden_size squared: 20,000 on CartPole is 400M weights, 6.0 GiB in four copies."""
-    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 2**20}  # a machine of 4 GiB
-    monkeypatch.setattr(training.os, "sysconf", lambda name: pages[name])
+    monkeypatch.setattr(training, "physical_memory_bytes", lambda: 4 * 2**30)  # a machine of 4 GiB
     _fails_with(capsys, [*QUICK, "--hidden_size", "20000", "--savedir", str(tmp_path), "--xpid", "big"],
                 r"the mlp net has 400,180,003 weights, and training holds at least 4 float32 copies of them "
                 r"\(6.0 GiB\) where this machine has 4.0 GiB: lower --hidden_size")

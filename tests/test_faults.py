@@ -489,6 +489,7 @@ def test_a_fault_in_stopping_the_evaluator_comes_after_the_final_checkpoint(
     with pytest.raises(RuntimeError, match="the evaluator's fault"):
         training.train(config)
     assert checkpoint_step(tmp_path / "eval-fault") == 200  # saved before the fault was raised
+    assert json.loads((tmp_path / "eval-fault" / "meta.json").read_text())["end_reason"] == "error"
 
 
 def test_a_crash_of_the_main_process_prints_where_its_threads_were(tmp_path: Path,

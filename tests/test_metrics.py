@@ -415,6 +415,24 @@ def test_a_csv_whose_widening_failed_on_a_full_disk_keeps_taking_rows_and_widens
         ("10", "1.0", ""), ("30", "3.0", ""), ("40", "4.0", "6.0")]
 
 
+def test_a_csv_whose_file_fails_to_close_before_widening_takes_rows_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """On a full disk the file's last flush fails, and with it the close that widening starts with."""
+    runlog = RunLog(tmp_path)
+    runlog.scalars(10, {"charts/SPS": 1.0})
+    runlog._csv_file.close()
+    runlog._csv_file = _Refusing(OSError(errno.ENOSPC, "No space left on device"))
+    with caplog.at_level(logging.ERROR, logger="impala"):
+        runlog.scalars(20, {"charts/SPS": 2.0, "eval/episodic_return_mean": 5.0})
+    assert "Could not write logs.csv" in caplog.text
+    runlog.scalars(30, {"charts/SPS": 3.0})  # space again: reopened as it is, this row appended
+    runlog.scalars(40, {"charts/SPS": 4.0, "eval/episodic_return_mean": 6.0})
+    runlog.close()
+    with open(tmp_path / "logs.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["eval/episodic_return_mean"]) for r in rows] == [("10", ""), ("30", ""), ("40", "6.0")]
+
+
 def test_closing_the_logs_on_a_full_disk_reports_instead_of_raising(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     runlog = RunLog(tmp_path)
