@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import filecmp
 import itertools
 import json
 import logging
@@ -177,9 +178,12 @@ def keep_replaced_checkpoint(run_dir: Path, start: Path | None) -> Path | None:
         step = str(int(load_checkpoint(current)["step"]))
     except UserError:  # damaged: kept all the same, under the time it was written
         step = datetime.fromtimestamp(current.stat().st_mtime, UTC).strftime("unreadable-%Y%m%d-%H%M%S")
-    target = run_dir / f"model_replaced_step_{step}.tar"
-    if target.exists():
-        return None
+    target, number = run_dir / f"model_replaced_step_{step}.tar", 1
+    while target.exists():  # kept by an earlier rewind: the same checkpoint, or another history's at that step
+        if os.path.samefile(target, current) or filecmp.cmp(target, current, shallow=False):
+            return None
+        number += 1
+        target = run_dir / f"model_replaced_step_{step}-{number}.tar"
     link_or_copy(current, target)
     log.info("This run's %s (step %s) is replaced from %s on: kept as %s", CHECKPOINT_NAME, step, start, target.name)
     return target

@@ -16,12 +16,13 @@ import pytest
 import torch
 from process_helpers import REPO_ROOT, SMALL_RUN, Training, run_py
 
-from impala.checkpoint import CHECKPOINT_NAME
+from impala.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from impala.config import Config, UserError
 from impala.rundir import (
     DirectoryLock,
     NameTaken,
     finish_run_files,
+    keep_replaced_checkpoint,
     prepare_run_directory,
     read_meta,
     record_best,
@@ -174,3 +175,21 @@ def test_trainings_started_together_without_a_name_each_get_a_run_of_their_own(t
     seeds = sorted(json.loads((run / "flags.json").read_text())["seed"] for run in runs)
     assert seeds == [1, 2, 3]  # each in its own directory, each with its checkpoint
     assert all(torch.load(run / CHECKPOINT_NAME, weights_only=True)["step"] >= 400 for run in runs)
+
+
+def test_two_rewinds_past_the_same_step_keep_both_histories_checkpoints(tmp_path: Path) -> None:
+    """Rewound from step 40, trained to 40 again, rewound again: the second history's model.tar at 40 is kept
+    beside the first's, not dropped because a copy of that step's name exists."""
+    current, start = tmp_path / CHECKPOINT_NAME, tmp_path / "model_best.tar"
+    def state(step: int, weight: float) -> dict:
+        return {"model_state_dict": {"w": torch.tensor(weight)}, "flags": {}, "step": step, "model": "mlp",
+                "observation_shape": [4], "num_actions": 2}
+
+    save_checkpoint(start, state(20, 0.0))
+    for weight in (1.0, 2.0):  # two histories, both at step 40
+        save_checkpoint(current, state(40, weight))
+        kept = keep_replaced_checkpoint(tmp_path, start)
+        assert kept is not None and torch.load(kept, weights_only=True)["model_state_dict"]["w"] == weight
+    assert sorted(p.name for p in tmp_path.glob("model_replaced_*")) == ["model_replaced_step_40-2.tar",
+                                                                       "model_replaced_step_40.tar"]
+    assert keep_replaced_checkpoint(tmp_path, start) is None  # the same model.tar again (a rewind restarted): kept once
