@@ -267,6 +267,7 @@ class RayActorPool:
         # One unroll request at a time; `stop` in a group of its own, so it runs while a request waits.
         self.remote_class = self.ray.remote(concurrency_groups={"control": 1})(RemoteActor)
         self.remotes: list[RemoteLife] = []
+        self._last_watch = time.monotonic()  # `_watch_silence`'s last look
         self.deaths: queue.Queue[tuple[RemoteLife, str]] = queue.Queue()  # receiver -> main thread
         self.stats = RayStats()
         self.games: collections.deque[tuple[float, int]] = collections.deque()
@@ -431,6 +432,14 @@ class RayActorPool:
         """Report an actor that stopped sending (--actor_timeout_s), and one not placed yet (no resources)."""
         now = time.monotonic()
         timeout_s = self.config.actor_timeout_s
+        watch_gap_s, self._last_watch = now - self._last_watch, now
+        if timeout_s and watch_gap_s > timeout_s / 2:
+            # This process was not running (Ctrl-Z, a paused container): the results waiting unread are not the
+            # actors' silence. Every acting actor gets a new grace period, as local actors do (`kill_hung`).
+            for remote in self.remotes:
+                if remote.last_result is not None:
+                    remote.last_result = now
+            return
         for remote in self.remotes:
             if remote.dead:
                 continue

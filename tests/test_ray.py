@@ -507,3 +507,28 @@ def test_sigterm_leaves_no_actor_of_the_run_in_the_cluster(cluster: Any, tmp_pat
     assert _run_actors(ray, "term.") == []
     alive_after = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
     assert len(alive_before) >= 2 and alive_after == alive_before, "the cluster is not the run's to stop"
+
+
+def test_remote_actors_silent_while_this_process_was_paused_get_a_new_grace_period() -> None:
+    """A learner stopped for longer than --actor_timeout_s (Ctrl-Z, a paused container) comes back to results
+    waiting unread: that silence is not the actors'. A silence while it ran is still a death."""
+    import queue
+    import types
+
+    from impala.ray_pool import RayActorPool
+
+    pool = object.__new__(RayActorPool)
+    pool.config = Config(actor_timeout_s=300)
+    pool.deaths = queue.Queue()
+    now = time.monotonic()
+    remotes = [types.SimpleNamespace(index=i, dead=False, last_result=now - 400, started=now - 500, warned=False)
+               for i in range(3)]
+    pool.remotes = remotes
+    pool._last_watch = now - 400  # the receiver's last look was before the pause
+    pool._watch_silence()
+    assert pool.deaths.empty() and all(now <= r.last_result <= time.monotonic() for r in remotes)
+    remotes[1].last_result = time.monotonic() - 400  # silent while this process ran
+    pool._watch_silence()
+    remote, detail = pool.deaths.get_nowait()
+    assert remote is remotes[1] and detail.startswith("no unroll for 400 s (--actor_timeout_s 300)")
+    assert pool.deaths.empty()
