@@ -545,12 +545,17 @@ def shutdown(run: Run, save: bool) -> OSError | None:
     run.learners.stop(LEARNER_JOIN_TIMEOUT_S)
     save_error = None
     try:
-        run.pool.stop(functools.partial(_drain_episodes, run))
-        evaluator_error = None
+        # A fault in stopping the actors (a lost Ray connection) or the evaluator must not cost the final checkpoint:
+        # raised after it.
+        stop_error: Exception | None = None
+        try:
+            run.pool.stop(functools.partial(_drain_episodes, run))
+        except Exception as exc:  # noqa: BLE001 - raised below
+            stop_error = exc
         try:
             stop_evaluator(run)  # logs the last evaluation's result
-        except Exception as exc:  # noqa: BLE001 - a fault there must not cost the final checkpoint: raised after it
-            evaluator_error = exc
+        except Exception as exc:  # noqa: BLE001 - raised below
+            stop_error = stop_error or exc
         if run.inference is not None:
             run.inference.stop.set()
             deadline = time.monotonic() + LEARNER_JOIN_TIMEOUT_S
@@ -563,8 +568,8 @@ def shutdown(run: Run, save: bool) -> OSError | None:
                 save_error = exc
                 log.error("Could not save the final checkpoint at step %d: %s (%s)", run.state.step, exc,
                           _last_saved(run))
-        if evaluator_error is not None:
-            raise evaluator_error
+        if stop_error is not None:
+            raise stop_error
     finally:
         finish_within(END_CLOSE_TIMEOUT_S, run.runlog.close, "closing the TensorBoard and CSV logs")
         finish_within(END_CLOSE_TIMEOUT_S, run.pool.close, "closing the actors' channels and the fork server")

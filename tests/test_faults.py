@@ -478,15 +478,27 @@ def test_a_build_that_fails_after_the_run_files_were_written_records_its_end(
     assert "flags/text_summary" in events.Tags()["tensors"]
 
 
-def test_a_fault_in_stopping_the_evaluator_comes_after_the_final_checkpoint(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def failing_stop(run: object) -> None:
-        raise RuntimeError("the evaluator's fault")
+@pytest.mark.parametrize("stopping", ["the evaluator", "the actors"])
+def test_a_fault_in_stopping_the_evaluator_or_the_actors_comes_after_the_final_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stopping: str) -> None:
+    """A fault while stopping (a lost Ray connection, an evaluator's bug) ends the run as an error, its final
+    checkpoint saved first."""
+    if stopping == "the evaluator":
+        def failing_stop(run: object) -> None:
+            raise RuntimeError("the evaluator's fault")
 
-    monkeypatch.setattr(training, "stop_evaluator", failing_stop)
+        monkeypatch.setattr(training, "stop_evaluator", failing_stop)
+    else:
+        stop = LocalActorPool.stop
+
+        def stop_then_fail(pool: LocalActorPool, drain: object) -> None:
+            stop(pool, drain)
+            raise RuntimeError("the actors' fault")
+
+        monkeypatch.setattr(LocalActorPool, "stop", stop_then_fail)
     config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=5, batch_size=4,
                     hidden_size=16, total_steps=200, disable_cuda=True, savedir=str(tmp_path), xpid="eval-fault")
-    with pytest.raises(RuntimeError, match="the evaluator's fault"):
+    with pytest.raises(RuntimeError, match="fault"):
         training.train(config)
     assert checkpoint_step(tmp_path / "eval-fault") == 200  # saved before the fault was raised
     assert json.loads((tmp_path / "eval-fault" / "meta.json").read_text())["end_reason"] == "error"
