@@ -548,7 +548,7 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
     previous = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(**options)
-    except (ConnectionError, ValueError, RuntimeError) as exc:
+    except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:  # RayError: no auth token
         reason = first_line(exc)
         raise UserError(f"--ray {config.ray}: could not connect to Ray: {reason} (start a cluster with "
                         "`ray start --head`, or use --ray local)") from None

@@ -532,3 +532,17 @@ def test_remote_actors_silent_while_this_process_was_paused_get_a_new_grace_peri
     remote, detail = pool.deaths.get_nowait()
     assert remote is remotes[1] and detail.startswith("no unroll for 400 s (--actor_timeout_s 300)")
     assert pool.deaths.empty()
+
+
+def test_a_cluster_that_asks_for_a_token_not_given_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """RAY_AUTH_MODE=token without the token (a Docker run without -e RAY_AUTH_TOKEN): Ray's AuthenticationError,
+    a RayError, is a user's to fix."""
+    ray = pytest.importorskip("ray")
+    from impala import ray_pool
+
+    def no_token(**options: object) -> None:
+        raise ray.exceptions.AuthenticationError("No authentication token found")
+
+    monkeypatch.setattr(ray, "init", no_token)
+    with pytest.raises(UserError, match=r"--ray auto: could not connect to Ray: No authentication token found"):
+        ray_pool.connect(Config(ray="auto"), unroll_bytes=1)
