@@ -561,6 +561,9 @@ def shutdown(run: Run, save: bool) -> OSError | None:
             deadline = time.monotonic() + LEARNER_JOIN_TIMEOUT_S
             for thread in run.inference.threads:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if save and not run.learners.weights_whole():  # a learner failed while it was being stopped
+            log.error("Not saving a final checkpoint: a learner thread failed while stopping (%s)", _last_saved(run))
+            save = False
         if save:
             try:
                 checkpoint(run)  # waits for a learner still inside an update: it holds update_lock

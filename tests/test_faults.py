@@ -504,6 +504,25 @@ def test_a_fault_in_stopping_the_evaluator_or_the_actors_comes_after_the_final_c
     assert json.loads((tmp_path / "eval-fault" / "meta.json").read_text())["end_reason"] == "error"
 
 
+def test_a_learner_that_fails_while_being_stopped_leaves_the_last_checkpoint_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether to save is decided again once the learners have stopped: one that failed meanwhile may have left
+    the weights half updated."""
+    stop = Learners.stop
+
+    def stop_with_a_failure(learners: Learners, timeout_s: float) -> None:
+        stop(learners, timeout_s)
+        learners.errors.append(RuntimeError("failed in its last update"))
+
+    monkeypatch.setattr(Learners, "stop", stop_with_a_failure)
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=5, batch_size=4,
+                    hidden_size=16, total_steps=200, disable_cuda=True, savedir=str(tmp_path), xpid="late-fault")
+    training.train(config)
+    assert "Not saving a final checkpoint: a learner thread failed while stopping (no checkpoint saved yet)" \
+        in (tmp_path / "late-fault" / "out.log").read_text()
+    assert not (tmp_path / "late-fault" / "model.tar").exists()
+
+
 def test_a_crash_of_the_main_process_prints_where_its_threads_were(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A segfault in the main process (here in the env the run probes; a GPU driver's in the learner would do as
