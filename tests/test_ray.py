@@ -543,6 +543,7 @@ def test_a_cluster_that_asks_for_a_token_not_given_is_one_line(monkeypatch: pyte
     def no_token(**options: object) -> None:
         raise ray.exceptions.AuthenticationError("No authentication token found")
 
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a run of its own, whatever tests ran before
     monkeypatch.setattr(ray, "init", no_token)
     with pytest.raises(UserError, match=r"--ray auto: could not connect to Ray: No authentication token found"):
         ray_pool.connect(Config(ray="auto"), unroll_bytes=1)
