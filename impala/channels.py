@@ -17,6 +17,7 @@ import termios
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
+from pathlib import Path
 from typing import Any, Protocol
 
 
@@ -72,19 +73,29 @@ class StopFlag:
         return bool(self._value.value)
 
 
+PIPE_DEFAULT_BYTES = 65536  # what a new pipe holds on Linux
+
+
+def _grow_pipe(write_end: int, nbytes: int) -> bool:
+    """Make the pipe hold `nbytes` where it holds fewer; False where the system refuses (above
+    /proc/sys/fs/pipe-max-size, for a process without CAP_SYS_RESOURCE)."""
+    if nbytes <= PIPE_DEFAULT_BYTES or not hasattr(fcntl, "F_SETPIPE_SZ"):
+        return True
+    try:
+        fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, nbytes)
+    except OSError:
+        return False
+    return True
+
+
 def pipe_records(record_bytes: int, wanted: int) -> int:
     """How many records of `record_bytes` a pipe made here can hold, grown (as `RecordQueue` grows its pipe) to
-    `wanted` of them where the system allows: at most /proc/sys/fs/pipe-max-size bytes for a process without
-    CAP_SYS_RESOURCE."""
+    `wanted` of them, or where the system refuses that, to the most it allows."""
     read_end, write_end = os.pipe()
     try:
-        if wanted * record_bytes > 65536 and hasattr(fcntl, "F_SETPIPE_SZ"):
-            try:
-                fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, wanted * record_bytes)
-            except OSError:  # more than allowed: what is allowed
-                with contextlib.suppress(OSError, ValueError):
-                    limit = int(open("/proc/sys/fs/pipe-max-size").read())  # noqa: SIM115 - read at once
-                    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, limit)
+        if not _grow_pipe(write_end, wanted * record_bytes):
+            with contextlib.suppress(OSError, ValueError):
+                _grow_pipe(write_end, int(Path("/proc/sys/fs/pipe-max-size").read_text()))
         if not hasattr(fcntl, "F_GETPIPE_SZ"):
             return wanted  # not Linux: cannot be told
         return fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ) // record_bytes
@@ -112,9 +123,7 @@ class RecordQueue:
         self._size = struct.calcsize(fmt)
         self._reader, self._writer = ctx.Pipe(duplex=False)
         os.set_blocking(self._reader.fileno(), False)
-        if capacity * self._size > 65536 and hasattr(fcntl, "F_SETPIPE_SZ"):
-            with contextlib.suppress(OSError):  # above /proc/sys/fs/pipe-max-size: writers may wait
-                fcntl.fcntl(self._writer.fileno(), fcntl.F_SETPIPE_SZ, capacity * self._size)
+        _grow_pipe(self._writer.fileno(), capacity * self._size)  # refused: writers may wait
 
     def __getstate__(self) -> dict[str, Any]:
         return {"fmt": self._fmt, "reader": self._reader, "writer": self._writer}

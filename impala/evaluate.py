@@ -211,7 +211,8 @@ def serve_evaluations(model: Net, config: Config, connection: Connection, heartb
             return
         beat()
         start_cpu_s = time.process_time()
-        games = play(model, config.env, config.eval_episodes, config.seed + EVAL_SEED_OFFSET + number * config.eval_episodes,
+        seed = config.seed + EVAL_SEED_OFFSET + number * config.eval_episodes
+        games = play(model, config.env, config.eval_episodes, seed,
                      greedy=config.eval_actions == "greedy", on_step=beat, fire_on_life_loss=config.fire_on_life_loss,
                      max_steps=config.eval_max_steps)
         connection.send((number, step, games, time.process_time() - start_cpu_s))

@@ -64,7 +64,8 @@ class BatchStaging:
             tensor = torch.empty(shape, dtype=buffers[key].dtype)
             self.tensors[key] = tensor.pin_memory() if pin else tensor
         self._core_keys = [f"core_state_{i}" for i in range(sum(k.startswith("core_state_") for k in buffers))]
-        self.core_state = [torch.empty((buffers[k].shape[1], batch_size, buffers[k].shape[2])) for k in self._core_keys]
+        self.core_state = [torch.empty((buffers[k].shape[1], batch_size, buffers[k].shape[2]))
+                           for k in self._core_keys]
         if pin:
             self.core_state = [s.pin_memory() for s in self.core_state]
         self._copied: torch.cuda.Event | None = None  # the last copy to a GPU, which reads these tensors
@@ -678,7 +679,8 @@ def _check_optimizer_state(optimizer: torch.optim.Optimizer, saved: Any, path: P
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         raise UserError(f"checkpoint {path} does not fit this run's {type(optimizer).__name__}: its optimiser state is "
                         "not a state_dict")
-    saved_ids = [i for group in saved.get("param_groups") or [] if isinstance(group, dict) for i in group.get("params", [])]
+    groups = [group for group in saved.get("param_groups") or [] if isinstance(group, dict)]
+    saved_ids = [i for group in groups for i in group.get("params", [])]
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
     for index, parameter in zip(saved_ids, parameters, strict=False):  # unequal counts: load_state_dict says so
         moments = saved["state"].get(index)

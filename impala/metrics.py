@@ -221,7 +221,8 @@ class RunLog:
             self._csv.writeheader()
 
     def _widen_csv(self, fieldnames: list[str]) -> None:
-        # Let go of the file first: if its close or the rewrite fails, the next row reopens the file as it is and tries again.
+        # Let go of the file first: if its close or the rewrite fails, the next row reopens the file as it is and
+        # tries again.
         file, self._csv_file, self._csv = self._csv_file, None, None
         file.close()
         with open(self._csv_path, newline="", errors="replace") as f:

@@ -275,9 +275,7 @@ def finish_run_files(run_dir: Path, reason: str, step: int) -> None:
 
 def record_best(run_dir: Path, best: dict[str, float | int | str]) -> None:
     """Record the best evaluation so far (step, mean and spread of its returns) in meta.json, atomically."""
-    meta = read_meta(run_dir)
-    meta["best_evaluation"] = best
-    _write_json(run_dir / META_NAME, meta)
+    _record(run_dir, "best_evaluation", best)
 
 
 def _recorded(run_dir: Path, key: str) -> Any:
@@ -292,8 +290,13 @@ def _recorded(run_dir: Path, key: str) -> Any:
 def record_checkpoint(run_dir: Path, step: int) -> None:
     """Record in meta.json that the run saved a checkpoint (model.tar) at `step`: a run whose model.tar is then
     lost is refused rather than started again from step 0 over its logs (`restarts_unsaved_run`)."""
+    _record(run_dir, "checkpoint_step", step)
+
+
+def _record(run_dir: Path, key: str, value: Any) -> None:
+    """`key` set to `value` in meta.json, atomically."""
     meta = read_meta(run_dir)
-    meta["checkpoint_step"] = step
+    meta[key] = value
     _write_json(run_dir / META_NAME, meta)
 
 

@@ -204,10 +204,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         # central inference): the logs closed, and this session's end in meta.json, which would read as a kill.
         runlog.close()
         if started_session:
-            try:
-                finish_run_files(run_dir, "error", state.step)
-            except OSError as exc:
-                log.error("Could not record the end of the run in %s: %s", run_dir, exc)
+            _record_end(run_dir, "error", state.step)
         if ray_connection is not None:
             ray_pool.disconnect(ray_connection)
         raise
@@ -221,14 +218,15 @@ def _inference_servers(run: Run, session: int) -> InferenceServers:
     # Server k's sampling stream is the "life" k of the inference stream: with one server, life 0.
     seeds = [sampling_seed(config.seed, session, INFERENCE_STREAM, k) for k in range(config.inference_threads)]
     graphed = config.cuda_graph and not learner.compiles_cuda_graphs(config, run.device, run.state.world_size)
-    return InferenceServers(run.state.model, run.buffers, positions, run.device, run.amp, config.inference_wait_ms / 1000,
-                            seeds, graphed=graphed, splits=config.env_splits)
+    return InferenceServers(run.state.model, run.buffers, positions, run.device, run.amp,
+                            config.inference_wait_ms / 1000, seeds, graphed=graphed, splits=config.env_splits)
 
 
 TRAINING_COPIES = 4  # of the weights, at the least: themselves, their gradients, Adam's two moments
 
 
 def physical_memory_bytes() -> int:
+    """This machine's memory, the most a run's processes could share."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -239,9 +237,9 @@ def check_model_fits(model: Net) -> None:
     needed = TRAINING_COPIES * 4 * weights  # float32
     memory = physical_memory_bytes()
     if needed > memory:
-        raise UserError(f"the {model.model} net has {weights:,} weights, and training holds at least {TRAINING_COPIES} "
-                        f"float32 copies of them ({needed / 2**30:.1f} GiB) where this machine has {memory / 2**30:.1f} "
-                        "GiB: lower --hidden_size")
+        raise UserError(f"the {model.model} net has {weights:,} weights, and training holds at least "
+                        f"{TRAINING_COPIES} float32 copies of them ({needed / 2**30:.1f} GiB) where this machine "
+                        f"has {memory / 2**30:.1f} GiB: lower --hidden_size")
 
 
 def _actor_pool(config: Config, ctx: BaseContext, buffers: Buffers, state: LearnerState, actor_model: Net,
@@ -649,6 +647,14 @@ def _start_and_monitor(run: Run) -> str:
     return monitor(run)
 
 
+def _record_end(run_dir: Path, reason: str, step: int) -> None:
+    """The session's end in meta.json; a failed write is reported, not raised (the run has ended either way)."""
+    try:
+        finish_run_files(run_dir, reason, step)
+    except OSError as exc:
+        log.error("Could not record the end of the run in %s: %s", run_dir, exc)
+
+
 def _end(run: Run, reason: str, save: bool) -> OSError | None:
     """Shut down and record the end; returns the final save's error. A Ctrl-C or SIGTERM meanwhile changes
     nothing (`stopping.py`). `save`: False after a numerical failure (the last good checkpoint stays) and
@@ -660,11 +666,8 @@ def _end(run: Run, reason: str, save: bool) -> OSError | None:
             save_error = shutdown(run, save=save)
         except Exception as exc:  # noqa: BLE001 - a fault while stopping (the evaluator's): recorded, raised below
             failure, reason = exc, "error"
-        try:
-            if run.writes_files:
-                finish_run_files(run.run_dir, reason, run.state.step)
-        except OSError as exc:
-            log.error("Could not record the end of the run in %s: %s", run.run_dir, exc)
+        if run.writes_files:
+            _record_end(run.run_dir, reason, run.state.step)
         log.info("Run ended (%s) at step %d in %s", reason, run.state.step, run.run_dir)
         if failure is not None:
             raise failure
