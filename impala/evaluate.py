@@ -184,9 +184,11 @@ def _print_results(games: Games, state: dict) -> float:
     return mean
 
 
-# Evaluation k of a session plays the games seeded EVAL_SEED_OFFSET + k x eval_episodes after the run's seed, one per
-# game (`play`): other games than the actors' and the test mode's, and other games in every evaluation of a session,
-# so the best is not chosen on one fixed set. (A resumed session numbers its evaluations from 1 again.)
+# Evaluation k of a run plays the games seeded EVAL_SEED_OFFSET + k x eval_episodes after the run's seed, one per
+# game (`play`): other games than the actors' and the test mode's, and other games in every evaluation, so the best
+# is not chosen on one fixed set. Evaluations are numbered run-wide (the count is in the checkpoint, as the actor
+# lives are): a resumed session goes on numbering. Only what a killed session evaluated after its last checkpoint is
+# numbered again, as its training is done again.
 EVAL_SEED_OFFSET = 1_000_000
 
 

@@ -57,7 +57,6 @@ class Evaluator:
     process: Any = None  # its multiprocessing.Process
     connection: Connection | None = None  # the main end of the pipe to `process`
     pending: dict | None = None  # counters of the weights being evaluated: number, step, updates, episodes
-    requested: int = 0  # evaluations asked for in this session; numbers their games' seeds
     last_request_s: float = field(default_factory=time.monotonic)
     error_text: str = ""  # the traceback a failing evaluator sent before it died
     deaths: list = field(default_factory=list)  # times of deaths, for the crash-rate limit
@@ -197,15 +196,16 @@ def _request_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
         for target, source in zip(evaluator.model.state_dict().values(), run.state.model.state_dict().values()):
             target.copy_(source)
         counters = {"step": run.state.step, "updates": run.state.updates, "episodes": run.state.episodes}
-    evaluator.requested += 1
+        run.state.evaluations += 1  # in the checkpoint: a resumed run's evaluations play games of their own
+        number = run.state.evaluations
     evaluator.last_request_s = time.monotonic()
     if evaluator.heartbeat is not None:
         evaluator.heartbeat.value = evaluator.last_request_s  # the time it waited for this request is not a hang
     try:
-        _pipe(evaluator).send((evaluator.requested, counters["step"]))
+        _pipe(evaluator).send((number, counters["step"]))
     except OSError:
         return  # it died: the liveness check replaces it
-    evaluator.pending = {"number": evaluator.requested, **counters}
+    evaluator.pending = {"number": number, **counters}
 
 
 def finish_evaluation(run: EvaluatedRun, evaluator: Evaluator, pending: dict, games: Games) -> None:

@@ -430,7 +430,7 @@ def test_the_wait_for_a_request_is_not_held_against_the_evaluation_it_asks_for(
     run_ = _fake_run(tmp_path, best=None)
     run_.config = Config(env="CartPole-v1", eval_interval_s=600, actor_timeout_s=300, max_actor_restarts=0)
     run_.update_lock, run_.state = threading.Lock(), types.SimpleNamespace(model=_net(), step=900, updates=9,
-                                                                             episodes=3)
+                                                                             episodes=3, evaluations=4)
     evaluator = run_.evaluator
     idle = ctx.Process(target=time.sleep, args=(60,))
     idle.start()
@@ -440,7 +440,8 @@ def test_the_wait_for_a_request_is_not_held_against_the_evaluation_it_asks_for(
     evaluator.last_request_s = time.monotonic() - 700
     try:
         check_evaluator(run_)  # due: asks for the next evaluation
-        assert evaluator.pending is not None and process_end.recv() == (1, 900)
+        # The run's fifth evaluation (its count is in the checkpoint), whatever the session: games of its own.
+        assert evaluator.pending is not None and process_end.recv() == (5, 900) and run_.state.evaluations == 5
         check_evaluator(run_)
         assert idle.is_alive() and "made no progress" not in caplog.text
     finally:
@@ -546,6 +547,8 @@ def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path
         first.close()
     best_path = first.run_dir / BEST_CHECKPOINT_NAME
     first_best = load_checkpoint(best_path)
+    first_evaluations = load_checkpoint(first.run_dir / CHECKPOINT_NAME)["evaluations"]
+    assert first_evaluations >= 1
     # Make the recorded best unbeatable, so every evaluation of the resumed run is worse (or equal).
     save_checkpoint(best_path, {**first_best, "eval_return_mean": CARTPOLE_MAX_RETURN})
     before = best_path.read_bytes()
@@ -565,6 +568,8 @@ def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path
     assert "New best evaluation" not in text
     assert best_path.read_bytes() == before
     assert checkpoint_step(first.run_dir) > 10_000  # the resumed run trained on, and saved at its stop
+    # Its evaluations went on from the first session's count: they played games of their own.
+    assert load_checkpoint(first.run_dir / CHECKPOINT_NAME)["evaluations"] >= first_evaluations + 2
 
     # --checkpoint PATH: a new run that starts from the best agent's weights and step counters.
     branch = Training(tmp_path, "branch", "--checkpoint", str(best_path), total_steps=first_best["step"] + 2_000)
