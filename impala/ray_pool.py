@@ -227,7 +227,9 @@ class RemoteLife:
     index: int  # remote actor index, 0..ray_actors-1
     life: int  # run-wide life number (seeding.ActorLives)
     handle: Any  # the Ray actor handle
+    made: Any = None  # ObjectRef of its pid, answered once the actor is placed on a node and made
     started: float = dataclasses.field(default_factory=time.monotonic)
+    placed: float | None = None  # monotonic time `made` was seen answered; None while it waits for a node
     last_result: float | None = None  # monotonic time of its last unrolls; None until it acts
     pid: int | None = None  # its process, once it reported it
     in_flight: int = 0  # requests submitted and not yet received
@@ -316,7 +318,8 @@ class RayActorPool:
                             f"this --xpid is using it; pass another --xpid") from None
         log.info("Remote actor %d starting (life %d, env seeds %d-%d)", index, seeds.life, seeds.env_seeds[0],
                  seeds.env_seeds[-1])
-        return RemoteLife(index, seeds.life, handle)
+        # In the control group, so it answers once the actor is made, not after its first unrolls.
+        return RemoteLife(index, seeds.life, handle, handle.pid.options(concurrency_group="control").remote())
 
     # ------------------------------------------------------------------------------------- learner side
 
@@ -422,36 +425,48 @@ class RayActorPool:
                 waited = True
                 continue
             if waited:  # the learners were behind: the remote actors' silence meanwhile is not theirs
-                for remote in self.remotes:
-                    if remote.last_result is not None:
-                        remote.last_result = time.monotonic()
+                self._new_grace_period(time.monotonic())
             return slot
         return None
 
+    def _new_grace_period(self, now: float) -> None:
+        """Start the silence of every placed actor afresh (results waiting unread are not its silence)."""
+        for remote in self.remotes:
+            if remote.last_result is not None:
+                remote.last_result = now
+            elif remote.placed is not None:
+                remote.placed = now
+
     def _watch_silence(self) -> None:
-        """Report an actor that stopped sending (--actor_timeout_s), and one not placed yet (no resources)."""
+        """Report an actor that stopped sending, or that was placed and never sent (--actor_timeout_s: a hung env),
+        and warn of one not placed yet (no resources: it may yet be, so it is not a death)."""
         now = time.monotonic()
         timeout_s = self.config.actor_timeout_s
         watch_gap_s, self._last_watch = now - self._last_watch, now
         if timeout_s and watch_gap_s > timeout_s / 2:
             # This process was not running (Ctrl-Z, a paused container): the results waiting unread are not the
-            # actors' silence. Every acting actor gets a new grace period, as local actors do (`kill_hung`).
-            for remote in self.remotes:
-                if remote.last_result is not None:
-                    remote.last_result = now
+            # actors' silence. Every placed actor gets a new grace period, as local actors do (`kill_hung`).
+            self._new_grace_period(now)
             return
         for remote in self.remotes:
             if remote.dead:
                 continue
-            if remote.last_result is None:
+            if remote.last_result is not None:
+                silent_s, since = now - remote.last_result, ""
+            elif remote.placed is not None:
+                silent_s, since = now - remote.placed, " since it was made"
+            elif remote.made is not None and self.ray.wait([remote.made], timeout=0)[0]:
+                remote.placed = now  # made, or failed to be: its unrolls request then reports the failure
+                continue
+            else:
                 if not remote.warned and now - remote.started > PLACEMENT_WARNING_S:
                     remote.warned = True
                     log.warning("Remote actor %d has not acted for %.0f s since it was started: is there a node "
                                 "with a free CPU%s for it?", remote.index, now - remote.started,
                                 f" and {self.config.ray_actor_resource}" if self.config.ray_actor_resource else "")
-            elif timeout_s and now - remote.last_result > timeout_s:
-                self._report_dead(remote, f"no unroll for {now - remote.last_result:.0f} s (--actor_timeout_s "
-                                  f"{timeout_s:g})")
+                continue
+            if timeout_s and silent_s > timeout_s:
+                self._report_dead(remote, f"no unroll for {silent_s:.0f} s{since} (--actor_timeout_s {timeout_s:g})")
 
     def _report_dead(self, remote: RemoteLife, detail: str) -> None:
         if not remote.dead:
