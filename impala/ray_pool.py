@@ -313,7 +313,7 @@ class RayActorPool:
             handle = self.remote_class.options(name=name, namespace=NAMESPACE, num_cpus=1, resources=resources,
                                                max_restarts=0).remote(config.num_actors + index, actor_config,
                                                                       *self.net_args, seeds)
-        except self.ray.exceptions.ActorAlreadyExistsError:
+        except self.ray.exceptions.ActorAlreadyExistsError:  # made since `check_names_free`
             raise UserError(f"--ray {config.ray}: the cluster already has an actor named {name}: another run with "
                             f"this --xpid is using it; pass another --xpid") from None
         log.info("Remote actor %d starting (life %d, env seeds %d-%d)", index, seeds.life, seeds.env_seeds[0],
@@ -571,6 +571,16 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)  # ray.init installs its own; the run's stops in order
     return ray, config.ray == "local"
+
+
+def check_names_free(config: Config, ray: Any, run_name: str) -> None:
+    """UserError where the cluster has a live remote actor of run `run_name` (another training of this --xpid uses
+    the cluster): checked before the run's files are written. `_start_remote` still refuses a name taken later."""
+    taken = sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                   if actor["namespace"] == NAMESPACE and actor["name"].startswith(f"{run_name}.remote-"))
+    if taken:
+        raise UserError(f"--ray {config.ray}: the cluster already has an actor named {taken[0]}: another run with "
+                        "this --xpid is using it; pass another --xpid")
 
 
 def check_reachable(address: str) -> None:

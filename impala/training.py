@@ -169,11 +169,16 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     spec = BufferSpec(local_slots + config.remote_slots, config.unroll_length, observation_shape, observation_dtype,
                       num_actions, model.core_state_shapes())
     buffers = create_buffers(spec)
-    # Connected before anything is written: a bad or unreachable address leaves the run directory as it was.
+    # Remote actors are named by run; under torchrun every rank owns a pool, so the names differ by rank too.
+    pool_name = run_dir.name if coordinator is None else f"{run_dir.name}.rank-{coordinator.rank}"
+    # Connected before anything is written: a bad or unreachable address, or another training of this --xpid on the
+    # cluster, leaves the run directory as it was.
     ray_connection = ray_pool.connect(config, ray_pool.unroll_bytes(buffers)) if config.ray else None
     runlog: RunLog = distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
     session, started_session = 0, False
     try:
+        if ray_connection is not None:
+            ray_pool.check_names_free(config, ray_connection[0], pool_name)
         stop.check()  # the last moment at which stopping changes nothing
         if writes_files:
             prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # the last check: nothing changed before
@@ -184,8 +189,6 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         if coordinator is not None:
             session = coordinator.share_state(state, session, config)  # every rank starts from rank 0's weights
         state.lives.session = session
-        # Remote actors are named by run; under torchrun every rank owns a pool, so the names differ by rank too.
-        pool_name = run_dir.name if coordinator is None else f"{run_dir.name}.rank-{coordinator.rank}"
         pool = _actor_pool(config, ctx, buffers, state, actor_model, pool_name, ray_connection)
         amp, stats, update_lock = use_amp(config.amp, device, model.model), IntervalStats(), threading.Lock()
         if checkpoint is not None:  # the last 100 games go on across a resume: the mean's curve has no jump there

@@ -484,7 +484,8 @@ def test_a_name_taken_in_the_cluster_by_another_run_is_one_line_and_exit_2(clust
                      "taken.remote-1.life-1: another run with this --xpid is using it; pass another --xpid")], \
         training.text()
     assert "Traceback" not in training.text()
-    assert _run_actors(ray, "taken.") == []  # remote actor 0, started before, was stopped
+    assert _run_actors(ray, "taken.") == []  # none of the run's was started
+    assert not (training.run_dir / "meta.json").exists(), "refused before the run's files are written"
 
 
 @pytest.mark.slow
