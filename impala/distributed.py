@@ -45,7 +45,7 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # A rank that does not answer a collective for this long ends the job. One that died is noticed at once
 # (its sockets close); this bounds a hung one (an update of the deep ResNet on a CPU takes seconds).
 COLLECTIVE_TIMEOUT_S = 300.0
-MAX_GAMES_PER_VOTE = 32  # games a rank reports per update; more wait for its next update
+MAX_GAMES_PER_VOTE = 32  # games a rank reports one by one per update; of more, the newest, and how many the others are
 
 
 def launched_by_torchrun() -> bool:
@@ -223,6 +223,7 @@ class Coordinator:
         self.stopped_by: int | None = None  # the first rank that voted to stop when this one did not
         self._outbox: collections.deque[tuple[float, int]] = collections.deque()  # this rank's games, not yet sent
         self._inbox: collections.deque[tuple[float, int]] = collections.deque()  # rank 0: every rank's, not yet logged
+        self._unlisted: collections.deque[int] = collections.deque()  # rank 0: the number of every rank's other games
 
     @property
     def rank(self) -> int:
@@ -240,9 +241,12 @@ class Coordinator:
         every rank in this update, or 0 when any rank voted to stop (then every rank stops here)."""
         if self.stopped or self.reducer.failed:
             return 0
-        games = [self._outbox.popleft() for _ in range(min(len(self._outbox), MAX_GAMES_PER_VOTE))]
+        # Every game finished goes with this vote, so none waits and the outbox stays small: the newest one by one,
+        # the others as their number (a rank that finishes more games per update than a vote lists).
+        finished = [self._outbox.popleft() for _ in range(len(self._outbox))]
+        games = finished[-MAX_GAMES_PER_VOTE:]
         message = torch.zeros(3 + 2 * MAX_GAMES_PER_VOTE, dtype=torch.float64)
-        message[:3] = torch.tensor([float(stop), float(steps), float(len(games))])
+        message[:3] = torch.tensor([float(stop), float(steps), float(len(finished))])
         if games:
             message[3:3 + 2 * len(games)] = torch.tensor(games, dtype=torch.float64).flatten()
         gathered = [torch.empty_like(message) for _ in range(self.ranks.world_size)]
@@ -253,8 +257,11 @@ class Coordinator:
             raise _lost("the vote before an update", exc) from exc
         if self.rank == 0:
             for other in gathered:
-                pairs = other[3:3 + 2 * int(other[2])].view(-1, 2).tolist()
+                listed = min(int(other[2]), MAX_GAMES_PER_VOTE)
+                pairs = other[3:3 + 2 * listed].view(-1, 2).tolist()
                 self._inbox.extend((episode_return, int(length)) for episode_return, length in pairs)
+                if int(other[2]) > listed:
+                    self._unlisted.append(int(other[2]) - listed)
         stopping = [rank for rank, other in enumerate(gathered) if other[0]]
         if stopping:
             self.stopped = True
@@ -263,13 +270,15 @@ class Coordinator:
             return 0
         return int(sum(float(other[1]) for other in gathered))
 
-    def games(self, finished: list[tuple[float, int]]) -> list[tuple[float, int]]:
-        """Hand this rank's `finished` games (return, length) to its next vote; on rank 0 returns the games
-        of every rank that votes have brought so far, elsewhere nothing."""
+    def games(self, finished: list[tuple[float, int]]) -> tuple[list[tuple[float, int]], int]:
+        """Hand this rank's `finished` games (return, length) to its next vote. Returns, on rank 0, the games of
+        every rank that votes have listed so far and how many other games they counted (a vote lists
+        MAX_GAMES_PER_VOTE of a rank's games at most); elsewhere ([], 0)."""
         self._outbox.extend(finished)
         if self.rank != 0:
-            return []
-        return [self._inbox.popleft() for _ in range(len(self._inbox))]
+            return [], 0
+        unlisted = sum(self._unlisted.popleft() for _ in range(len(self._unlisted)))  # deques: votes add meanwhile
+        return [self._inbox.popleft() for _ in range(len(self._inbox))], unlisted
 
     def share_state(self, state: LearnerState, session: int, config: Config) -> int:
         """Rank 0 sends its learner state (weights, optimiser, counters: a checkpoint's content) and its

@@ -394,9 +394,10 @@ def _check_threads(run: Run) -> None:
 
 
 def _drain_episodes(run: Run) -> None:
-    games = run.pool.episodes()
+    games, unlisted = run.pool.episodes(), 0
     if run.coordinator is not None:  # every rank's games go to rank 0's log with the votes
-        games = run.coordinator.games(games)
+        games, unlisted = run.coordinator.games(games)
+    run.state.episodes += unlisted  # counted, but not one by one in the log (distributed.MAX_GAMES_PER_VOTE)
     for episode_return, episode_length in games:
         run.stats.add_episode(episode_return)
         run.state.episodes += 1

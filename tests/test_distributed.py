@@ -35,7 +35,7 @@ from tensorboard.plugins.hparams import plugin_data_pb2
 
 from impala import distributed, learner
 from impala.config import Config, UserError
-from impala.distributed import Coordinator, GradientReducer, Ranks
+from impala.distributed import MAX_GAMES_PER_VOTE, Coordinator, GradientReducer, Ranks
 from impala.model import Net
 
 T, B = 4, 3  # B unrolls per rank; the one-learner reference takes 2 x B
@@ -134,11 +134,12 @@ def _votes(rank: int) -> dict[str, Any]:
                               summed_loss=True)
     games_before = coordinator.games([(1.5, 10), (2.5, 20)] if rank == 1 else [(-1.0, 7)])
     first = coordinator.vote(stop=False, steps=10 + rank)
-    games_after = coordinator.games([])
+    games_after = coordinator.games([(float(i), i) for i in range(MAX_GAMES_PER_VOTE + 3)] if rank == 1 else [])
     second = coordinator.vote(stop=rank == 1, steps=10)
+    games_many = coordinator.games([])
     third = coordinator.vote(stop=False, steps=10) if rank == 0 else None  # a collective here would hang
     return {"games_before": games_before, "first": first, "games_after": games_after, "second": second,
-            "third": third, "stopped_by": coordinator.stopped_by}
+            "games_many": games_many, "third": third, "stopped_by": coordinator.stopped_by}
 
 
 @pytest.fixture(scope="module")
@@ -216,9 +217,11 @@ def test_votes_sum_the_steps_of_every_rank_agree_to_stop_and_bring_every_game_to
         ranks: list[dict[str, Any]]) -> None:
     zero, one = ranks[0]["votes"], ranks[1]["votes"]
     assert zero["first"] == one["first"] == 21  # 10 + 11 agent steps
-    assert zero["games_before"] == one["games_before"] == []  # games travel with the next vote
-    assert zero["games_after"] == [(-1.0, 7), (1.5, 10), (2.5, 20)]  # in rank order
-    assert one["games_after"] == []  # only rank 0 logs games
+    assert zero["games_before"] == one["games_before"] == ([], 0)  # games travel with the next vote
+    assert zero["games_after"] == ([(-1.0, 7), (1.5, 10), (2.5, 20)], 0)  # in rank order
+    assert one["games_after"] == one["games_many"] == ([], 0)  # only rank 0 logs games
+    # More games in one update than a vote lists: the newest one by one, the others counted, none left waiting.
+    assert zero["games_many"] == ([(float(i), i) for i in range(3, MAX_GAMES_PER_VOTE + 3)], 3)
     assert zero["second"] == one["second"] == 0  # rank 1 stopped: every rank stops at this update
     assert zero["third"] == 0  # after a stop, no collective: rank 0 alone did not wait for rank 1
     assert zero["stopped_by"] == 1 and one["stopped_by"] is None  # rank 1 stopped by its own choice
