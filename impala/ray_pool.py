@@ -42,6 +42,7 @@ from impala.environment import is_atari
 from impala.learner import BATCH_KEYS
 from impala.model import Net
 from impala.seeding import ActorLives, LifeSeeds
+from impala.stopping import Stopped
 
 log = logging.getLogger("impala")
 
@@ -561,8 +562,13 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
     else:
         options["address"] = config.ray
     previous = signal.getsignal(signal.SIGTERM)
+    terminated = False
     try:
         ray.init(**options)
+    except SystemExit as exc:  # ray.init's own SIGTERM handler exits with code 15
+        if exc.code != signal.SIGTERM:
+            raise
+        terminated = True
     except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:  # RayError: no auth token
         reason = first_line(exc)
         raise UserError(f"--ray {config.ray}: could not connect to Ray: {reason} (start a cluster with "
@@ -570,6 +576,11 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)  # ray.init installs its own; the run's stops in order
+    if terminated:  # a SIGTERM while connecting is the run's: undo the connection, then hand it to its handler
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        signal.raise_signal(signal.SIGTERM)
+        raise Stopped("terminated", signal.SIGTERM)
     return ray, config.ray == "local"
 
 

@@ -117,6 +117,44 @@ def test_without_ray_the_flag_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
+FAKE_RAY_TERMINATED_IN_INIT = """
+import os, signal, sys, time
+
+
+class exceptions:
+    class RayError(Exception):
+        pass
+
+
+def is_initialized():
+    return False
+
+
+def init(**options):
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))  # what ray.init installs
+    os.kill(os.getpid(), signal.SIGTERM)  # `docker stop` while it connects
+    time.sleep(30)
+
+
+def shutdown():
+    print("ray shut down", flush=True)
+"""
+
+
+def test_sigterm_while_connecting_to_ray_stops_the_run_in_order_with_nothing_written(tmp_path: Path) -> None:
+    """ray.init puts in a SIGTERM handler of its own, which exits with code 15 at once. The run's stop comes
+    instead: Ray's connection undone, exit code 143, no traceback, no run directory."""
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "__init__.py").write_text(FAKE_RAY_TERMINATED_IN_INIT)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "run.py", "--env", "CartPole-v1", "--ray", "local", "--savedir",
+                             str(tmp_path / "runs"), "--xpid", "terminated"], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 143, result.stdout + result.stderr
+    assert "ray shut down" in result.stdout and "Traceback" not in result.stdout + result.stderr
+    assert not (tmp_path / "runs" / "terminated" / "meta.json").exists()
+
+
 def test_a_bad_address_is_one_line_and_changes_nothing_of_an_existing_run(tmp_path: Path) -> None:
     """Ray is connected to before the run's files are written: once flags.json, meta.json (its start recorded and
     its end cleared), an event file and `latest` were all written before a failed connection."""
