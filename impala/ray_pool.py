@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from impala.actor import ActorChannels, run_actor
-from impala.actor_pool import ACTOR_NICENESS, RESTART_WINDOW_S, LocalActorPool
+from impala.actor_pool import ACTOR_NICENESS, RESTART_WINDOW_S, LocalActorPool, stop_signals_blocked
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.config import Config, TrainingError, UserError, first_line, is_head_address
 from impala.environment import is_atari
@@ -563,19 +563,25 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
         options["address"] = config.ray
     previous = signal.getsignal(signal.SIGTERM)
     terminated = False
-    try:
-        ray.init(**options)
-    except SystemExit as exc:  # ray.init's own SIGTERM handler exits with code 15
-        if exc.code != signal.SIGTERM:
-            raise
-        terminated = True
-    except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:  # RayError: no auth token
-        reason = first_line(exc)
-        raise UserError(f"--ray {config.ray}: could not connect to Ray: {reason} (start a cluster with "
-                        "`ray start --head`, or use --ray local)") from None
-    finally:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, previous)  # ray.init installs its own; the run's stops in order
+    # The stop signals blocked while Ray starts: the processes of --ray local (its GCS, its raylet and, through
+    # that, its workers) keep them blocked, as Ray itself blocks Ctrl-C there. Else SIGTERM or SIGHUP to the process
+    # group (`timeout`, a job scheduler, a closed terminal) ends Ray under the run, and Ray then ends this process
+    # before its final checkpoint. The run stops them itself (`disconnect`). A signal that comes meanwhile waits for
+    # the run's handler, put back first.
+    with stop_signals_blocked():
+        try:
+            ray.init(**options)
+        except SystemExit as exc:  # ray.init's own SIGTERM handler, run for a signal another thread took: code 15
+            if exc.code != signal.SIGTERM:
+                raise
+            terminated = True
+        except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:  # RayError: no auth token
+            reason = first_line(exc)
+            raise UserError(f"--ray {config.ray}: could not connect to Ray: {reason} (start a cluster with "
+                            "`ray start --head`, or use --ray local)") from None
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, previous)  # ray.init installs its own; the run's stops in order
     if terminated:  # a SIGTERM while connecting is the run's: undo the connection, then hand it to its handler
         with contextlib.suppress(Exception):
             ray.shutdown()
