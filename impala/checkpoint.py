@@ -14,11 +14,14 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from impala.config import UserError, first_line
+from impala.config import Config, UserError, first_line
+
+if TYPE_CHECKING:
+    from impala.model import Net
 
 CHECKPOINT_NAME = "model.tar"
 BEST_CHECKPOINT_NAME = "model_best.tar"  # the agent of the best evaluation so far
@@ -29,6 +32,13 @@ _TEMPORARY_GLOB = ".*.tar.tmp-*"  # what `save_checkpoint` and `link_or_copy` wr
 # What a file system that cannot sync a directory answers (some network and FUSE ones): the checkpoint is written and
 # renamed by then, durable as far as that file system makes renames durable, so this is not a failed save.
 _NO_DIRECTORY_FSYNC = (errno.EINVAL, errno.EOPNOTSUPP)
+
+
+def header(config: Config, model: Net) -> dict[str, Any]:
+    """What every checkpoint holds beside its state: the run's flags, and the model and shapes that
+    `check_compatible` compares with the run that loads it."""
+    return {"flags": config.to_dict(), "model": model.model, "observation_shape": list(model.observation_shape),
+            "num_actions": model.num_actions}
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:

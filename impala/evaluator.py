@@ -30,7 +30,7 @@ from impala.actor_pool import (
     leave_stop_signals_to_main_process,
     start_process,
 )
-from impala.checkpoint import BEST_CHECKPOINT_NAME, best_so_far, save_checkpoint
+from impala.checkpoint import BEST_CHECKPOINT_NAME, best_so_far, header, save_checkpoint
 from impala.config import Config
 from impala.evaluate import Games, serve_evaluations
 from impala.learner import LearnerState
@@ -239,8 +239,7 @@ def _save_best(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: 
         "model_state_dict": {k: v.detach().clone() for k, v in evaluator.model.state_dict().items()},
         "step": pending["step"], "updates": pending["updates"], "episodes": pending["episodes"],
         "eval_return_mean": mean, "eval_return_std": std, "eval_returns": list(returns),
-        "eval_actions": run.config.eval_actions, "flags": run.config.to_dict(), "model": evaluator.model.model,
-        "observation_shape": list(evaluator.model.observation_shape), "num_actions": evaluator.model.num_actions,
+        "eval_actions": run.config.eval_actions, **header(run.config, evaluator.model),
     }
     path = run.run_dir / BEST_CHECKPOINT_NAME
     before = _inode(path)

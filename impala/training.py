@@ -39,7 +39,7 @@ from impala.actor_pool import (
     stop_fork_server,
 )
 from impala.buffers import Buffers, BufferSpec, create_buffers
-from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, keep_step_copy, save_checkpoint
+from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, header, keep_step_copy, save_checkpoint
 from impala.config import Config, TrainingError, UserError, changed_flags, cpu_quota, first_line, usable_cores
 from impala.distributed import Coordinator
 from impala.environment import is_atari, probe_env
@@ -449,9 +449,7 @@ def checkpoint(run: Run) -> None:
         return
     with run.update_lock:
         state = run.state.state_dict()
-    model = run.state.model
-    state.update(flags=run.config.to_dict(), model=model.model, observation_shape=list(model.observation_shape),
-                 num_actions=model.num_actions, recent_returns=list(run.stats.episode_returns))
+    state.update(header(run.config, run.state.model), recent_returns=list(run.stats.episode_returns))
     save_checkpoint(run.run_dir / CHECKPOINT_NAME, state)
     run.saved_step = state["step"]
     log.info("Saved checkpoint at step %d to %s", state["step"], run.run_dir / CHECKPOINT_NAME)
