@@ -58,6 +58,20 @@ RESTART_WINDOW_S = 600.0
 ACTOR_NICENESS = 10
 
 
+class RecentDeaths:
+    """The crash-rate limit (--max_actor_restarts) of local actors, of remote ones and of the evaluator: the times of
+    their deaths within the last RESTART_WINDOW_S."""
+
+    def __init__(self) -> None:
+        self._times: list[float] = []
+
+    def add(self) -> int:
+        """Count a death now; returns the deaths within the window, this one included."""
+        now = time.monotonic()
+        self._times = [t for t in self._times if now - t < RESTART_WINDOW_S] + [now]
+        return len(self._times)
+
+
 class ActorPool(Protocol):
     """The actors of a run, as the trainer sees them. Every method is called from the main thread only,
     except `publish`, which a learner thread calls while it holds the update lock."""
@@ -165,7 +179,7 @@ class LocalActorPool:
             inference_positions=positions,
         )
         self.processes: list[Any] = []  # multiprocessing.Process of each actor's current life
-        self.restarts: list[float] = []  # times of deaths, for the crash-rate limit
+        self.deaths = RecentDeaths()
         self._unclaimed: dict[int, str] = {}  # tracebacks of actors not yet seen dead (still exiting)
         self.last_hang_check = time.monotonic()
 
@@ -245,17 +259,15 @@ class LocalActorPool:
     def _replace(self, index: int, process: BaseProcess, detail: str) -> None:
         how = exit_description(process.exitcode)
         log.error("Actor %d (pid %d) died: %s%s", index, process.pid, how, f"\n{detail}" if detail else "")
-        now = time.monotonic()
-        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
-        limit = self.config.max_actor_restarts
-        if len(self.restarts) > limit:
+        deaths, limit = self.deaths.add(), self.config.max_actor_restarts
+        if deaths > limit:
             raise TrainingError(
-                f"actors died {len(self.restarts)} times within {RESTART_WINDOW_S:.0f} s "
+                f"actors died {deaths} times within {RESTART_WINDOW_S:.0f} s "
                 f"(--max_actor_restarts {limit}); last: actor {index}, {how}" + (f"\n{detail}" if detail else ""))
         returned = self.slots.reclaim(index)
         self.processes[index] = self.start_actor(index)
         log.warning("Restarted actor %d (%d slots returned; %d restarts in the last %.0f s, at most %d)", index,
-                    returned, len(self.restarts), RESTART_WINDOW_S, limit)
+                    returned, deaths, RESTART_WINDOW_S, limit)
 
     def kill_hung(self) -> None:
         """Kill every actor that showed no progress for --actor_timeout_s (an env stuck in a step): `check`

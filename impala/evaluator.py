@@ -25,6 +25,7 @@ import torch
 
 from impala.actor_pool import (
     RESTART_WINDOW_S,
+    RecentDeaths,
     die_with_main_process,
     exit_description,
     leave_stop_signals_to_main_process,
@@ -59,7 +60,7 @@ class Evaluator:
     pending: dict | None = None  # counters of the weights being evaluated: number, step, updates, episodes
     last_request_s: float = field(default_factory=time.monotonic)
     error_text: str = ""  # the traceback a failing evaluator sent before it died
-    deaths: list = field(default_factory=list)  # times of deaths, for the crash-rate limit
+    deaths: RecentDeaths = field(default_factory=RecentDeaths)
     disabled: bool = False
     ctx: BaseContext | None = None  # the run's multiprocessing context, which starts `process`
     heartbeat: Any = None  # shared double: time.monotonic() of the evaluator's last sign of progress
@@ -279,17 +280,15 @@ def replace_evaluator(run: EvaluatedRun, evaluator: Evaluator) -> None:
     detail = evaluator.error_text.strip()
     log.error("Evaluator (pid %d) died: %s; %s, training goes on%s", process.pid,
               exit_description(process.exitcode), lost, f"\n{detail}" if detail else "")
-    now = time.monotonic()
-    evaluator.pending, evaluator.last_request_s = None, now
-    evaluator.deaths = [t for t in evaluator.deaths if now - t < RESTART_WINDOW_S] + [now]
-    if len(evaluator.deaths) > run.config.max_actor_restarts:
+    evaluator.pending, evaluator.last_request_s = None, time.monotonic()
+    deaths = evaluator.deaths.add()
+    if deaths > run.config.max_actor_restarts:
         evaluator.disabled = True
         log.error("The evaluator died %d times within %.0f s (--max_actor_restarts %d): no more evaluations "
-                  "in this run; training goes on", len(evaluator.deaths), RESTART_WINDOW_S,
-                  run.config.max_actor_restarts)
+                  "in this run; training goes on", deaths, RESTART_WINDOW_S, run.config.max_actor_restarts)
         return
     start_evaluator(run)
-    log.warning("Restarted the evaluator (%d deaths in the last %.0f s)", len(evaluator.deaths), RESTART_WINDOW_S)
+    log.warning("Restarted the evaluator (%d deaths in the last %.0f s)", deaths, RESTART_WINDOW_S)
 
 
 def stop_evaluator(run: EvaluatedRun) -> None:

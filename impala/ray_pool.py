@@ -35,7 +35,13 @@ import numpy as np
 import torch
 
 from impala.actor import ActorChannels, run_actor
-from impala.actor_pool import ACTOR_NICENESS, RESTART_WINDOW_S, LocalActorPool, stop_signals_blocked
+from impala.actor_pool import (
+    ACTOR_NICENESS,
+    RESTART_WINDOW_S,
+    LocalActorPool,
+    RecentDeaths,
+    stop_signals_blocked,
+)
 from impala.buffers import Buffers, BufferSpec, create_buffers
 from impala.config import Config, TrainingError, UserError, first_line, is_head_address
 from impala.environment import is_atari
@@ -277,7 +283,7 @@ class RayActorPool:
         self.weights: tuple[int, Any] | None = None  # (version, ObjectRef of the numpy state dict)
         self.version = policy_version
         self._put_weights(model, policy_version)
-        self.restarts: list[float] = []
+        self.recent_deaths = RecentDeaths()
         self.stop_event = threading.Event()
         self.receiver = threading.Thread(target=self._receive, name="ray-receiver", daemon=True)
         self.error: BaseException | None = None  # why the receiver thread died
@@ -492,17 +498,15 @@ class RayActorPool:
     def _replace(self, remote: RemoteLife, detail: str) -> None:
         pid = f"pid {remote.pid}" if remote.pid is not None else "never acted"
         log.error("Remote actor %d (%s, life %d) died: %s", remote.index, pid, remote.life, detail)
-        now = time.monotonic()
-        self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW_S] + [now]
-        limit = self.config.max_actor_restarts
-        if len(self.restarts) > limit:
-            raise TrainingError(f"actors died {len(self.restarts)} times within {RESTART_WINDOW_S:.0f} s "
+        deaths, limit = self.recent_deaths.add(), self.config.max_actor_restarts
+        if deaths > limit:
+            raise TrainingError(f"actors died {deaths} times within {RESTART_WINDOW_S:.0f} s "
                                 f"(--max_actor_restarts {limit}); last: remote actor {remote.index}: {detail}")
         self.ray.kill(remote.handle, no_restart=True)  # it may still live (a hang, an exception in it)
         self.remotes[remote.index] = self._start_remote(remote.index)
         self.stats.restarts += 1
         log.warning("Replaced remote actor %d (%d restarts in the last %.0f s, at most %d)", remote.index,
-                    len(self.restarts), RESTART_WINDOW_S, limit)
+                    deaths, RESTART_WINDOW_S, limit)
 
     # ------------------------------------------------------------------------------------- stop
 
