@@ -38,6 +38,7 @@ from impala.learner import LearnerState
 from impala.metrics import RunLog
 from impala.model import Net
 from impala.rundir import record_best
+from impala.seeding import ActorLives
 
 log = logging.getLogger("impala")
 
@@ -196,9 +197,9 @@ def _request_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
     with run.update_lock, torch.no_grad():
         for target, source in zip(evaluator.model.state_dict().values(), run.state.model.state_dict().values()):
             target.copy_(source)
-        counters = {"step": run.state.step, "updates": run.state.updates, "episodes": run.state.episodes}
         run.state.evaluations += 1  # in the checkpoint: a resumed run's evaluations play games of their own
-        number = run.state.evaluations
+        counters = run.state.counters()  # with the weights: model_best.tar saves them
+    number = counters["evaluations"]
     evaluator.last_request_s = time.monotonic()
     if evaluator.heartbeat is not None:
         evaluator.heartbeat.value = evaluator.last_request_s  # the time it waited for this request is not a hang
@@ -238,7 +239,8 @@ def _save_best(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: 
     mean, std = statistics.fmean(returns), statistics.pstdev(returns)
     state = {
         "model_state_dict": {k: v.detach().clone() for k, v in evaluator.model.state_dict().items()},
-        "step": pending["step"], "updates": pending["updates"], "episodes": pending["episodes"],
+        # Counters and lives as a checkpoint of that step has them: resumed from, its actors play lives of their own.
+        **{key: value for key, value in pending.items() if key in (*LearnerState.COUNTERS, *ActorLives.KEYS)},
         "eval_return_mean": mean, "eval_return_std": std, "eval_returns": list(returns),
         "eval_actions": run.config.eval_actions, **header(run.config, evaluator.model),
     }

@@ -639,9 +639,12 @@ class LearnerState:
         return {
             "model_state_dict": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer_state_dict": _to_cpu(self.optimizer.state_dict()),
-            **{name: getattr(self, name) for name in self.COUNTERS},
-            **self.lives.state_dict(),
+            **self.counters(),
         }
+
+    def counters(self) -> dict[str, int]:
+        """The counters and the lives: a checkpoint's, and model_best.tar's (those of the weights it evaluated)."""
+        return {**{name: getattr(self, name) for name in self.COUNTERS}, **self.lives.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any], config: Config, path: Path) -> None:
         """Continue from checkpoint `state` (read from `path`): weights, optimiser state when it has one

@@ -13,6 +13,7 @@ sessions by the run's starts (meta.json). So every seed follows from --seed and 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -58,6 +59,8 @@ class ActorLives:
         self.lives += 1
         self.env_seeds_used += num_envs
         return seeds
+
+    KEYS: ClassVar[tuple[str, ...]] = ("actor_lives", "env_seeds_used")  # of `state_dict()`
 
     def state_dict(self) -> dict[str, int]:
         return {"actor_lives": self.lives, "env_seeds_used": self.env_seeds_used}

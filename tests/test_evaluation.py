@@ -52,8 +52,10 @@ from impala.checkpoint import (
 from impala.config import Config, UserError, parse_config
 from impala.evaluate import EVAL_SEED_OFFSET, EpisodeRecorder, Games, PlayInterrupted, play, serve_evaluations
 from impala.evaluator import Evaluator, check_evaluator, finish_evaluation, replace_evaluator
+from impala.learner import LearnerState
 from impala.metrics import RunLog
 from impala.model import Net
+from impala.seeding import ActorLives
 
 EVAL_TAG = "eval/episodic_return_mean"
 CARTPOLE_MAX_RETURN = 500.0  # CartPole-v1 truncates a game at 500 steps: no evaluation can score more
@@ -429,8 +431,12 @@ def test_the_wait_for_a_request_is_not_held_against_the_evaluation_it_asks_for(
     ctx = multiprocessing.get_context("fork")
     run_ = _fake_run(tmp_path, best=None)
     run_.config = Config(env="CartPole-v1", eval_interval_s=600, actor_timeout_s=300, max_actor_restarts=0)
-    run_.update_lock, run_.state = threading.Lock(), types.SimpleNamespace(model=_net(), step=900, updates=9,
-                                                                             episodes=3, evaluations=4)
+    model = _net()
+    optimizer = torch.optim.Adam(model.parameters())
+    state = LearnerState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                         ActorLives(seed=0, session=1, lives=6, env_seeds_used=24), step=900, updates=9, episodes=3,
+                         evaluations=4)
+    run_.update_lock, run_.state = threading.Lock(), state
     evaluator = run_.evaluator
     idle = ctx.Process(target=time.sleep, args=(60,))
     idle.start()
@@ -442,6 +448,9 @@ def test_the_wait_for_a_request_is_not_held_against_the_evaluation_it_asks_for(
         check_evaluator(run_)  # due: asks for the next evaluation
         # The run's fifth evaluation (its count is in the checkpoint), whatever the session: games of its own.
         assert evaluator.pending is not None and process_end.recv() == (5, 900) and run_.state.evaluations == 5
+        # The counters and lives of the weights copied, for model_best.tar: a resume from it plays lives of its own.
+        assert evaluator.pending == {"number": 5, "step": 900, "updates": 9, "skipped_updates": 0, "episodes": 3,
+                                     "evaluations": 5, "actor_lives": 6, "env_seeds_used": 24}
         check_evaluator(run_)
         assert idle.is_alive() and "made no progress" not in caplog.text
     finally:
@@ -549,6 +558,7 @@ def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path
     first_best = load_checkpoint(best_path)
     first_evaluations = load_checkpoint(first.run_dir / CHECKPOINT_NAME)["evaluations"]
     assert first_evaluations >= 1
+    assert first_best["evaluations"] >= 1 and first_best["actor_lives"] >= 2  # the two actors' first lives at least
     # Make the recorded best unbeatable, so every evaluation of the resumed run is worse (or equal).
     save_checkpoint(best_path, {**first_best, "eval_return_mean": CARTPOLE_MAX_RETURN})
     before = best_path.read_bytes()
@@ -578,6 +588,8 @@ def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path
     finally:
         branch.close()
     assert f"Resuming from step {first_best['step']}" in branch.text()
+    lives = [int(life) for life in re.findall(r"Actor \d+ started \(pid \d+\); life (\d+)", branch.text())]
+    assert min(lives) == first_best["actor_lives"], "the branch's actors play lives the run had not played"
     assert f"Resumed from {best_path} (it holds no optimiser state" in branch.text()
     assert checkpoint_step(branch.run_dir) == first_best["step"] + 2_000
 
