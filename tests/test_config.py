@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -340,9 +341,13 @@ def test_parse_config_raises_user_error_naming_every_problem() -> None:
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("argv", [["--bogus"], ["--num_actors", "two"], ["--model", "transformer"]])
-def test_parse_config_raises_user_error_for_bad_flags(argv: list[str]) -> None:
-    with pytest.raises(UserError):
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--num_actors", "two"], "argument --num_actors: takes a number >= 0 or auto, got 'two'"),
+    (["--model", "transformer"], "argument --model: invalid choice: 'transformer'"),
+])
+def test_parse_config_raises_user_error_for_bad_flags(argv: list[str], message: str) -> None:
+    with pytest.raises(UserError, match=re.escape(message)):
         parse_config(argv)
 
 

@@ -314,12 +314,17 @@ def _games(returns: list[float], lengths: tuple[int, int] = (120, 80), cut: tupl
 def test_only_a_better_evaluation_replaces_the_best(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="impala")
     run_ = _fake_run(tmp_path, best=None)
+    with torch.no_grad():  # the learner moved on since the copy the evaluator played with
+        for parameter in run_.model.parameters():
+            parameter.add_(1.0)
     pending = {"number": 1, "step": 100, "updates": 5, "episodes": 9, "cpu_s": 0.5}
     finish_evaluation(run_, run_.evaluator, pending, _games([20.0, 30.0]))
     saved = load_checkpoint(tmp_path / BEST_CHECKPOINT_NAME)
     assert (saved["step"], saved["eval_return_mean"], saved["eval_return_std"]) == (100, 25.0, 5.0)
     assert saved["eval_returns"] == [20.0, 30.0] and saved["updates"] == 5
+    assert "number" not in saved and "cpu_s" not in saved  # the request's own, not counters of the weights
     assert all(torch.equal(v, run_.evaluator.model.state_dict()[k]) for k, v in saved["model_state_dict"].items())
+    assert not torch.equal(saved["model_state_dict"]["policy.weight"], run_.model.state_dict()["policy.weight"])
     first = (tmp_path / BEST_CHECKPOINT_NAME).read_bytes()
     for step, returns in ((200, [25.0, 25.0]), (300, [10.0, 12.0])):  # equal, then worse: both kept out
         finish_evaluation(run_, run_.evaluator, {**pending, "step": step}, _games(returns))
@@ -385,7 +390,9 @@ def test_an_evaluator_that_keeps_dying_ends_evaluation_not_training(tmp_path: Pa
     assert "Evaluator (pid 4321) died: killed by SIGKILL; the evaluation of step 700 is lost, training goes on" \
         in caplog.text
     assert "no more evaluations in this run; training goes on" in caplog.text
+    logged = caplog.text
     check_evaluator(run_)  # a disabled evaluator is left alone: nothing to poll, nothing started
+    assert run_.evaluator.process is dead and run_.evaluator.pending is None and caplog.text == logged
     run_.runlog.close()
 
 

@@ -1020,8 +1020,9 @@ def test_the_reported_learning_rate_is_the_schedules_without_reading_the_optimis
     for group in optimizer.param_groups:  # as GraphedUpdate leaves it: a tensor the schedule fills
         group["lr"] = torch.tensor(group["lr"])
     for expected in (0.01, 0.0075, 0.005):
-        assert learner.scheduled_lr(scheduler) == pytest.approx(expected)
         assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(expected)
+        optimizer.param_groups[0]["lr"].fill_(float("nan"))  # what a read of the optimiser would now report
+        assert learner.scheduled_lr(scheduler) == pytest.approx(expected)
         scheduler.step()
 
 
