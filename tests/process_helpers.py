@@ -194,7 +194,8 @@ def sigterm_to_it_alone(launcher: subprocess.Popen, ready: Callable[[], bool]) -
     runs: list[int] = []
     try:
         deadline = time.monotonic() + 90
-        while not ready() and time.monotonic() < deadline:
+        while not ready():
+            assert time.monotonic() < deadline, "not ready within 90 s: the signal would not test a running run"
             time.sleep(0.2)
         runs = runs_started_by(launcher.pid)
         assert runs, "no run.py started"

@@ -236,7 +236,8 @@ def test_ctrl_c_while_the_actors_component_runs_ends_the_bench_in_one_line(tmp_p
             cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while len(_spawned(bench_run.pid)) < 2 and time.monotonic() < deadline:  # both actors, not only one
+        while len(_spawned(bench_run.pid)) < 2:  # both actors, not only one
+            assert time.monotonic() < deadline, "the actors did not start within 60 s"
             time.sleep(0.1)
         time.sleep(1.0)  # the actors build their nets and step
         os.killpg(bench_run.pid, signal.SIGINT)

@@ -82,9 +82,11 @@ def test_every_tag_group_has_values_against_agent_steps(trained: TrainedRun) -> 
 
 def test_scalar_values_mean_what_their_names_say(trained: TrainedRun) -> None:
     def values(tag: str) -> list[float]:
-        return [e.value for e in trained.events.Scalars(tag)]
+        found = [e.value for e in trained.events.Scalars(tag)]
+        assert found, f"no {tag} written"  # else every check on it below holds of nothing
+        return found
 
-    assert all(e.value == e.step for e in trained.events.Scalars("charts/frames"))  # frame skip 1 off Atari
+    assert values("charts/frames") and all(e.value == e.step for e in trained.events.Scalars("charts/frames"))  # frame skip 1 off Atari
     assert all(0 < v <= 0.001 for v in values("charts/learning_rate"))  # decays linearly from --learning_rate
     assert all(0 <= v <= 1 for v in values("stats/rho_clipped_fraction"))
     assert all(v > 0 for v in values("stats/rho_mean"))
