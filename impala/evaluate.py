@@ -188,7 +188,8 @@ def _print_results(games: Games, state: dict) -> float:
 # game (`play`): other games than the actors' and the test mode's, and other games in every evaluation, so the best
 # is not chosen on one fixed set. Evaluations are numbered run-wide (the count is in the checkpoint, as the actor
 # lives are): a resumed session goes on numbering. Only what a killed session evaluated after its last checkpoint is
-# numbered again, as its training is done again.
+# numbered again, as its training is done again. (A session with another --eval_episodes than the earlier ones may
+# play some of their games again: the seeds are the number times --eval_episodes.)
 EVAL_SEED_OFFSET = 1_000_000
 
 

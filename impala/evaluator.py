@@ -58,7 +58,7 @@ class Evaluator:
     best: tuple[float, int] | None  # (mean return, agent step) recorded in model_best.tar
     process: Any = None  # its multiprocessing.Process
     connection: Connection | None = None  # the main end of the pipe to `process`
-    pending: dict | None = None  # counters of the weights being evaluated: number, step, updates, episodes
+    pending: dict | None = None  # the request's number and the counters and lives of the weights being evaluated
     last_request_s: float = field(default_factory=time.monotonic)
     error_text: str = ""  # the traceback a failing evaluator sent before it died
     deaths: RecentDeaths = field(default_factory=RecentDeaths)

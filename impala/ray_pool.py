@@ -572,20 +572,21 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
     # group (`timeout`, a job scheduler, a closed terminal) ends Ray under the run, and Ray then ends this process
     # before its final checkpoint. The run stops them itself (`disconnect`). A signal that comes meanwhile waits for
     # the run's handler, put back first.
-    with stop_signals_blocked():
-        try:
-            ray.init(**options)
-        except SystemExit as exc:  # ray.init's own SIGTERM handler, run for a signal another thread took: code 15
-            if exc.code != signal.SIGTERM:
-                raise
-            terminated = True
-        except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:  # RayError: no auth token
-            reason = first_line(exc)
-            raise UserError(f"--ray {config.ray}: could not connect to Ray: {reason} (start a cluster with "
-                            "`ray start --head`, or use --ray local)") from None
-        finally:
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(signal.SIGTERM, previous)  # ray.init installs its own; the run's stops in order
+    try:
+        with stop_signals_blocked():
+            try:
+                ray.init(**options)
+            finally:
+                _put_back_sigterm(previous)  # ray.init installs its own; the run's stops in order
+    except SystemExit as exc:  # ray.init's own SIGTERM handler, run for a signal another thread took: code 15
+        _put_back_sigterm(previous)  # where it came before the line above
+        if exc.code != signal.SIGTERM:
+            raise
+        terminated = True
+    except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:  # RayError: no auth token
+        reason = first_line(exc)
+        raise UserError(f"--ray {config.ray}: could not connect to Ray: {reason} (start a cluster with "
+                        "`ray start --head`, or use --ray local)") from None
     if terminated:  # a SIGTERM while connecting is the run's: undo the connection, then hand it to its handler
         with contextlib.suppress(Exception):
             ray.shutdown()
@@ -594,10 +595,19 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
     return ray, config.ray == "local"
 
 
+def _put_back_sigterm(handler: Any) -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+
+
 def check_names_free(config: Config, ray: Any, run_name: str) -> None:
     """UserError where the cluster has a live remote actor of run `run_name` (another training of this --xpid uses
     the cluster): checked before the run's files are written. `_start_remote` still refuses a name taken later."""
-    taken = sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+    try:
+        named = ray.util.list_named_actors(all_namespaces=True)
+    except ray.exceptions.RayError as exc:
+        raise UserError(f"--ray {config.ray}: could not list the cluster's actors: {first_line(exc)}") from None
+    taken = sorted(actor["name"] for actor in named
                    if actor["namespace"] == NAMESPACE and actor["name"].startswith(f"{run_name}.remote-"))
     if taken:
         raise UserError(f"--ray {config.ray}: the cluster already has an actor named {taken[0]}: another run with "

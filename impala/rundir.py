@@ -32,6 +32,7 @@ from impala.checkpoint import (
     remove_stale_temporaries,
 )
 from impala.config import LATEST_NAME, Config, UserError, plain_name, run_path
+from impala.seeding import ActorLives
 
 log = logging.getLogger("impala")
 META_NAME = "meta.json"
@@ -123,7 +124,27 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
     if int(checkpoint["step"]) >= config.total_steps:
         raise UserError(f"run {run_dir} already reached step {checkpoint['step']} of --total_steps "
                         f"{config.total_steps}; pass a larger --total_steps to train it further")
+    _go_on_numbering(checkpoint, run_dir, checkpoint_path)
     return run_dir, resuming, checkpoint_path, checkpoint
+
+
+# Numbers that seed games: a run that goes back to an earlier checkpoint of its own (--checkpoint best or PATH) goes
+# on from the highest its model.tar reached, so no actor life and no evaluation plays games the run played before.
+_SEED_COUNTERS = (*ActorLives.KEYS, "evaluations")
+
+
+def _go_on_numbering(checkpoint: dict[str, Any], run_dir: Path, checkpoint_path: Path) -> None:
+    current = run_dir / CHECKPOINT_NAME
+    if not current.is_file() or current.resolve() == checkpoint_path.resolve():
+        return
+    try:
+        own = load_checkpoint(current)
+        highest = {key: int(own.get(key, 0)) for key in _SEED_COUNTERS}
+    except (UserError, TypeError, ValueError):  # damaged: nothing to go on from (it is kept aside all the same)
+        return
+    for key, value in highest.items():
+        if isinstance(checkpoint.get(key, 0), int):  # else the load refuses the checkpoint
+            checkpoint[key] = max(checkpoint.get(key, 0), value)
 
 
 def restarts_unsaved_run(config: Config, run_dir: Path) -> bool:

@@ -596,7 +596,21 @@ def test_a_resumed_run_keeps_its_best_and_never_saves_a_worse_one(tmp_path: Path
         branch.close()
     assert f"Resuming from step {first_best['step']}" in branch.text()
     lives = [int(life) for life in re.findall(r"Actor \d+ started \(pid \d+\); life (\d+)", branch.text())]
-    assert min(lives) == first_best["actor_lives"], "the branch's actors play lives the run had not played"
+    assert min(lives) == first_best["actor_lives"], "a new run goes on from the lives of the weights it starts from"
+
+    # --checkpoint best into the run itself, a rewind: its lives and evaluations go on from the highest its model.tar
+    # reached, not from those of the best agent's moment, which later sessions had already played.
+    reached = load_checkpoint(first.run_dir / CHECKPOINT_NAME)
+    assert reached["actor_lives"] > first_best["actor_lives"]
+    rewind = Training(tmp_path, "resumed", "--checkpoint", "best", total_steps=first_best["step"] + 2_000)
+    try:
+        assert rewind.wait(timeout=120) == 0
+    finally:
+        rewind.close()
+    text = rewind.text().split("Resuming from step")[-1]
+    lives = [int(life) for life in re.findall(r"Actor \d+ started \(pid \d+\); life (\d+)", text)]
+    assert lives and min(lives) == reached["actor_lives"], text
+    assert load_checkpoint(first.run_dir / CHECKPOINT_NAME)["evaluations"] >= reached["evaluations"]
     assert f"Resumed from {best_path} (it holds no optimiser state" in branch.text()
     assert checkpoint_step(branch.run_dir) == first_best["step"] + 2_000
 
