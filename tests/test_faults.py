@@ -303,22 +303,25 @@ def _small_run(tmp_path: Path, xpid: str, **overrides: object) -> Config:
 
 def test_failed_periodic_checkpoints_are_reported_and_training_goes_on(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
+    calls, failed = [], []
     real_save = training.save_checkpoint
+    total_steps = 6_000
 
     def full_then_free(path: Path, state: dict) -> None:
         calls.append(state["step"])
-        if len(calls) <= 2:
+        if len(failed) < 2 and state["step"] < total_steps:  # the first two periodic saves, however fast the run
+            failed.append(state["step"])
             _disk_full()
         real_save(path, state)
 
     monkeypatch.setattr(training, "save_checkpoint", full_then_free)
-    run_dir = training.train(_small_run(tmp_path, "disk-full", checkpoint_interval_s=0.2, total_steps=2_000))
+    run_dir = training.train(_small_run(tmp_path, "disk-full", checkpoint_interval_s=0.2, total_steps=total_steps))
+    assert len(failed) == 2, f"the run ended before two periodic saves: {calls}"
     log_text = (run_dir / "out.log").read_text()
     assert log_text.count("Could not save a checkpoint at step") == 2
     assert "No space left on device. Training goes on (no checkpoint saved yet)" in log_text
     assert len(calls) >= 3 and log_text.count("Saved checkpoint at step") >= 2  # a periodic one, and the final
-    assert checkpoint_step(run_dir) == 2_000
+    assert checkpoint_step(run_dir) == total_steps
     assert '"end_reason": "finished"' in (run_dir / "meta.json").read_text()
 
 
