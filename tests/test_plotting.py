@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import errno
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -118,7 +119,8 @@ def test_legend_names_the_runs_and_the_bold_lines_are_smoothed(savedir: Path) ->
     assert smoothed.get_ydata()[-1] > 400  # the fast run's curve reaches its plateau
 
 
-def test_plot_mode_writes_a_png_of_several_runs(savedir: Path, tmp_path: Path) -> None:
+def test_plot_mode_writes_a_png_of_several_runs(savedir: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "cmp" / "returns.png"
     config = parse_config(["--mode", "plot", "--savedir", str(savedir), "--xpid", "fast", "slow",
                            "--plot_out", str(out)])
@@ -126,11 +128,17 @@ def test_plot_mode_writes_a_png_of_several_runs(savedir: Path, tmp_path: Path) -
     assert plotting.plot(config) == out
     image = imread(out)
     assert image.shape[0] >= 400 and image.shape[1] >= 600
+    assert f"Wrote {out}: episodic return of fast, slow against agent steps" in capsys.readouterr().out
 
 
-def test_plot_mode_defaults_to_every_run_and_savedir_returns_png(savedir: Path) -> None:
-    assert plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir)])) == savedir / "returns.png"
-    assert (savedir / "returns.png").is_file()
+def test_plot_mode_defaults_to_every_run_and_savedir_returns_png(savedir: Path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    out = savedir / "returns.png"
+    assert plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir)])) == out
+    assert out.read_bytes()[:4] == b"\x89PNG"
+    # Every run of SAVEDIR, not only `latest` (csv-only too, unless a test before damaged its rows).
+    assert re.search(rf"Wrote {re.escape(str(out))}: episodic return of (csv-only, )?fast, slow against agent steps",
+                     capsys.readouterr().out)
 
 
 @pytest.mark.parametrize(("name", "pattern"), [
