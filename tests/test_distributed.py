@@ -253,7 +253,7 @@ def test_gloo_ranks_with_cuda_tensors_update_as_one_learner_with_the_whole_batch
             torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5)  # TF32 and cuDNN's own sums
 
 
-def test_a_job_of_one_rank_updates_without_a_reducer_as_a_plain_run_does() -> None:
+def test_a_job_of_one_rank_gives_its_gradient_steps_no_reducer_and_one_of_two_ranks_does() -> None:
     """torchrun with one process: nothing to reduce, so its learner takes a plain run's update, which on a GPU is
     one CUDA graph (`learner.uses_cuda_graph`); with two, every gradient step goes through the reducer."""
     one = Coordinator(Ranks(0, 1, 0, 1, torch.device("cpu"), None), summed_loss=False)
