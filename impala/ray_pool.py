@@ -56,6 +56,7 @@ REQUESTS_IN_FLIGHT = 1  # per remote actor: its acting thread fills free slots m
 WAIT_S = 0.2  # every wait of the receiver is bounded: it sees the stop flag and dead actors this often
 STOP_TIMEOUT_S = 5.0  # remote actors asked to stop get this long, then they are killed
 REACH_TIMEOUT_S = 10.0  # a head node's address that accepts no connection in this long is refused
+NAMES_GRACE_S = 10.0  # how long a start waits for a remote actor of its run to go before refusing to run
 PLACEMENT_WARNING_S = 60.0  # a remote actor not acting after this long is reported (no resources for it?)
 NAMESPACE = "impala"  # Ray namespace of the run's named actors
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -602,16 +603,24 @@ def _put_back_sigterm(handler: Any) -> None:
 
 def check_names_free(config: Config, ray: Any, run_name: str) -> None:
     """UserError where the cluster has a live remote actor of run `run_name` (another training of this --xpid uses
-    the cluster): checked before the run's files are written. `_start_remote` still refuses a name taken later."""
-    try:
-        named = ray.util.list_named_actors(all_namespaces=True)
-    except ray.exceptions.RayError as exc:
-        raise UserError(f"--ray {config.ray}: could not list the cluster's actors: {first_line(exc)}") from None
-    taken = sorted(actor["name"] for actor in named
-                   if actor["namespace"] == NAMESPACE and actor["name"].startswith(f"{run_name}.remote-"))
-    if taken:
-        raise UserError(f"--ray {config.ray}: the cluster already has an actor named {taken[0]}: another run with "
-                        "this --xpid is using it; pass another --xpid")
+    the cluster) for NAMES_GRACE_S: a session of this run that has just ended may leave its actors for the
+    seconds Ray takes to remove them. Checked before the run's files are written; `_start_remote` still refuses a
+    name taken later."""
+    deadline = time.monotonic() + NAMES_GRACE_S
+    while True:
+        try:
+            named = ray.util.list_named_actors(all_namespaces=True)
+        except ray.exceptions.RayError as exc:
+            raise UserError(f"--ray {config.ray}: could not list the cluster's actors: {first_line(exc)}") from None
+        taken = sorted(actor["name"] for actor in named
+                       if actor["namespace"] == NAMESPACE and actor["name"].startswith(f"{run_name}.remote-"))
+        if not taken:
+            return
+        if time.monotonic() > deadline:
+            raise UserError(f"--ray {config.ray}: the cluster already has an actor named {taken[0]}: another run "
+                            "with this --xpid is using it (or one that ended moments ago, whose actors Ray has not "
+                            "yet removed); pass another --xpid, or try again in a minute")
+        time.sleep(1.0)
 
 
 def check_reachable(address: str) -> None:

@@ -591,7 +591,8 @@ def test_a_name_taken_in_the_cluster_by_another_run_is_one_line_and_exit_2(clust
         ray.kill(other)
     lines = [line for line in training.text().splitlines() if line.startswith("run.py:")]
     assert lines == [(f"run.py: error: --ray {cluster.address}: the cluster already has an actor named "
-                     "taken.remote-1.life-1: another run with this --xpid is using it; pass another --xpid")], \
+                     "taken.remote-1.life-1: another run with this --xpid is using it (or one that ended moments "
+                     "ago, whose actors Ray has not yet removed); pass another --xpid, or try again in a minute")], \
         training.text()
     assert "Traceback" not in training.text()
     assert _run_actors(ray, "taken.") == []  # none of the run's was started
@@ -672,6 +673,32 @@ def test_a_remote_actor_made_that_never_sends_is_replaced_and_one_waiting_for_a_
     remote, detail = pool.deaths.get_nowait()
     assert remote is remotes[0] and detail.startswith("no unroll for 301 s since it was made (--actor_timeout_s 300)")
     assert pool.deaths.empty()  # the one waiting for a node is not a death, however long it waits
+
+
+def test_a_run_waits_a_moment_for_its_own_actors_that_ray_has_not_yet_removed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restart right after a session ended (a process manager's) can find that session's actors still listed for
+    a few seconds: the check waits for them to go; actors that stay are another training's, refused in one line."""
+    import types
+
+    from impala import ray_pool
+
+    listings = [[{"namespace": "impala", "name": "run.remote-0.life-3"}], [{"namespace": "other", "name": "x"}]]
+    calls = []
+
+    def list_named_actors(all_namespaces: bool = False) -> list:
+        calls.append(all_namespaces)
+        return listings[min(len(calls) - 1, len(listings) - 1)]
+
+    ray = types.SimpleNamespace(util=types.SimpleNamespace(list_named_actors=list_named_actors),
+                                exceptions=types.SimpleNamespace(RayError=RuntimeError))
+    monkeypatch.setattr(ray_pool.time, "sleep", lambda s: None)
+    ray_pool.check_names_free(Config(ray="auto"), ray, "run")  # gone at the second look
+    assert calls == [True, True]
+    listings[1] = listings[0]  # it stays
+    clock = iter(range(0, 1000, 3))
+    monkeypatch.setattr(ray_pool.time, "monotonic", lambda: float(next(clock)))
+    with pytest.raises(UserError, match=r"--ray auto: the cluster already has an actor named run.remote-0.life-3"):
+        ray_pool.check_names_free(Config(ray="auto"), ray, "run")
 
 
 def test_a_cluster_that_asks_for_a_token_not_given_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
