@@ -184,21 +184,20 @@ def _print_results(games: Games, state: dict) -> float:
     return mean
 
 
-# Evaluation k of a run plays the games seeded EVAL_SEED_OFFSET + k x eval_episodes after the run's seed, one per
-# game (`play`): other games than the actors' and the test mode's, and other games in every evaluation, so the best
-# is not chosen on one fixed set. Evaluations are numbered run-wide (the count is in the checkpoint, as the actor
-# lives are): a resumed session goes on numbering. Only what a killed session evaluated after its last checkpoint is
-# numbered again, as its training is done again. (A session with another --eval_episodes than the earlier ones may
-# play some of their games again: the seeds are the number times --eval_episodes.)
+# Evaluations play the games seeded EVAL_SEED_OFFSET after the run's seed and on, one per game (`play`), each
+# evaluation the next --eval_episodes of them: other games than the actors' and the test mode's, and other games in
+# every evaluation, so the best is not chosen on one fixed set. The count of seeds handed out is in the checkpoint, as
+# the actor lives are: a resumed session goes on from it, whatever its --eval_episodes. Only what a killed session
+# evaluated after its last checkpoint is played again, as its training is done again.
 EVAL_SEED_OFFSET = 1_000_000
 
 
 def serve_evaluations(model: Net, config: Config, connection: Connection, heartbeat: Any = None) -> None:
     """The evaluation process's loop; returns when the main process closes its end of `connection`.
 
-    For each request `(number, step)` it plays `config.eval_episodes` full games with `model` (the shared
-    copy the main process fills with the weights of agent step `step` and leaves alone until the answer
-    comes) and answers `(number, step, games, cpu_s)`, `games` the `Games` played and `cpu_s` the CPU seconds
+    For each request `(number, step, seeds_from)` it plays `config.eval_episodes` full games with `model` (the
+    shared copy the main process fills with the weights of agent step `step` and leaves alone until the answer
+    comes), seeded from the run's evaluation seed number `seeds_from` on, and answers `(number, step, games, cpu_s)`, `games` the `Games` played and `cpu_s` the CPU seconds
     this process spent on them. `heartbeat.value`, when given, is set to `time.monotonic()` at every agent step
     (for the main process's hung-evaluator watch, --actor_timeout_s).
     """
@@ -209,12 +208,12 @@ def serve_evaluations(model: Net, config: Config, connection: Connection, heartb
 
     while True:
         try:
-            number, step = connection.recv()
+            number, step, seeds_from = connection.recv()
         except EOFError:
             return
         beat()
         start_cpu_s = time.process_time()
-        seed = config.seed + EVAL_SEED_OFFSET + number * config.eval_episodes
+        seed = config.seed + EVAL_SEED_OFFSET + seeds_from
         games = play(model, config.env, config.eval_episodes, seed,
                      greedy=config.eval_actions == "greedy", on_step=beat, fire_on_life_loss=config.fire_on_life_loss,
                      max_steps=config.eval_max_steps)

@@ -197,14 +197,17 @@ def _request_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
     with run.update_lock, torch.no_grad():
         for target, source in zip(evaluator.model.state_dict().values(), run.state.model.state_dict().values()):
             target.copy_(source)
-        run.state.evaluations += 1  # in the checkpoint: a resumed run's evaluations play games of their own
+        # In the checkpoint: a resumed run's evaluations play games of their own.
+        seeds_from = run.state.eval_seeds_used
+        run.state.evaluations += 1
+        run.state.eval_seeds_used += run.config.eval_episodes
         counters = run.state.counters()  # with the weights: model_best.tar saves them
     number = counters["evaluations"]
     evaluator.last_request_s = time.monotonic()
     if evaluator.heartbeat is not None:
         evaluator.heartbeat.value = evaluator.last_request_s  # the time it waited for this request is not a hang
     try:
-        _pipe(evaluator).send((number, counters["step"]))
+        _pipe(evaluator).send((number, counters["step"], seeds_from))
     except OSError:
         return  # it died: the liveness check replaces it
     evaluator.pending = {"number": number, **counters}

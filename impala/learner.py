@@ -619,7 +619,8 @@ class LearnerState:
     (a snapshot) and takes the lock for `state_dict()`, so a checkpoint falls between two updates.
     """
 
-    COUNTERS: ClassVar[tuple[str, ...]] = ("step", "updates", "skipped_updates", "episodes", "evaluations")
+    COUNTERS: ClassVar[tuple[str, ...]] = ("step", "updates", "skipped_updates", "episodes", "evaluations",
+                                             "eval_seeds_used")
 
     model: Net  # the learner's, on its device
     optimizer: torch.optim.Optimizer
@@ -629,7 +630,8 @@ class LearnerState:
     updates: int = 0  # updates made (the policy version), skipped ones included
     skipped_updates: int = 0  # updates with a non-finite gradient step (that step not applied), run-wide
     episodes: int = 0  # full games finished by the actors
-    evaluations: int = 0  # evaluations asked for (--eval_interval_s), run-wide: they number their games' seeds
+    evaluations: int = 0  # evaluations asked for (--eval_interval_s), run-wide
+    eval_seeds_used: int = 0  # game seeds handed to evaluations, run-wide (--eval_episodes may differ by session)
     bad_updates_in_a_row: int = 0  # the current streak of skipped updates; not saved
     world_size: int = 1  # learner processes of the run (torchrun); not saved: a run resumes on any number
     optimizer_trained_with: str = ""  # a checkpoint's other --optimizer, whose state was left: not saved

@@ -130,7 +130,7 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
 
 # Numbers that seed games: a run that goes back to an earlier checkpoint of its own (--checkpoint best or PATH) goes
 # on from the highest its model.tar reached, so no actor life and no evaluation plays games the run played before.
-_SEED_COUNTERS = (*ActorLives.KEYS, "evaluations")
+_SEED_COUNTERS = (*ActorLives.KEYS, "evaluations", "eval_seeds_used")
 
 
 def _go_on_numbering(checkpoint: dict[str, Any], run_dir: Path, checkpoint_path: Path) -> None:

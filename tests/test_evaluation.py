@@ -188,13 +188,13 @@ def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
     heartbeat = _CountingHeartbeat()
     server = threading.Thread(target=serve_evaluations, args=(model, config, process_end, heartbeat))
     server.start()
-    main_end.send((2, 1234))
+    main_end.send((2, 1234, 6))  # evaluation 2, after two of 3 games: its seeds from the run's seventh
     number, step, games, cpu_s = main_end.recv()
     main_end.close()  # end-of-file ends the loop
     server.join(timeout=30)
     assert not server.is_alive()
     assert (number, step) == (2, 1234)
-    assert games == play(model, "CartPole-v1", 3, 7 + EVAL_SEED_OFFSET + 2 * 3, greedy=True)  # after evaluations 0, 1
+    assert games == play(model, "CartPole-v1", 3, 7 + EVAL_SEED_OFFSET + 6, greedy=True)
     assert len(games.returns) == 3 and all(r >= 1 for r in games.returns) and cpu_s > 0
     # It beat once on taking the request and once per agent step: the games run side by side, the longest last.
     assert heartbeat.beats == 1 + max(games.lengths)
@@ -243,7 +243,7 @@ def test_games_of_an_env_that_never_ends_are_cut_at_eval_max_steps_in_evaluation
     main_end, process_end = Pipe()
     server = threading.Thread(target=serve_evaluations, args=(model, config, process_end))
     server.start()
-    main_end.send((0, 100))
+    main_end.send((0, 100, 0))
     _, _, games, _ = main_end.recv()
     main_end.close()
     server.join(timeout=30)
@@ -292,7 +292,7 @@ def test_the_evaluator_follows_fire_on_life_loss(monkeypatch: pytest.MonkeyPatch
     config = Config(env="CartPole-v1", eval_episodes=1, fire_on_life_loss=False)
     server = threading.Thread(target=serve_evaluations, args=(_net(), config, process_end))
     server.start()
-    main_end.send((0, 0))
+    main_end.send((0, 0, 0))
     main_end.recv()
     main_end.close()
     server.join(timeout=30)
@@ -442,7 +442,7 @@ def test_the_wait_for_a_request_is_not_held_against_the_evaluation_it_asks_for(
     optimizer = torch.optim.Adam(model.parameters())
     state = LearnerState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
                          ActorLives(seed=0, session=1, lives=6, env_seeds_used=24), step=900, updates=9, episodes=3,
-                         evaluations=4)
+                         evaluations=4, eval_seeds_used=40)
     run_.update_lock, run_.state = threading.Lock(), state
     evaluator = run_.evaluator
     idle = ctx.Process(target=time.sleep, args=(60,))
@@ -453,11 +453,14 @@ def test_the_wait_for_a_request_is_not_held_against_the_evaluation_it_asks_for(
     evaluator.last_request_s = time.monotonic() - 700
     try:
         check_evaluator(run_)  # due: asks for the next evaluation
-        # The run's fifth evaluation (its count is in the checkpoint), whatever the session: games of its own.
-        assert evaluator.pending is not None and process_end.recv() == (5, 900) and run_.state.evaluations == 5
+        # The run's fifth evaluation (its counts are in the checkpoint), whatever the session: games of its own, from
+        # the seeds the earlier ones left, whatever --eval_episodes they had.
+        assert evaluator.pending is not None and process_end.recv() == (5, 900, 40)
+        assert (run_.state.evaluations, run_.state.eval_seeds_used) == (5, 40 + run_.config.eval_episodes)
         # The counters and lives of the weights copied, for model_best.tar: a resume from it plays lives of its own.
         assert evaluator.pending == {"number": 5, "step": 900, "updates": 9, "skipped_updates": 0, "episodes": 3,
-                                     "evaluations": 5, "actor_lives": 6, "env_seeds_used": 24}
+                                     "evaluations": 5, "eval_seeds_used": 40 + run_.config.eval_episodes,
+                                     "actor_lives": 6, "env_seeds_used": 24}
         check_evaluator(run_)
         assert idle.is_alive() and "made no progress" not in caplog.text
     finally:
@@ -539,7 +542,7 @@ def test_an_evaluator_whose_game_raises_is_reported_once_with_its_traceback_and_
     import crashing_env
 
     monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT / "tests"))  # for the env's module, in every process of the run
-    monkeypatch.setenv("CRASHING_ENV_SEED", str(EVAL_SEED_OFFSET + 2))  # the first game of evaluation 1 (2 games each)
+    monkeypatch.setenv("CRASHING_ENV_SEED", str(EVAL_SEED_OFFSET))  # the first game of the run's first evaluation
     run_ = Training(tmp_path, "crash", "--env", crashing_env.ENV, "--eval_interval_s", "1", "--eval_episodes", "2")
     try:
         died = run_.wait_for(r"Evaluator \(pid \d+\) died: exit code 1; the evaluation of step \d+ is lost")
@@ -625,7 +628,7 @@ def test_an_evaluator_that_cannot_reach_the_main_process_prints_its_traceback_it
         from impala.evaluator import _evaluator_process
         from impala.model import Net
         main_end, process_end = Pipe()
-        main_end.send((0, 0))  # evaluation 0, of the weights of step 0
+        main_end.send((0, 0, 0))  # evaluation 0, of the weights of step 0, its games from the first seed
         main_end.close()  # and no one left to answer to
         config = Config(env="crashing_env:CrashingCartPole-v1", eval_episodes=1, hidden_size=16, num_actors=1)
         _evaluator_process(os.getpid(), config, Net((4,), 2, "mlp", False, 16), process_end, None)
