@@ -278,13 +278,13 @@ class RayActorPool:
         self.remote_class = self.ray.remote(concurrency_groups={"control": 1})(RemoteActor)
         self.remotes: list[RemoteLife] = []
         self._last_watch = time.monotonic()  # `_watch_silence`'s last look
-        self.deaths: queue.Queue[tuple[RemoteLife, str]] = queue.Queue()  # receiver -> main thread
+        self.death_reports: queue.Queue[tuple[RemoteLife, str]] = queue.Queue()  # receiver -> main thread
         self.stats = RayStats()
         self.games: collections.deque[tuple[float, int]] = collections.deque()
         self.weights: tuple[int, Any] | None = None  # (version, ObjectRef of the numpy state dict)
         self.version = policy_version
         self._put_weights(model, policy_version)
-        self.recent_deaths = RecentDeaths()
+        self.deaths = RecentDeaths()
         self.stop_event = threading.Event()
         self.receiver = threading.Thread(target=self._receive, name="ray-receiver", daemon=True)
         self.error: BaseException | None = None  # why the receiver thread died
@@ -479,7 +479,7 @@ class RayActorPool:
     def _report_dead(self, remote: RemoteLife, detail: str) -> None:
         if not remote.dead:
             remote.dead = True
-            self.deaths.put((remote, detail))
+            self.death_reports.put((remote, detail))
 
     # ------------------------------------------------------------------------------------- watch
 
@@ -491,7 +491,7 @@ class RayActorPool:
             raise TrainingError(f"the Ray receiver thread failed: {self.error!r}") from self.error
         while True:
             try:
-                remote, detail = self.deaths.get_nowait()
+                remote, detail = self.death_reports.get_nowait()
             except queue.Empty:
                 return
             self._replace(remote, detail)
@@ -499,7 +499,7 @@ class RayActorPool:
     def _replace(self, remote: RemoteLife, detail: str) -> None:
         pid = f"pid {remote.pid}" if remote.pid is not None else "never acted"
         log.error("Remote actor %d (%s, life %d) died: %s", remote.index, pid, remote.life, detail)
-        deaths, limit = self.recent_deaths.add(), self.config.max_actor_restarts
+        deaths, limit = self.deaths.add(), self.config.max_actor_restarts
         if deaths > limit:
             raise TrainingError(f"actors died {deaths} times within {RESTART_WINDOW_S:.0f} s "
                                 f"(--max_actor_restarts {limit}); last: remote actor {remote.index}: {detail}")

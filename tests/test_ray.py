@@ -631,19 +631,19 @@ def test_remote_actors_silent_while_this_process_was_paused_get_a_new_grace_peri
 
     pool = object.__new__(RayActorPool)
     pool.config = Config(actor_timeout_s=300)
-    pool.deaths = queue.Queue()
+    pool.death_reports = queue.Queue()
     now = time.monotonic()
     remotes = [types.SimpleNamespace(index=i, dead=False, last_result=now - 400, started=now - 500, warned=False,
                                      placed=now - 500, made=None) for i in range(3)]
     pool.remotes = remotes
     pool._last_watch = now - 400  # the receiver's last look was before the pause
     pool._watch_silence()
-    assert pool.deaths.empty() and all(now <= r.last_result <= time.monotonic() for r in remotes)
+    assert pool.death_reports.empty() and all(now <= r.last_result <= time.monotonic() for r in remotes)
     remotes[1].last_result = time.monotonic() - 400  # silent while this process ran
     pool._watch_silence()
-    remote, detail = pool.deaths.get_nowait()
+    remote, detail = pool.death_reports.get_nowait()
     assert remote is remotes[1] and detail.startswith("no unroll for 400 s (--actor_timeout_s 300)")
-    assert pool.deaths.empty()
+    assert pool.death_reports.empty()
 
 
 def test_a_remote_actor_made_that_never_sends_is_replaced_and_one_waiting_for_a_node_is_only_warned_of(
@@ -659,20 +659,20 @@ def test_a_remote_actor_made_that_never_sends_is_replaced_and_one_waiting_for_a_
     pool = object.__new__(RayActorPool)
     pool.config = Config(actor_timeout_s=300)
     pool.ray = types.SimpleNamespace(wait=lambda refs, timeout: ([r for r in refs if r in made], []))
-    pool.deaths = queue.Queue()
+    pool.death_reports = queue.Queue()
     now = time.monotonic()
     remotes = [types.SimpleNamespace(index=i, dead=False, last_result=None, placed=None, made=f"made-{i}",
                                      started=now - 1000, warned=False) for i in range(2)]
     pool.remotes, pool._last_watch = remotes, now
     pool._watch_silence()
-    assert remotes[0].placed is not None and remotes[1].placed is None and pool.deaths.empty()
+    assert remotes[0].placed is not None and remotes[1].placed is None and pool.death_reports.empty()
     assert remotes[1].warned and "Remote actor 1 has not acted for 1000 s" in caplog.text
     assert PLACEMENT_WARNING_S < 1000 and "Remote actor 0 has not acted" not in caplog.text
     remotes[0].placed = time.monotonic() - 301  # made, and silent since while this process ran
     pool._watch_silence()
-    remote, detail = pool.deaths.get_nowait()
+    remote, detail = pool.death_reports.get_nowait()
     assert remote is remotes[0] and detail.startswith("no unroll for 301 s since it was made (--actor_timeout_s 300)")
-    assert pool.deaths.empty()  # the one waiting for a node is not a death, however long it waits
+    assert pool.death_reports.empty()  # the one waiting for a node is not a death, however long it waits
 
 
 def test_a_run_waits_a_moment_for_its_own_actors_that_ray_has_not_yet_removed(monkeypatch: pytest.MonkeyPatch) -> None:
