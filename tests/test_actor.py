@@ -227,7 +227,12 @@ def test_a_phase_clock_gives_each_phase_the_time_since_the_previous_lap() -> Non
     clock.lap(POLICY)
     clock.lap(ENV)
     assert seconds == [0.0] * len(ACTOR_PHASES) + [0.0, 2.0, 0.75, 0.0]  # actor 1's row: policy, env
-    PhaseClock(_channels(1)._replace(phase_seconds=None), 0).lap(ENV)  # without a place to keep them: nothing
+    reads = []
+    idle = PhaseClock(_channels(1)._replace(phase_seconds=None), 0, clock=lambda: reads.append(1) or 0.0)
+    before = len(reads)
+    for _ in range(3):
+        idle.lap(ENV)  # without a place to keep them: nothing kept, not even the clock read
+    assert len(reads) == before
 
 
 def test_a_set_stop_event_stops_before_writing() -> None:
