@@ -197,9 +197,10 @@ def serve_evaluations(model: Net, config: Config, connection: Connection, heartb
 
     For each request `(number, step, seeds_from)` it plays `config.eval_episodes` full games with `model` (the
     shared copy the main process fills with the weights of agent step `step` and leaves alone until the answer
-    comes), seeded from the run's evaluation seed number `seeds_from` on, and answers `(number, step, games, cpu_s)`, `games` the `Games` played and `cpu_s` the CPU seconds
-    this process spent on them. `heartbeat.value`, when given, is set to `time.monotonic()` at every agent step
-    (for the main process's hung-evaluator watch, --actor_timeout_s).
+    comes), seeded from the run's evaluation seed number `seeds_from` on, and answers `(number, step, games,
+    cpu_s)`, `games` the `Games` played and `cpu_s` the CPU seconds this process spent on them.
+    `heartbeat.value`, when given, is set to `time.monotonic()` at every agent step (for the main process's
+    hung-evaluator watch, --actor_timeout_s).
     """
 
     def beat(*_: object) -> None:

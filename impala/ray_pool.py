@@ -567,7 +567,6 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
     else:
         options["address"] = config.ray
     previous = signal.getsignal(signal.SIGTERM)
-    terminated = False
     # The stop signals blocked while Ray starts: the processes of --ray local (its GCS, its raylet and, through
     # that, its workers) keep them blocked, as Ray itself blocks Ctrl-C there. Else SIGTERM or SIGHUP to the process
     # group (`timeout`, a job scheduler, a closed terminal) ends Ray under the run, and Ray then ends this process
@@ -583,16 +582,15 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
         _put_back_sigterm(previous)  # where it came before the line above
         if exc.code != signal.SIGTERM:
             raise
-        terminated = True
+        # The SIGTERM is the run's: undo the connection, then hand the signal to the run's handler.
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        signal.raise_signal(signal.SIGTERM)
+        raise Stopped("terminated", signal.SIGTERM) from None
     except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:  # RayError: no auth token
         reason = first_line(exc)
         raise UserError(f"--ray {config.ray}: could not connect to Ray: {reason} (start a cluster with "
                         "`ray start --head`, or use --ray local)") from None
-    if terminated:  # a SIGTERM while connecting is the run's: undo the connection, then hand it to its handler
-        with contextlib.suppress(Exception):
-            ray.shutdown()
-        signal.raise_signal(signal.SIGTERM)
-        raise Stopped("terminated", signal.SIGTERM)
     return ray, config.ray == "local"
 
 
