@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import queue
+import re
 import signal
 import socket
 import threading
@@ -599,11 +600,12 @@ def _put_back_sigterm(handler: Any) -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
-def check_names_free(config: Config, ray: Any, run_name: str) -> None:
-    """UserError where the cluster has a live remote actor of run `run_name` (another training of this --xpid uses
-    the cluster) for NAMES_GRACE_S: a session of this run that has just ended may leave its actors for the
-    seconds Ray takes to remove them. Checked before the run's files are written; `_start_remote` still refuses a
-    name taken later."""
+def check_names_free(config: Config, ray: Any, xpid: str) -> None:
+    """UserError where the cluster has a live remote actor of run `xpid`, a plain run's or any torchrun rank's
+    (another training of this --xpid uses the cluster), for NAMES_GRACE_S: a session of this run that has just
+    ended may leave its actors for the seconds Ray takes to remove them. Checked before the run's files are written,
+    by every rank before any starts its actors; `_start_remote` still refuses a name taken later."""
+    run_actor = re.compile(rf"{re.escape(xpid)}(\.rank-\d+)?\.remote-")
     deadline = time.monotonic() + NAMES_GRACE_S
     while True:
         try:
@@ -611,7 +613,7 @@ def check_names_free(config: Config, ray: Any, run_name: str) -> None:
         except ray.exceptions.RayError as exc:
             raise UserError(f"--ray {config.ray}: could not list the cluster's actors: {first_line(exc)}") from None
         taken = sorted(actor["name"] for actor in named
-                       if actor["namespace"] == NAMESPACE and actor["name"].startswith(f"{run_name}.remote-"))
+                       if actor["namespace"] == NAMESPACE and run_actor.match(actor["name"]))
         if not taken:
             return
         if time.monotonic() > deadline:

@@ -178,7 +178,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     session, started_session = 0, False
     try:
         if ray_connection is not None:
-            ray_pool.check_names_free(config, ray_connection[0], pool_name)
+            ray_pool.check_names_free(config, ray_connection[0], run_dir.name)
         stop.check()  # the last moment at which stopping changes nothing
         if writes_files:
             prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # the last check: nothing changed before

@@ -701,6 +701,29 @@ def test_a_run_waits_a_moment_for_its_own_actors_that_ray_has_not_yet_removed(mo
         ray_pool.check_names_free(Config(ray="auto"), ray, "run")
 
 
+def test_a_plain_run_and_a_torchrun_run_of_one_xpid_see_each_others_actors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun every rank's actors carry its rank in their names: a plain start of the same --xpid on the
+    cluster must still see them, and a torchrun start a plain run's; a run whose xpid merely begins alike must not."""
+    import types
+
+    from impala import ray_pool
+
+    listing: list[dict] = []
+    ray = types.SimpleNamespace(util=types.SimpleNamespace(list_named_actors=lambda all_namespaces=False: listing),
+                                exceptions=types.SimpleNamespace(RayError=RuntimeError))
+    monkeypatch.setattr(ray_pool.time, "sleep", lambda s: None)
+    clock = iter(range(0, 1000, 3))
+    monkeypatch.setattr(ray_pool.time, "monotonic", lambda: float(next(clock)))
+    for taken in ("pong.rank-1.remote-0.life-2", "pong.remote-3.life-0"):
+        listing[:] = [{"namespace": "impala", "name": taken}]
+        with pytest.raises(UserError, match=f"already has an actor named {re.escape(taken)}:"):
+            ray_pool.check_names_free(Config(ray="auto"), ray, "pong")
+    listing[:] = [{"namespace": "impala", "name": name} for name in
+                  ("pong2.remote-0.life-0", "pong.v2.remote-0.life-0", "pong2.rank-0.remote-1.life-0",
+                   "pong.rank-x.remote-0.life-0")] + [{"namespace": "other", "name": "pong.remote-0.life-0"}]
+    ray_pool.check_names_free(Config(ray="auto"), ray, "pong")  # none of them is this run's
+
+
 def test_a_cluster_that_asks_for_a_token_not_given_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """RAY_AUTH_MODE=token without the token (a Docker run without -e RAY_AUTH_TOKEN): Ray's AuthenticationError,
     a RayError, is a user's to fix."""
