@@ -67,8 +67,9 @@ class Training:
     """A `run.py` training in the background, in its own session; `close()` kills whatever is left."""
 
     def __init__(self, savedir: Path, xpid: str, *args: str, total_steps: int = 1_000_000,
-                 wrapper: tuple[str, ...] = ()) -> None:
-        """`wrapper`: a command that runs run.py, such as ("timeout", "600"); then `process` is the wrapper's."""
+                 wrapper: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        """`wrapper`: a command that runs run.py, such as ("timeout", "600"); then `process` is the wrapper's.
+        `env`: the process's environment, by default this one's."""
         self.savedir, self.xpid = savedir, xpid
         self.log_path = savedir / f"{xpid}.console"
         savedir.mkdir(parents=True, exist_ok=True)
@@ -76,7 +77,7 @@ class Training:
         self.process = subprocess.Popen(
             [*wrapper, sys.executable, "run.py", *SMALL_RUN, "--savedir", str(savedir), "--xpid", xpid,
              "--total_steps", str(total_steps), *args],
-            cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=REPO_ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pgid = self.process.pid
 
     @property

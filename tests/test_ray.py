@@ -53,8 +53,10 @@ CLUSTER_ENV = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)
                # process (importing torch) this long to register.
                "RAY_raylet_start_wait_time_s": "180", "RAY_worker_register_timeout_seconds": "300"}
 # Ray reads the authentication mode once, when first imported, which a test below may do before the cluster's
-# fixture runs: the cluster's token must be in the environment from the start.
+# fixture runs: the cluster's token must be in the environment from the start. A run with --ray local is given
+# Ray's own defaults instead (`DEFAULT_AUTH_ENV`), as a user's shell has them.
 os.environ.update(CLUSTER_ENV)
+DEFAULT_AUTH_ENV = {name: value for name, value in os.environ.items() if name not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
 
 
 # ----------------------------------------------------------------------------------------- without a cluster
@@ -196,7 +198,7 @@ def test_sigterm_to_the_process_group_of_a_run_with_ray_local_stops_it_in_order(
     outlive the signal, or Ray ends the run before its final checkpoint (it did, with no checkpoint or end)."""
     pytest.importorskip("ray")
     training = Training(tmp_path, "group", "--ray", "local", "--num_actors", "0", "--ray_actors", "1",
-                        "--ray_envs_per_actor", "2")
+                        "--ray_envs_per_actor", "2", env=DEFAULT_AUTH_ENV)
     try:
         training.wait_for(r"Remote actor 0 acting")
         training.wait_for_steps(1)
