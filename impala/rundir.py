@@ -36,7 +36,9 @@ from impala.seeding import ActorLives
 
 log = logging.getLogger("impala")
 META_NAME = "meta.json"
-_JSON_TEMPORARY_GLOB = ".*.json.tmp-*"  # what `_write_json` writes before its rename
+# What a process killed mid-write leaves in a run directory: `_write_json`'s and `RunLog`'s files before their
+# rename, and the probe of `prepare_run_directory`.
+_TEMPORARY_GLOBS = (".*.json.tmp-*", "logs.csv.tmp", ".write-test-*")
 
 
 class NameTaken(Exception):
@@ -221,7 +223,7 @@ def resume_checkpoint(config: Config, run_dir: Path) -> Path | None:
 
 def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, claim: bool = False) -> None:
     """Create `run_dir`, take `lock` on it (if `open_run` has not yet), prove it writable and remove temporaries
-    of a checkpoint write that was killed. With `claim` (a name chosen by default) the directory must be new:
+    of a write that was killed (a checkpoint's, meta.json's, logs.csv's). With `claim` (a name chosen by default) the directory must be new:
     NameTaken where another training made it first."""
     try:
         if claim:
@@ -244,8 +246,9 @@ def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, clai
         raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
                         "choose another --savedir") from None
     remove_stale_temporaries(run_dir)
-    for tmp in run_dir.glob(_JSON_TEMPORARY_GLOB):
-        tmp.unlink(missing_ok=True)
+    for pattern in _TEMPORARY_GLOBS:
+        for tmp in run_dir.glob(pattern):
+            tmp.unlink(missing_ok=True)
 
 
 def write_run_files(config: Config, run_dir: Path, resuming: bool, world_size: int = 1) -> int:

@@ -193,3 +193,17 @@ def test_two_rewinds_past_the_same_step_keep_both_histories_checkpoints(tmp_path
     assert sorted(p.name for p in tmp_path.glob("model_replaced_*")) == ["model_replaced_step_40-2.tar",
                                                                        "model_replaced_step_40.tar"]
     assert keep_replaced_checkpoint(tmp_path, start) is None  # the same model.tar again (a rewind restarted): kept once
+
+
+def test_a_start_removes_what_a_killed_write_left_and_nothing_else(tmp_path: Path) -> None:
+    """kill -9 in the middle of a rewrite leaves its temporary file: the next start under the run's lock removes
+    each kind (a checkpoint's, meta.json's, logs.csv's, the writability probe's) and keeps the run's own files."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    left = [".model.tar.tmp-41", ".meta.json.tmp-42", ".flags.json.tmp-43", "logs.csv.tmp", ".write-test-44"]
+    kept = ["model.tar", "meta.json", "flags.json", "logs.csv", "model_step_100.tar", "notes.tmp"]
+    for name in left + kept:
+        (run_dir / name).write_text("x")
+    prepare_run_directory(run_dir)
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted(kept)
+    assert all((run_dir / name).read_text() == "x" for name in kept)
