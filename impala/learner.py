@@ -391,13 +391,13 @@ def _update_steps(model: Net, optimizer: torch.optim.Optimizer, batch: dict[str,
     parts = min(config.minibatches, minibatch_units(batch, config))
     device = batch["obs"].device
     cache = skip_all is None  # autocast's cache of cast weights must not outlive a CUDA graph's capture
-    moments = None  # one part is the whole batch: its own moments are the batch's
+    moments = None  # one part in one pass is the whole batch as the update starts: its own moments are the batch's
     with _autocast(device.type, amp, cache):  # as a step would compute them
         batch = vtrace_inputs(batch, config)
     if samples:  # the targets and advantages of every step, once, with the weights the update starts from
         with _autocast(device.type, amp, cache):
             batch, moments = batch_samples(model, batch, core_state, config, reducer)
-    elif config.policy_loss == "ppo" and config.advantage_norm == "batch" and parts > 1:
+    elif config.policy_loss == "ppo" and config.advantage_norm == "batch" and (parts > 1 or len(orders) > 1):
         with _autocast(device.type, amp, cache):
             moments = batch_advantage_moments(model, batch, core_state, config, reducer)
     names: list[str] = []

@@ -627,6 +627,29 @@ def test_batch_advantage_moments_are_those_of_the_whole_batch_and_normalise_a_mi
     assert own_loss != pytest.approx(expected, rel=1e-3)
 
 
+def test_batch_advantage_norm_keeps_the_moments_of_the_update_start_in_later_passes_over_one_part() -> None:
+    """--minibatches 1 and two passes: the second pass normalises with the moments the batch had before the
+    first, as with several parts, not with those of the weights the first pass moved."""
+    config = _config(batch_size=2, minibatches=1, epochs=2, policy_loss="ppo", advantage_norm="batch",
+                     learning_rate=0.5)
+    model = _model()
+    batch = _batch_for_update(model)
+    advantages, _, _, _ = _hand_ppo_terms(model, batch, config)
+    adv = torch.tensor(advantages)
+    moments = (adv.mean(), adv.std())
+    reference = copy.deepcopy(model)
+    optimizer, scheduler = _sgd(model, config.learning_rate)
+    learner.update(model, optimizer, scheduler, batch, (), config)
+    reference_optimizer, _ = _sgd(reference, config.learning_rate)
+    for _ in range(config.epochs):
+        reference_optimizer.zero_grad()
+        loss, _ = learner.compute_loss(reference, batch, (), config, advantage_moments=moments)
+        loss.backward()
+        reference_optimizer.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
 def test_batch_advantage_norm_keeps_the_moments_of_the_update_start_for_every_step() -> None:
     """Two passes over two one-column minibatches: four SGD steps, each normalising with the moments the
     whole batch had before the first (not recomputed as the weights move)."""
