@@ -179,6 +179,7 @@ class LocalActorPool:
             inference_positions=positions,
         )
         self.processes: list[Any] = []  # multiprocessing.Process of each actor's current life
+        self._pidfds: dict[int, int] = {}  # actor index -> a pidfd of its current life's process (Linux 5.3+)
         self.deaths = RecentDeaths()
         self._unclaimed: dict[int, str] = {}  # tracebacks of actors not yet seen dead (still exiting)
         self.last_hang_check = time.monotonic()
@@ -201,6 +202,9 @@ class LocalActorPool:
             kwargs={"inference_connections": [actor_end for _, actor_end in pipes] if pipes else None},
         )
         start_process(process)
+        self._close_pidfd(actor_index)
+        with contextlib.suppress(AttributeError, OSError):  # gone already, or no pidfds here: `is_alive` alone
+            self._pidfds[actor_index] = os.pidfd_open(process.pid)
         for split, (main_end, actor_end) in enumerate(pipes):
             actor_end.close()  # only the actor holds its end, so its death reads as end-of-file here
             assert self.inference is not None
@@ -248,8 +252,9 @@ class LocalActorPool:
         dead = [(index, process) for index, process in enumerate(self.processes) if not process.is_alive()]
         if not dead:
             return
-        for _, process in dead:
+        for index, process in dead:
             process.join()
+            self._end_if_lost(index, process)
         # Read after the join: an actor writes its traceback before it exits. One that failed at the same time
         # may have sent its own and not yet exited: kept for the check that sees it dead.
         self._unclaimed.update(self.tracebacks())
@@ -268,6 +273,29 @@ class LocalActorPool:
         self.processes[index] = self.start_actor(index)
         log.warning("Restarted actor %d (%d slots returned; %d restarts in the last %.0f s, at most %d)", index,
                     returned, deaths, RESTART_WINDOW_S, limit)
+
+    def _end_if_lost(self, index: int, process: BaseProcess) -> None:
+        """Kill actor `index` where its process still runs although `is_alive` says it ended: the fork server,
+        through which this process learns its actors' exit codes, has died (killed, or out of memory), and every
+        actor then reads as ended with exit code 255. Its slots must not go to another life while it can still
+        write them. Waits for its end (at most ACTOR_JOIN_TIMEOUT_S); without a pidfd, `is_alive` is believed."""
+        pidfd = self._pidfds.get(index)
+        if pidfd is None or select.select([pidfd], [], [], 0)[0]:  # readable once the process has ended
+            return
+        log.error("Actor %d (pid %d) still runs though the fork server reported its end (%s): the fork server "
+                  "has died; killing the actor before its slots go to its next life", index, process.pid,
+                  exit_description(process.exitcode))
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        if not select.select([pidfd], [], [], ACTOR_JOIN_TIMEOUT_S)[0]:
+            log.warning("Actor %d (pid %d) did not end after SIGKILL", index, process.pid)
+        with contextlib.suppress(OSError):  # reaped here where this process is pid 1 and so the orphan's parent
+            os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+
+    def _close_pidfd(self, index: int) -> None:
+        pidfd = self._pidfds.pop(index, None)
+        if pidfd is not None:
+            os.close(pidfd)
 
     def kill_hung(self) -> None:
         """Kill every actor that showed no progress for --actor_timeout_s (an env stuck in a step): `check`
@@ -326,9 +354,14 @@ class LocalActorPool:
             process.join(timeout=ACTOR_JOIN_TIMEOUT_S)  # a process in the kernel's uninterruptible sleep
             if process.is_alive():                      # outlives even SIGKILL for a while: not waited on
                 log.warning("Actor %s (pid %d) did not end after SIGKILL; leaving it", process.name, process.pid)
+        for index, process in enumerate(self.processes):
+            self._end_if_lost(index, process)
+            self._close_pidfd(index)
 
     def close(self) -> None:
         """Close every channel and stop the fork server; after `stop`."""
+        for index in list(self._pidfds):
+            self._close_pidfd(index)
         self.slots.close()
         self._episodes.close()
         self._errors.close()

@@ -26,6 +26,7 @@ from process_helpers import (
     SMALL_RUN,
     Training,
     checkpoint_step,
+    children,
     group_processes,
     run_py,
     train_through_one_crash,
@@ -128,6 +129,34 @@ def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None
     assert checkpoint_step(run.run_dir) >= step_at_restart + 2_000
 
 
+def test_a_killed_fork_server_costs_every_actor_its_life_and_no_old_life_goes_on_writing(tmp_path: Path) -> None:
+    """The fork server carries its actors' exit codes: killed (by hand, or out of memory), every actor reads as
+    ended, exit code 255, while it still runs. Each must be killed before its slots go to its next life, or two
+    processes write the same slots for the rest of the run."""
+    run = Training(tmp_path, "fork-server")
+    try:
+        run.wait_for_steps(500)
+        old = run.actor_pids()
+        servers = [pid for pid in children(run.process.pid)
+                   if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(servers) == 1 and set(old.values()) <= set(children(servers[0])), (servers, old)
+        os.kill(servers[0], signal.SIGKILL)
+        for index, pid in old.items():
+            run.wait_for(rf"Actor {index} \(pid {pid}\) still runs though the fork server reported its end \(exit "
+                         r"code 255\): the fork server has died; killing the actor", timeout=15)
+            run.wait_for(rf"Restarted actor {index} ", timeout=15)
+        assert not set(old.values()) & set(group_processes(run.pgid)), "an old life outlived its replacement's start"
+        assert set(run.actor_pids().values()).isdisjoint(old.values())
+        step_at_restart = run.latest_step()
+        run.wait_for_steps(step_at_restart + 2_000)  # the new lives, from a new fork server, train on
+        run.signal(signal.SIGTERM)
+        assert run.wait(timeout=30) == 143
+        assert wait_until_gone(run.pgid, timeout=30) == []
+    finally:
+        run.close()
+    assert checkpoint_step(run.run_dir) >= step_at_restart + 2_000
+
+
 @pytest.mark.parametrize("threads", ["1", "2"])
 def test_a_killed_actor_under_central_inference_is_replaced_and_the_run_ends_at_its_total(
         tmp_path: Path, threads: str) -> None:
@@ -206,7 +235,7 @@ def test_the_traceback_of_an_actor_still_exiting_is_reported_with_its_death_at_t
     sent = [{0: "Traceback: first", 1: "Traceback: second"}, {}]
     replaced: list[tuple[int, str]] = []
     pool.processes = [first, second]
-    pool._unclaimed = {}
+    pool._unclaimed, pool._pidfds = {}, {}
     pool.kill_hung = lambda: None
     pool.tracebacks = lambda: sent.pop(0)
     pool._replace = lambda index, process, detail: replaced.append((index, detail))
