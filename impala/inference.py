@@ -182,19 +182,21 @@ class InferenceServer:
         self._receive(ready, pending, connections)
         if not pending:
             return 0
-        self.serving_since = start
+        deadline = start + self.wait_s
+        # counted once: an actor that dies meanwhile costs this batch at most the rest of the wait
+        actors = len({client // self.splits for client in connections}) if self.wait_s > 0 else 0
+        while len(pending) < actors:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            # The pending clients' pipes were drained and stay quiet until answered, unless their actor died.
+            self._receive(self._ready(remaining), pending, connections)
+        if not pending:  # the one client that asked died meanwhile
+            return 0
+        # The hung-thread watch's clock: the batch's work, not the wait for more actors (--inference_wait_ms may
+        # be longer than --learner_timeout_s, and an actor waiting for free slots may not ask for all of it).
+        self.serving_since = time.monotonic()
         try:
-            deadline = start + self.wait_s
-            # counted once: an actor that dies meanwhile costs this batch at most the rest of the wait
-            actors = len({client // self.splits for client in connections}) if self.wait_s > 0 else 0
-            while len(pending) < actors:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                # The pending clients' pipes were drained and stay quiet until answered, unless their actor died.
-                self._receive(self._ready(remaining), pending, connections)
-            if not pending:  # the one client that asked died meanwhile
-                return 0
             slots_s, forward_s = self._act(pending)
             for client in pending:
                 try:

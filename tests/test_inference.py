@@ -141,6 +141,37 @@ def test_a_wait_ends_once_every_actor_has_asked_for_one_of_its_splits():
     assert ends[1].poll(1.0) and ends[2].poll(1.0)
 
 
+def test_the_wait_for_a_fuller_batch_is_not_work_that_the_hung_thread_watch_counts():
+    """`serving_since` is what the watch for hung threads reads: a wait for an actor that does not ask (one waiting
+    for free slots) is not a hung batch, however long --inference_wait_ms is; the batch's own work is."""
+    server, buffers, positions, _, ends = make_server(num_actors=2, wait_s=1.0)
+    request(buffers, positions, 0, ends[0], t=0)  # actor 1 never asks
+    seen: list[float | None] = []
+    acted = server._act
+
+    def act(pending: list[int]) -> tuple[float, float]:
+        seen.append(server.serving_since)
+        return acted(pending)
+
+    server._act = act  # type: ignore[method-assign]
+    watched: list[float | None] = []
+
+    def look() -> None:
+        for _ in range(7):
+            watched.append(server.serving_since)
+            time.sleep(0.1)
+
+    watch = threading.Thread(target=look)
+    start = time.monotonic()
+    watch.start()
+    assert server.serve_once(timeout_s=1.0) == 1
+    watch.join()
+    assert time.monotonic() - start >= 1.0  # it waited the whole second for actor 1
+    assert watched[:7] == [None] * 7, watched  # through the wait's first 0.7 s
+    assert seen[0] is not None and seen[0] - start >= 0.99  # the batch's clock starts after the wait, at its work
+    assert server.serving_since is None  # and stops with it
+
+
 def test_the_servers_stats_are_those_of_the_batches_since_they_were_last_taken():
     server, buffers, positions, _, ends = make_server(num_actors=2, wait_s=0.3)
     request(buffers, positions, 0, ends[0], t=0)
