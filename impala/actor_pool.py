@@ -340,6 +340,9 @@ class LocalActorPool:
         """Set the stop flag and wait for actors to see it, calling `drain` meanwhile (an actor blocked writing to
         a full episode pipe sees the flag only once it is read); then kill the stragglers (actors ignore SIGTERM)."""
         self.channels.stop_event.set()
+        for index, text in sorted(self._unclaimed.items()):  # sent by actors not yet seen dead when the run stopped
+            log.error("Actor %d failed:\n%s", index, text.strip())
+        self._unclaimed.clear()
         deadline = time.monotonic() + ACTOR_JOIN_TIMEOUT_S
         while time.monotonic() < deadline and any(process.is_alive() for process in self.processes):
             drain()

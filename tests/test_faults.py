@@ -247,6 +247,20 @@ def test_the_traceback_of_an_actor_still_exiting_is_reported_with_its_death_at_t
     assert replaced == [(0, "Traceback: first"), (1, "Traceback: second")]
 
 
+def test_a_traceback_read_before_too_many_deaths_stopped_the_run_is_still_reported(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The check that found one death too many had already read the traceback of another actor, still exiting:
+    stopping the pool reports it, as it reports those that come while it stops."""
+    pool = object.__new__(LocalActorPool)
+    pool.channels = types.SimpleNamespace(stop_event=threading.Event())
+    pool.processes, pool._pidfds, pool._unclaimed = [], {}, {1: "Traceback: second\n"}
+    pool.tracebacks = dict
+    with caplog.at_level("ERROR"):
+        pool.stop(drain=lambda: None)
+    assert [r.getMessage() for r in caplog.records] == ["Actor 1 failed:\nTraceback: second"]
+    assert pool._unclaimed == {}
+
+
 def test_a_hung_actor_is_killed_and_replaced(tmp_path: Path) -> None:
     run = Training(tmp_path, "hung-actor", "--actor_timeout_s", "3")
     try:
