@@ -193,7 +193,8 @@ EVAL_SEED_OFFSET = 1_000_000
 
 
 def serve_evaluations(model: Net, config: Config, connection: Connection, heartbeat: Any = None) -> None:
-    """The evaluation process's loop; returns when the main process closes its end of `connection`.
+    """The evaluation process's loop; returns when the main process closes its end of `connection`, also while
+    it plays (the main process took it for dead: its fork server died, and another evaluator took its place).
 
     For each request `(number, step, seeds_from)` it plays `config.eval_episodes` full games with `model` (the
     shared copy the main process fills with the weights of agent step `step` and leaves alone until the answer
@@ -218,7 +219,10 @@ def serve_evaluations(model: Net, config: Config, connection: Connection, heartb
         games = play(model, config.env, config.eval_episodes, seed,
                      greedy=config.eval_actions == "greedy", on_step=beat, fire_on_life_loss=config.fire_on_life_loss,
                      max_steps=config.eval_max_steps)
-        connection.send((number, step, games, time.process_time() - start_cpu_s))
+        try:
+            connection.send((number, step, games, time.process_time() - start_cpu_s))
+        except BrokenPipeError:  # nobody to answer
+            return
 
 
 # Atari plays at 60 frames/s and an agent step is 4 frames; other envs have no common clock.

@@ -299,6 +299,27 @@ def test_the_evaluator_follows_fire_on_life_loss(monkeypatch: pytest.MonkeyPatch
     assert built == [False]
 
 
+def test_an_evaluator_whose_main_end_closed_while_it_played_ends_quietly() -> None:
+    """An evaluator the main process took for dead (its fork server died) and replaced finds the pipe closed once
+    its games are over: it ends, with nothing to report and no traceback."""
+    main_end, process_end = Pipe()
+    config = Config(env="CartPole-v1", eval_episodes=1)
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            serve_evaluations(_net(), config, process_end, heartbeat=types.SimpleNamespace(value=0.0))
+        except BaseException as exc:  # noqa: BLE001 - what the test checks for
+            errors.append(exc)
+
+    server = threading.Thread(target=serve)
+    main_end.send((0, 0, 0))
+    main_end.close()  # before the game ends
+    server.start()
+    server.join(timeout=60)
+    assert not server.is_alive() and errors == []
+
+
 def _fake_run(tmp_path: Path, best: tuple[float, int] | None) -> types.SimpleNamespace:
     model = _net()
     evaluator = Evaluator(_net(), best)
