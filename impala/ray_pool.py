@@ -537,11 +537,26 @@ class RayActorPool:
         disconnect((self.ray, self.started_ray))
 
 
+_COLOURS = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the names in its messages for a terminal
+# Ray's account of a worker process that ended: its kind and the first sentence of the detail.
+_WORKER_EXIT = re.compile(r"Worker exit type: (\S+) Worker exit detail: ([^.]*\.?)")
+
+
 def _describe(exc: BaseException) -> str:
-    """One line for a lost actor, or the remote traceback for an exception raised in it."""
-    text = str(exc).strip()
+    """One line for a lost actor, with its cause where Ray gives one (the exception its constructor raised, how
+    its worker process ended), or the remote traceback for an exception raised in it."""
+    text = _COLOURS.sub("", str(exc)).strip()
     if type(exc).__name__ in ("ActorDiedError", "RayActorError", "ActorUnavailableError"):
-        return f"{type(exc).__name__}: {text.splitlines()[0] if text else 'the actor process is gone'}"
+        lines = text.splitlines()
+        if not lines:
+            return f"{type(exc).__name__}: the actor process is gone"
+        line = lines[0]
+        exit_detail = _WORKER_EXIT.search(text)
+        if "creation task" in line and len(lines) > 1:  # the traceback of the constructor's exception follows
+            line += f"; {lines[-1].strip()}"
+        elif exit_detail:
+            line += f" ({exit_detail[1]}: {exit_detail[2]})"
+        return f"{type(exc).__name__}: {line}"
     return text or "".join(traceback.format_exception_only(type(exc), exc)).strip()
 
 

@@ -703,6 +703,32 @@ def test_a_run_waits_a_moment_for_its_own_actors_that_ray_has_not_yet_removed(mo
         ray_pool.check_names_free(Config(ray="auto"), ray, "run")
 
 
+def test_a_lost_remote_actor_is_described_with_its_cause_in_one_line() -> None:
+    """Ray 2.60's messages: an actor whose constructor raised (an import that fails on that node) names the
+    exception on its last line; one whose worker died says how. Both in the line, without terminal colours."""
+    from impala import ray_pool
+
+    class ActorDiedError(Exception):
+        pass
+
+    created = ActorDiedError(
+        "The actor died because of an error raised in its creation task, \x1b[36mray::RemoteActor.__init__()\x1b[39m "
+        "(pid=18477, ip=192.0.2.2)\n           ^^^^^^^^\n  File \"/app/impala/ray_pool.py\", line 6, in __init__\n"
+        "    import gymnasium\nModuleNotFoundError: No module named 'gymnasium'")
+    assert ray_pool._describe(created) == (
+        "ActorDiedError: The actor died because of an error raised in its creation task, ray::RemoteActor.__init__() "
+        "(pid=18477, ip=192.0.2.2); ModuleNotFoundError: No module named 'gymnasium'")
+    killed = ActorDiedError(
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: B\n\tpid: 18513\nThe actor is dead "
+        "because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: Worker unexpectedly "
+        "exits with a connection error code 2. End of file. Some common causes include: (1) the OOM killer")
+    assert ray_pool._describe(killed) == (
+        "ActorDiedError: The actor died unexpectedly before finishing this task. (SYSTEM_ERROR: Worker unexpectedly "
+        "exits with a connection error code 2.)")
+    assert ray_pool._describe(ActorDiedError()) == "ActorDiedError: the actor process is gone"
+    assert ray_pool._describe(ValueError("bad\nworse")) == "bad\nworse"  # raised in it: its traceback, whole
+
+
 def test_a_plain_run_and_a_torchrun_run_of_one_xpid_see_each_others_actors(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun every rank's actors carry its rank in their names: a plain start of the same --xpid on the
     cluster must still see them, and a torchrun start a plain run's; a run whose xpid merely begins alike must not."""
