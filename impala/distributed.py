@@ -37,7 +37,7 @@ from impala.config import Config, TrainingError, UserError, env_int, first_line,
 from impala.learner import LearnerState
 from impala.metrics import ConsoleHandler, RunLog
 from impala.model import Net
-from impala.seeding import SEED_LIMIT
+from impala.seeding import SEED_LIMIT, ActorLives
 
 log = logging.getLogger("impala")
 
@@ -45,6 +45,7 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # A rank that does not answer a collective for this long ends the job. One that died is noticed at once
 # (its sockets close); this bounds a hung one (an update of the deep ResNet on a CPU takes seconds).
 COLLECTIVE_TIMEOUT_S = 300.0
+VOTE_HEADER = 3 + len(ActorLives.KEYS)  # stop, agent steps, games finished, the rank's actor-life counters
 MAX_GAMES_PER_VOTE = 32  # games a rank reports one by one per update; of more, the newest, and how many the others are
 
 
@@ -224,6 +225,8 @@ class Coordinator:
         self._outbox: collections.deque[tuple[float, int]] = collections.deque()  # this rank's games, not yet sent
         self._inbox: collections.deque[tuple[float, int]] = collections.deque()  # rank 0: every rank's, not yet logged
         self._unlisted: collections.deque[int] = collections.deque()  # rank 0: the number of every rank's other games
+        self.lives: ActorLives | None = None  # this rank's, from `share_state` on: each vote reports its counters
+        self.peak_lives = dict.fromkeys(ActorLives.KEYS, 0)  # rank 0: the highest each counter of any rank was
 
     @property
     def rank(self) -> int:
@@ -245,10 +248,12 @@ class Coordinator:
         # the others as their number (a rank that finishes more games per update than a vote lists).
         finished = [self._outbox.popleft() for _ in range(len(self._outbox))]
         games = finished[-MAX_GAMES_PER_VOTE:]
-        message = torch.zeros(3 + 2 * MAX_GAMES_PER_VOTE, dtype=torch.float64)
-        message[:3] = torch.tensor([float(stop), float(steps), float(len(finished))])
+        message = torch.zeros(VOTE_HEADER + 2 * MAX_GAMES_PER_VOTE, dtype=torch.float64)
+        lives = self.lives.state_dict() if self.lives is not None else dict.fromkeys(ActorLives.KEYS, 0)
+        message[:VOTE_HEADER] = torch.tensor([float(stop), float(steps), float(len(finished)),
+                                              *(float(lives[key]) for key in ActorLives.KEYS)])
         if games:
-            message[3:3 + 2 * len(games)] = torch.tensor(games, dtype=torch.float64).flatten()
+            message[VOTE_HEADER:VOTE_HEADER + 2 * len(games)] = torch.tensor(games, dtype=torch.float64).flatten()
         gathered = [torch.empty_like(message) for _ in range(self.ranks.world_size)]
         try:
             dist.all_gather(gathered, message, group=self.ranks.control)
@@ -257,8 +262,10 @@ class Coordinator:
             raise _lost("the vote before an update", exc) from exc
         if self.rank == 0:
             for other in gathered:
+                for index, key in enumerate(ActorLives.KEYS, start=3):
+                    self.peak_lives[key] = max(self.peak_lives[key], int(other[index]))
                 listed = min(int(other[2]), MAX_GAMES_PER_VOTE)
-                pairs = other[3:3 + 2 * listed].view(-1, 2).tolist()
+                pairs = other[VOTE_HEADER:VOTE_HEADER + 2 * listed].view(-1, 2).tolist()
                 self._inbox.extend((episode_return, int(length)) for episode_return, length in pairs)
                 if int(other[2]) > listed:
                     self._unlisted.append(int(other[2]) - listed)
@@ -280,10 +287,16 @@ class Coordinator:
         unlisted = sum(self._unlisted.popleft() for _ in range(len(self._unlisted)))  # deques: votes add meanwhile
         return [self._inbox.popleft() for _ in range(len(self._inbox))], unlisted
 
+    def run_wide_lives(self, counters: dict[str, Any]) -> dict[str, Any]:
+        """`counters` (rank 0's, for a checkpoint) with the actor-life counters raised to the highest any rank
+        reported: every rank resumes from rank 0's, and none may hand out again a life or env seed it used
+        (each rank counts from a seed of its own, `rank_seed`)."""
+        return {**counters, **{key: max(int(counters[key]), value) for key, value in self.peak_lives.items()}}
+
     def share_state(self, state: LearnerState, session: int, config: Config) -> int:
         """Rank 0 sends its learner state (weights, optimiser, counters: a checkpoint's content) and its
         session number; every other rank loads them. Returns the session. Called by every rank, before
-        any actor starts."""
+        any actor starts; from then on the votes report `state.lives`."""
         payload: list[Any] = [{**state.state_dict(), "session": session} if self.rank == 0 else None]
         try:
             dist.broadcast_object_list(payload, src=0, group=self.ranks.control)
@@ -291,6 +304,7 @@ class Coordinator:
             raise _lost("sharing rank 0's weights", exc) from exc
         if self.rank != 0:
             state.load_state_dict(payload[0], config, Path(f"<rank 0's state of {config.xpid}>"))
+        self.lives = state.lives
         return int(payload[0]["session"])
 
 

@@ -449,6 +449,8 @@ def checkpoint(run: Run) -> None:
         return
     with run.update_lock:
         state = run.state.state_dict()
+    if run.coordinator is not None:  # the other ranks' actor lives too
+        state = run.coordinator.run_wide_lives(state)
     state.update(header(run.config, run.state.model), recent_returns=list(run.stats.episode_returns))
     save_checkpoint(run.run_dir / CHECKPOINT_NAME, state)
     run.saved_step = state["step"]

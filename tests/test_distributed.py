@@ -37,6 +37,7 @@ from impala import distributed, learner
 from impala.config import Config, UserError
 from impala.distributed import MAX_GAMES_PER_VOTE, Coordinator, GradientReducer, Ranks
 from impala.model import Net
+from impala.seeding import ActorLives
 
 T, B = 4, 3  # B unrolls per rank; the one-learner reference takes 2 x B
 WORLD_SIZE = 2
@@ -132,14 +133,17 @@ def _votes(rank: int) -> dict[str, Any]:
     """Three updates' votes: both go (rank 1 with two games); rank 1 stops; rank 0 votes once more alone."""
     coordinator = Coordinator(Ranks(rank, WORLD_SIZE, rank, WORLD_SIZE, torch.device("cpu"), dist.group.WORLD),
                               summed_loss=True)
+    # Rank 1's actors died more often: more lives, more env seeds; rank 0 has more lives of fewer envs.
+    coordinator.lives = ActorLives(seed=rank, session=0, lives=(4, 3)[rank], env_seeds_used=(8, 12)[rank])
     games_before = coordinator.games([(1.5, 10), (2.5, 20)] if rank == 1 else [(-1.0, 7)])
     first = coordinator.vote(stop=False, steps=10 + rank)
+    run_wide = coordinator.run_wide_lives({"step": 5, "actor_lives": 4, "env_seeds_used": 8})
     games_after = coordinator.games([(float(i), i) for i in range(MAX_GAMES_PER_VOTE + 3)] if rank == 1 else [])
     second = coordinator.vote(stop=rank == 1, steps=10)
     games_many = coordinator.games([])
     third = coordinator.vote(stop=False, steps=10) if rank == 0 else None  # a collective here would hang
     return {"games_before": games_before, "first": first, "games_after": games_after, "second": second,
-            "games_many": games_many, "third": third, "stopped_by": coordinator.stopped_by}
+            "games_many": games_many, "third": third, "stopped_by": coordinator.stopped_by, "run_wide": run_wide}
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +229,9 @@ def test_votes_sum_the_steps_of_every_rank_agree_to_stop_and_bring_every_game_to
     assert zero["second"] == one["second"] == 0  # rank 1 stopped: every rank stops at this update
     assert zero["third"] == 0  # after a stop, no collective: rank 0 alone did not wait for rank 1
     assert zero["stopped_by"] == 1 and one["stopped_by"] is None  # rank 1 stopped by its own choice
+    # Rank 0's checkpoint keeps the most lives and env seeds any rank used: every rank resumes from it, and
+    # rank 1 would otherwise hand out again its seeds 8 to 11 past its own rank seed.
+    assert zero["run_wide"] == {"step": 5, "actor_lives": 4, "env_seeds_used": 12}
 
 
 # ---------------------------------------------------------------------------------------- on a GPU
