@@ -164,8 +164,11 @@ class RemoteActor:
 
     def unrolls(self, version: int, weights: list[Any]) -> dict[str, Any]:
         """`ray_unrolls_per_env` unrolls of every env (at least --ray_steps_per_request agent steps), acted with
-        weights of `version` or a little older (the acting thread runs one unroll of each env ahead). `weights`: [ObjectRef of a state dict], inside a list so that Ray passes the
-        reference and this call fetches the weights only when they are newer than its own."""
+        weights of `version` or older: between two calls the acting thread goes on acting, up to a whole object's
+        unrolls and one more of each env, so where calls come slower than it acts (the learner is the limit) the
+        object this call returns was acted with the weights of the call before (each unroll is stamped with
+        its version, `stats/policy_lag`). `weights`: [ObjectRef of a state dict], inside a list so that Ray
+        passes the reference and this call fetches the weights only when they are newer than its own."""
         if version > self.channels.policy_version.value:
             import ray
 
