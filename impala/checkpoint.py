@@ -9,6 +9,7 @@ one. It is loaded with `torch.load(weights_only=True)`: a checkpoint is data and
 from __future__ import annotations
 
 import errno
+import io
 import math
 import os
 import re
@@ -42,12 +43,17 @@ def header(config: Config, model: Net) -> dict[str, Any]:
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
-    """Write `state` to `path` atomically (temporary file, fsync, rename, fsync of the directory)."""
+    """Write `state` to `path` atomically (temporary file, fsync, rename, fsync of the directory). A failed write
+    (a full disk) is an OSError."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # Serialised in memory first (a few MB): torch reports a write that fails inside `torch.save` as a
+    # RuntimeError ("unexpected pos"), which is what a disk with room for part of the file gives.
+    serialised = io.BytesIO()
+    torch.save(state, serialised)
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            f.write(serialised.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Self
 
 import pytest
 import torch
@@ -65,15 +66,13 @@ def test_a_file_system_that_cannot_sync_a_directory_still_saves(
 def test_a_kill_during_the_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / CHECKPOINT_NAME
     save_checkpoint(path, _state(40))
-    # A process that dies by SIGKILL in the middle of writing the next checkpoint.
+    # A process that dies by SIGKILL in the middle of writing the next checkpoint, its bytes written, not synced.
     script = f"""
 import os, signal, torch
 from impala import checkpoint
-def half_written(state, f):
-    f.write(b"PK" + os.urandom(1000))
-    f.flush()
+def killed(fd):
     os.kill(os.getpid(), signal.SIGKILL)
-checkpoint.torch.save = half_written
+checkpoint.os.fsync = killed
 checkpoint.save_checkpoint({str(path)!r}, {{"step": 80}})
 """
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, check=False)
@@ -82,6 +81,50 @@ checkpoint.save_checkpoint({str(path)!r}, {{"step": 80}})
     stale = [p for p in tmp_path.iterdir() if p.name != CHECKPOINT_NAME]
     assert len(stale) == 1  # the torn temporary, never under the checkpoint's name
     assert remove_stale_temporaries(tmp_path) == stale
+    assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]
+
+
+class _PartlyFullDisk:
+    """A file on a disk with room for `room` more bytes: a write beyond them fails with ENOSPC, as the kernel's
+    does; closing it does not fail."""
+
+    def __init__(self, path: Path, room: int) -> None:
+        self.file, self.room = open(path, "wb"), room  # noqa: SIM115 - closed by `close`
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def test_a_disk_with_room_for_part_of_the_checkpoint_is_an_oserror_that_keeps_the_last_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch reports a write that fails inside `torch.save` as a RuntimeError ("unexpected pos"): the callers
+    catch OSError (a periodic save that fails is reported and training goes on), so the write must give it."""
+    path = tmp_path / CHECKPOINT_NAME
+    save_checkpoint(path, _state(40))
+    monkeypatch.setattr("impala.checkpoint.open", lambda name, mode: _PartlyFullDisk(Path(name), room=1000),
+                        raising=False)
+    with pytest.raises(OSError) as failed:
+        save_checkpoint(path, {**_state(80), "weights": torch.zeros(100_000)})
+    assert failed.value.errno == errno.ENOSPC
+    assert load_checkpoint(path)["step"] == 40
     assert [p.name for p in tmp_path.iterdir()] == [CHECKPOINT_NAME]
 
 
