@@ -96,12 +96,14 @@ class RunLog:
     def __init__(self, run_dir: str | os.PathLike, purge_step: int | None = None) -> None:
         self.run_dir = Path(run_dir)
         quiet_event_writer_threads()
-        self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=purge_step)
         self._csv_path = self.run_dir / "logs.csv"
         self._csv_file: Any = None
         self._csv: csv.DictWriter | None = None
         self._failed: set[str] = set()  # files a write failed for, reported once each
+        self.writer: SummaryWriter | None = None
         self._tensorboard_failed_at: float | None = None  # when the writer last failed (monotonic s)
+        self._purge_step = purge_step  # for the first writer made: its event file carries the purge
+        self._open_writer()  # a disk too full even for its first record: reported, and tried again later
         if purge_step is not None:
             self._purge_csv(purge_step)
 
@@ -154,16 +156,10 @@ class RunLog:
         call raises that same exception again, its traceback a few frames longer each time: memory a run of days
         on a full disk would not give back). So the writer is set aside, and a new one tried later.
         """
-        if self._tensorboard_failed_at is not None:
-            if time.monotonic() - self._tensorboard_failed_at < TENSORBOARD_RETRY_S:
-                return
-            try:
-                self.writer = SummaryWriter(log_dir=str(self.run_dir))
-            except OSError:  # still no space: the new file's first record failed in the constructor
-                self._tensorboard_failed_at = time.monotonic()
-                remove_empty_files(self.run_dir.glob(f"events.out.tfevents.*.{os.getpid()}.*"))  # that file
-                return
-            self._tensorboard_failed_at = None
+        failed_at = self._tensorboard_failed_at
+        if failed_at is not None and (time.monotonic() - failed_at < TENSORBOARD_RETRY_S or not self._open_writer()):
+            return
+        assert self.writer is not None, "made, or the writer failed"
         try:
             write(self.writer)
         except OSError as exc:
@@ -171,6 +167,19 @@ class RunLog:
             self._tensorboard_failed_at = time.monotonic()
             with contextlib.suppress(OSError):
                 self.writer.close()  # raises the same error; what matters is that its file is closed
+
+    def _open_writer(self) -> bool:
+        """A new SummaryWriter (a new event file); False where its first record, written by the constructor, failed
+        (no space), and then that file is removed and the failure's time kept for the next try."""
+        try:
+            self.writer = SummaryWriter(log_dir=str(self.run_dir), purge_step=self._purge_step)
+        except OSError as exc:
+            self._report("the TensorBoard event file", exc)
+            self._tensorboard_failed_at = time.monotonic()
+            remove_empty_files(self.run_dir.glob(f"events.out.tfevents.*.{os.getpid()}.*"))  # that file
+            return False
+        self._tensorboard_failed_at = self._purge_step = None
+        return True
 
     def _report(self, what: str, exc: OSError) -> None:
         if what not in self._failed:
@@ -241,7 +250,7 @@ class RunLog:
             tmp.unlink(missing_ok=True)
 
     def close(self) -> None:
-        if self._tensorboard_failed_at is None:
+        if self._tensorboard_failed_at is None and self.writer is not None:
             try:
                 self.writer.close()
             except OSError as exc:

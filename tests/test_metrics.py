@@ -391,6 +391,40 @@ def test_tensorboard_on_a_disk_that_stays_full_is_tried_anew_without_a_traceback
     assert len(event_files) == 2 and all(f.stat().st_size > 0 for f in event_files)  # the first and the one after
 
 
+def test_a_run_log_begun_on_a_disk_too_full_for_its_first_event_is_made_and_purges_once_there_is_space(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A resumed session on a nearly full disk: the event file's first record fails in the writer's constructor.
+    That is reported in one line, not a traceback that ends the start; the writer made once there is space
+    carries the resume's purge, so the killed session's curve past the checkpoint is still dropped."""
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    previous = RunLog(tmp_path)  # the killed session: a checkpoint at step 20, events on to step 40
+    for step in (10, 20, 30, 40):
+        previous.scalar("charts/SPS", float(step), step)
+    previous.close()
+    full, real_write = [True], gfile.LocalFileSystem._write
+
+    def write(self: object, filename: str, content: bytes, mode: str) -> None:
+        if full[0]:
+            open(filename, mode).close()  # the file is made, its content is not written
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, filename, content, mode)
+
+    monkeypatch.setattr(gfile.LocalFileSystem, "_write", write)
+    now = [1000.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    with caplog.at_level(logging.ERROR, logger="impala"):
+        runlog = RunLog(tmp_path, purge_step=20)
+        runlog.scalars(25, {"charts/SPS": 25.0})  # not yet time to try again: the CSV only
+        full[0] = False
+        now[0] += metrics.TENSORBOARD_RETRY_S
+        runlog.scalars(50, {"charts/SPS": 50.0})
+        runlog.close()
+    assert caplog.text.count("Could not write the TensorBoard event file") == 1
+    assert [(e.step, e.value) for e in _read(tmp_path).Scalars("charts/SPS")] == [(10, 10.0), (50, 50.0)]
+    assert all(f.stat().st_size > 0 for f in tmp_path.glob("events.out.tfevents.*"))  # the failed one removed
+
+
 def test_a_csv_whose_widening_failed_on_a_full_disk_keeps_taking_rows_and_widens_once_it_can(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Widening rewrites the whole file (a second copy's worth of space): failing there loses that row only."""
