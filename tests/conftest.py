@@ -43,6 +43,16 @@ def torch_threads_as_they_were() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def event_files_numbered_from_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorBoard names an event file by its second, then by how many writers this process made before: with
+    ten or more (earlier tests' runs in this process), a test's ".10" file sorts before its ".9" one made in the
+    same second, and a reader applies a resume's purge out of order. A run's process is young; each test too."""
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
+
+
 @pytest.fixture(scope="session")
 def readme_cartpole(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The savedir of one run of the README's CartPole command to its end (xpid "cartpole"), trained once for
