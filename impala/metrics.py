@@ -482,8 +482,22 @@ def _is_terminal(stream: Any) -> bool:
         return False
 
 
-def setup_console(log_file: str | os.PathLike | None = None) -> None:
-    """Log `impala` messages to stdout and, when given, to `log_file` (appending, always plain lines)."""
+class _EarlyRecords(logging.Handler):
+    """What a run logs before its out.log can be opened (the run directory is made and checked while the run is
+    built: a checkpoint kept aside, CSV rows dropped), for `setup_console` to write there first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def setup_console(log_file: str | os.PathLike | None = None, keep_for_log_file: bool = False) -> None:
+    """Log `impala` messages to stdout and, when given, to `log_file` (appending, always plain lines), which
+    first gets what was logged since a call with `keep_for_log_file` (the records are dropped where this call
+    names no file)."""
     log.setLevel(logging.INFO)
     log.propagate = False
     formatter = logging.Formatter("[%(asctime)s] %(message)s", datefmt="%H:%M:%S")
@@ -491,17 +505,25 @@ def setup_console(log_file: str | os.PathLike | None = None) -> None:
         console = ConsoleHandler()
         console.setFormatter(formatter)
         log.addHandler(console)
+    early = [h for h in log.handlers if isinstance(h, _EarlyRecords)]
+    for handler in early:
+        log.removeHandler(handler)
+    if keep_for_log_file:
+        log.addHandler(_EarlyRecords())
     if log_file is not None:
         file_handler = LogFile(log_file)
         file_handler.setFormatter(formatter)
+        for record in (record for handler in early for record in handler.records):
+            file_handler.handle(record)
         log.addHandler(file_handler)
 
 
 def close_console() -> None:
-    """End the status line and close the log files; the stdout handler stays for later runs."""
+    """End the status line and close the log files (dropping records kept for one); the stdout handler stays for
+    later runs."""
     for handler in list(log.handlers):
         if isinstance(handler, ConsoleHandler):
             handler.end_status()
-        elif isinstance(handler, logging.FileHandler):
+        elif isinstance(handler, logging.FileHandler | _EarlyRecords):
             handler.close()
             log.removeHandler(handler)

@@ -596,6 +596,8 @@ def train(config: Config, started_s: float | None = None) -> Path:
         try:
             config, coordinator = distributed.join(config)  # under torchrun; else (config, None)
             stop.check()
+            if coordinator is None or coordinator.rank == 0:  # what building says, on the console and in out.log
+                setup_console(keep_for_log_file=True)
             with DirectoryLock() as lock:  # one training per run directory, until this one has ended
                 for attempt in range(1, NAME_ATTEMPTS + 1):
                     try:
@@ -605,10 +607,12 @@ def train(config: Config, started_s: float | None = None) -> Path:
                     except NameTaken as taken:  # trainings started together: the next free name
                         if attempt == NAME_ATTEMPTS:
                             stop_fork_server()
+                            close_console()
                             raise UserError(f"run names like {taken} in {config.savedir} were taken {attempt} times "
                                             "by other trainings; pass --xpid NAME") from None
                     except BaseException:
                         stop_fork_server()  # started during the build; nothing else of the run was
+                        close_console()
                         raise
                 return _run(run)
         finally:

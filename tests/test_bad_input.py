@@ -162,6 +162,10 @@ def test_a_run_continued_from_another_checkpoint_keeps_the_model_tar_it_replaces
                      "--optimizer", "rmsprop"]) == 0
     assert (run_dir / "model_replaced_step_40.tar").read_bytes() == before
     assert torch.load(run_dir / CHECKPOINT_NAME, weights_only=True)["step"] == 1000
+    # Said while the run was built, before out.log was open: there too, before the start's own lines.
+    said = "This run's model.tar (step 40) is replaced from"
+    log_text = (run_dir / "out.log").read_text()
+    assert said in log_text and log_text.index(said) < log_text.index("Run ended"), log_text
 
 
 def test_a_file_of_the_runs_name_in_savedir_asks_for_another_xpid(capsys: pytest.CaptureFixture,
