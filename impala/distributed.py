@@ -280,10 +280,13 @@ class Coordinator:
     def games(self, finished: list[tuple[float, int]]) -> tuple[list[tuple[float, int]], int]:
         """Hand this rank's `finished` games (return, length) to its next vote. Returns, on rank 0, the games of
         every rank that votes have listed so far and how many other games they counted (a vote lists
-        MAX_GAMES_PER_VOTE of a rank's games at most); elsewhere ([], 0)."""
+        MAX_GAMES_PER_VOTE of a rank's games at most), and once the ranks have stopped its own that no vote
+        carried; elsewhere ([], 0)."""
         self._outbox.extend(finished)
         if self.rank != 0:
             return [], 0
+        if self.stopped:  # no vote carries games any more: rank 0's own (those of its last drain) go to its log
+            self._inbox.extend(self._outbox.popleft() for _ in range(len(self._outbox)))
         unlisted = sum(self._unlisted.popleft() for _ in range(len(self._unlisted)))  # deques: votes add meanwhile
         return [self._inbox.popleft() for _ in range(len(self._inbox))], unlisted
 

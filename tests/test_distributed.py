@@ -142,8 +142,10 @@ def _votes(rank: int) -> dict[str, Any]:
     second = coordinator.vote(stop=rank == 1, steps=10)
     games_many = coordinator.games([])
     third = coordinator.vote(stop=False, steps=10) if rank == 0 else None  # a collective here would hang
+    after_stop = coordinator.games([(3.5, 30)])  # the drain after the stop: no vote carries them
     return {"games_before": games_before, "first": first, "games_after": games_after, "second": second,
-            "games_many": games_many, "third": third, "stopped_by": coordinator.stopped_by, "run_wide": run_wide}
+            "games_many": games_many, "third": third, "stopped_by": coordinator.stopped_by, "run_wide": run_wide,
+            "after_stop": after_stop}
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +231,8 @@ def test_votes_sum_the_steps_of_every_rank_agree_to_stop_and_bring_every_game_to
     assert zero["second"] == one["second"] == 0  # rank 1 stopped: every rank stops at this update
     assert zero["third"] == 0  # after a stop, no collective: rank 0 alone did not wait for rank 1
     assert zero["stopped_by"] == 1 and one["stopped_by"] is None  # rank 1 stopped by its own choice
+    # Games finished after the stop: rank 0 logs its own, as a plain run does; another rank's have no way there.
+    assert zero["after_stop"] == ([(3.5, 30)], 0) and one["after_stop"] == ([], 0)
     # Rank 0's checkpoint keeps the most lives and env seeds any rank used: every rank resumes from it, and
     # rank 1 would otherwise hand out again its seeds 8 to 11 past its own rank seed.
     assert zero["run_wide"] == {"step": 5, "actor_lives": 4, "env_seeds_used": 12}
