@@ -638,7 +638,8 @@ def _run(run: Run) -> Path:
         log.error("Stopping: %s", first_line(exc))
         raise
     finally:
-        save_error = _end(run, reason, save=started and run.learners.weights_whole())
+        # A learner's fault that ended the run says so itself; one after a stop or the end is `shutdown`'s to tell.
+        save_error = _end(run, reason, save=started and (reason != "error" or run.learners.weights_whole()))
     if save_error is not None:
         raise TrainingError(f"could not save the final checkpoint to {run.run_dir / CHECKPOINT_NAME}: "
                             f"{save_error} ({_last_saved(run)})")

@@ -569,6 +569,26 @@ def test_a_learner_that_fails_while_being_stopped_leaves_the_last_checkpoint_alo
     assert not (tmp_path / "late-fault" / "model.tar").exists()
 
 
+def test_a_learner_that_fails_after_the_run_ended_but_before_the_stop_says_why_nothing_is_saved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault between the end (its total, or a signal) and the learners' stop: the run still ends as it was
+    ending, and the missing final checkpoint is said, not left to be guessed from the exit code."""
+    monitor = training.monitor
+
+    def monitor_then_a_fault(run: training.Run) -> str:
+        reason = monitor(run)
+        run.learners.errors.append(RuntimeError("failed in its last update"))
+        return reason
+
+    monkeypatch.setattr(training, "monitor", monitor_then_a_fault)
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=5, batch_size=4,
+                    hidden_size=16, total_steps=200, disable_cuda=True, savedir=str(tmp_path), xpid="end-fault")
+    training.train(config)
+    assert "Not saving a final checkpoint: a learner thread failed while stopping (no checkpoint saved yet)" \
+        in (tmp_path / "end-fault" / "out.log").read_text()
+    assert not (tmp_path / "end-fault" / "model.tar").exists()
+
+
 def test_a_crash_of_the_main_process_prints_where_its_threads_were(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A segfault in the main process (here in the env the run probes; a GPU driver's in the learner would do as
