@@ -16,12 +16,14 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import logging
 import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -150,13 +152,26 @@ def load_curve(savedir: Path, name: str) -> Curve:
     return Curve(name, returns.steps, returns.values, _env_of(run_dir), returns.times, evaluation)
 
 
-def _series_from_events(run_dir: Path, tags: Sequence[str]) -> dict[str, Series]:
-    """Each tag's points, with wall times counted from the first point of any of `tags`."""
+def read_events(run_dir: Path, size_guidance: Mapping[str, int]) -> Any:
+    """A loaded EventAccumulator of `run_dir`. Quiet: a resumed run's purge (its events past the checkpoint it
+    resumed from, dropped) would be a warning on stderr for every plot, though it is the run's own doing."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+    accumulator = EventAccumulator(str(run_dir), size_guidance=dict(size_guidance))
+    tensorboard_log = logging.getLogger("tensorboard")
+    level = tensorboard_log.level
+    tensorboard_log.setLevel(logging.ERROR)
+    try:
+        accumulator.Reload()
+    finally:
+        tensorboard_log.setLevel(level)
+    return accumulator
+
+
+def _series_from_events(run_dir: Path, tags: Sequence[str]) -> dict[str, Series]:
+    """Each tag's points, with wall times counted from the first point of any of `tags`."""
     # size_guidance 0 keeps every point: the default reservoir would keep a random 10,000.
-    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 1, "tensors": 1})
-    accumulator.Reload()
+    accumulator = read_events(run_dir, {"scalars": 0, "images": 1, "tensors": 1})
     found = accumulator.Tags()["scalars"]
     events = {tag: accumulator.Scalars(tag) if tag in found else [] for tag in tags}
     start = min((e.wall_time for points in events.values() for e in points), default=0.0)

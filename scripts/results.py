@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from impala import atari5  # the repository root is on the path only now
-from impala.plotting import CSV_RETURN_COLUMN, smooth
+from impala.plotting import CSV_RETURN_COLUMN, read_events, smooth
 from impala.stopping import Terminated, sigterm_as_ctrl_c
 
 # The commands behind the results; flags not named here are run.py's defaults.
@@ -109,10 +109,7 @@ def greedy_test(env: str, savedir: Path, xpid: str, episodes: int) -> tuple[floa
 
 def episodes(run_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every finished game of a run: agent step, return, and wall seconds since the run's first event."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    accumulator = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
-    accumulator.Reload()
+    accumulator = read_events(run_dir, {"scalars": 0})
     if RETURN_TAG not in accumulator.Tags()["scalars"]:  # no game finished yet
         return np.empty(0, np.int64), np.empty(0), np.empty(0)
     events = accumulator.Scalars(RETURN_TAG)

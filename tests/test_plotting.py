@@ -172,6 +172,26 @@ def test_a_plot_that_cannot_be_written_leaves_the_previous_one_whole(savedir: Pa
     assert out.read_bytes() == before and not list(savedir.glob(".cmp.png.tmp-*"))
 
 
+def test_a_resumed_runs_purged_events_are_plotted_without_a_word_on_stderr(tmp_path: Path) -> None:
+    """A resume drops the events a killed session wrote past its checkpoint (TensorBoard's purge), which the
+    reader announces as a warning: the run's own doing, not the user's to read before every plot."""
+    run_dir = tmp_path / "resumed"
+    run_dir.mkdir()
+    (run_dir / "flags.json").write_text(json.dumps({"env": "CartPole-v1"}))
+    with SummaryWriter(str(run_dir)) as writer:  # killed at step 300, its checkpoint at step 200
+        for step in (100, 200, 300):
+            writer.add_scalar(plotting.RETURN_TAG, float(step), step)
+    with SummaryWriter(str(run_dir), purge_step=200) as writer:
+        for step in (200, 400):
+            writer.add_scalar(plotting.RETURN_TAG, -float(step), step)
+    result = subprocess.run([sys.executable, "run.py", "--mode", "plot", "--savedir", str(tmp_path), "--xpid",
+                             "resumed", "--plot_out", str(tmp_path / "r.png")], cwd=REPO, capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    curve = plotting.load_curve(tmp_path, "resumed")
+    assert curve.steps.tolist() == [100, 200, 400] and curve.returns.tolist() == [100.0, -200.0, -400.0]
+
+
 def test_a_missing_run_names_the_runs_that_exist(savedir: Path) -> None:
     with pytest.raises(UserError, match=r"no run 'nope' .*runs there: csv-only, fast, slow"):
         plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--xpid", "fast", "nope"]))
