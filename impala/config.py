@@ -388,6 +388,8 @@ class Config:
                             f"{self.inference_wait_ms}")
         if self.hidden_size > MAX_HIDDEN_SIZE:
             problems.append(f"--hidden_size must be at most {MAX_HIDDEN_SIZE:,}, got {self.hidden_size}")
+        if self.epochs > MAX_EPOCHS:
+            problems.append(f"--epochs must be at most {MAX_EPOCHS:,}, got {self.epochs}")
         for name in ("test_episodes", "eval_episodes"):
             if getattr(self, name) > MAX_EPISODES:
                 problems.append(f"--{name} must be at most {MAX_EPISODES:,}, got {getattr(self, name)}")
@@ -439,9 +441,10 @@ class Config:
             over = "batch" if self.advantage_norm == "batch" else "minibatch"
             steps = self.batch_size * self.unroll_length if over == "batch" else self.smallest_minibatch
             if steps < 2:  # the standard deviation of one number is NaN: every update would be skipped
+                fewer = "fewer --minibatches, " if self.minibatches > 1 else ""
                 problems.append(f"PPO normalises its advantages over each {over}, which batches of "
                                 f"{self.batch_size} x {self.unroll_length} steps cut into {self.minibatches} "
-                                f"minibatches leave with 1 step; use fewer --minibatches, a longer --unroll_length "
+                                f"minibatches leave with 1 step; use {fewer}a longer --unroll_length "
                                 "or a larger --batch_size")
         if self.minibatch_mode == "samples" and (self.policy_loss != "ppo" or self.use_lstm):
             problems.append("--minibatch_mode samples needs --policy_loss ppo and a model without --use_lstm "
@@ -631,6 +634,9 @@ MAX_NAME_BYTES = 255  # of one file name, on Linux's file systems
 MAX_XPID_CHARS = MAX_NAME_BYTES - 40  # room for what is named after a run (`NAME.rank-R.remote-A.life-L`)
 MAX_INFERENCE_WAIT_MS = 60_000.0  # a wait for more actors' requests; longer overflowed the selector's timeout
 MAX_EPISODES = 1_000_000  # test or evaluation games: their seeds are drawn up front
+# Passes over one batch (PPO takes a few): every pass's minibatch order is drawn up front, and a stop waits for
+# the update under way. More overflowed, ran out of memory, or stopped after minutes.
+MAX_EPOCHS = 1_000
 MAX_LOSS_WEIGHT = 1_000.0  # --entropy_cost, --baseline_cost: the policy loss's weight is 1
 MIN_TIMEOUT_S = 1.0  # --actor_timeout_s, --learner_timeout_s other than 0 (never)
 MAX_HIDDEN_SIZE = 65_536  # the Atari net's layer is then 3,136 x 65,536 weights (822 MB); more only failed to allocate

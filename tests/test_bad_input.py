@@ -86,6 +86,9 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--inference_wait_ms", "1e30"], r"--inference_wait_ms must be at most 60,000, got 1e\+30"),
     (["--test_episodes", "99999999999999999999"], r"--test_episodes must be at most 1,000,000, got 9+"),
     (["--hidden_size", "200000"], r"--hidden_size must be at most 65,536, got 200000"),
+    (["--epochs", "99999999999999999999"], r"--epochs must be at most 1,000, got 9+$"),
+    (["--minibatches", "1", "--unroll_length", "1", "--batch_size", "1"],  # none fewer to use
+     r"1 x 1 steps cut into 1 minibatches leave with 1 step; use a longer --unroll_length or a larger --batch_size"),
     # Each once a run that started, skipped --max_bad_updates non-finite updates and stopped, or killed its actors
     # or itself at their first step:
     (["--learning_rate", "3e4"], r"--learning_rate must be at most 1, got 30000.0"),
