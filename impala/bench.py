@@ -226,7 +226,11 @@ class EnvShape:
 def env_shape(config: Config) -> EnvShape:
     """The env's shapes as the trainer probes them (`environment.probe_env`), and the model `--model` names."""
     observation_shape, dtype, num_actions = probe_env(config.env, config.seed)
-    model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
+    try:
+        with torch.device("meta"):  # its shapes alone, as the trainer checks them
+            model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
+    except ValueError as exc:  # --model shallow for vectors: the trainer's one line
+        raise UserError(str(exc)) from None
     return EnvShape(observation_shape, dtype, num_actions, model.model)
 
 
@@ -1002,6 +1006,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
     args = parser.parse_args(argv)
     only = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(only) - set(COMPONENTS))
+    if not only:
+        raise UserError(f"--only {args.only!r} names no component; choose from {','.join(COMPONENTS)}")
     if unknown:
         raise UserError(f"--only {args.only!r}: unknown {', '.join(unknown)}; choose from {','.join(COMPONENTS)}")
     if not 0 < args.seconds < math.inf:

@@ -382,6 +382,7 @@ def test_unknown_component_is_a_user_error(capsys: pytest.CaptureFixture) -> Non
 
 @pytest.mark.parametrize(("flags", "pattern"), [
     (["--seconds", "0"], r"--seconds must be > 0 and finite, got 0.0"),
+    (["--only", " ,"], r"--only ' ,' names no component; choose from env,"),
     (["--seconds", "nan"], r"--seconds must be > 0 and finite, got nan"),
     (["--seconds", "inf"], r"--seconds must be > 0 and finite, got inf"),
     (["--seconds", "abc"], r"argument --seconds: invalid float value: 'abc'"),
@@ -404,6 +405,12 @@ def test_bad_bench_flags_are_one_line_before_anything_runs(
     err = capsys.readouterr().err
     assert err.startswith("bench: error: ") and err.count("\n") == 1, err
     assert re.search(pattern, err), err
+
+
+def test_a_model_the_env_cannot_take_is_one_line_before_a_component_runs(capsys: pytest.CaptureFixture) -> None:
+    assert bench.main(["--only", "env", "--env", "CartPole-v1", "--model", "shallow"]) == 2
+    err = capsys.readouterr().err
+    assert err == "bench: error: --model shallow needs image observations [C, H, W], got shape (4,)\n", err
 
 
 def test_process_tree_cpu_counts_a_grandchild(tmp_path: Path) -> None:
