@@ -86,26 +86,39 @@ def plot(config: Config) -> Path:
             raise UserError(f"run(s) {', '.join(without)} have no TensorBoard event files, so no wall times: "
                             "plot them with --plot_x steps")
     out = Path(config.plot_out).expanduser() if config.plot_out else savedir / "returns.png"
-    figure = returns_figure(curves, x=config.plot_x)
-    formats = figure.canvas.get_supported_filetypes()
+    save_figure(returns_figure(curves, x=config.plot_x), out, "--plot_out", dpi=120)
+    print(f"Wrote {out}: episodic return of {', '.join(names)} against "
+          f"{'agent steps' if config.plot_x == 'steps' else 'wall-clock time'}")
+    return out
+
+
+def figure_path_problem(out: Path, flag: str) -> str | None:
+    """Why `out` (given as `flag`) cannot take a figure, or None: a directory, or an extension that names no
+    format matplotlib writes (it would append .png, or refuse with a traceback)."""
+    formats = Figure().canvas.get_supported_filetypes()
     if out.is_dir():
-        raise UserError(f"--plot_out {out} is a directory; pass a file path such as {out / 'returns.png'}")
-    if out.suffix[1:].lower() not in formats:  # matplotlib would append .png, or refuse with a traceback
-        raise UserError(f"--plot_out {out}: the file's extension gives the plot's format; use one of "
-                        f"{', '.join('.' + f for f in sorted(formats))}")
+        return f"{flag} {out} is a directory; pass a file path such as {out / 'returns.png'}"
+    if out.suffix[1:].lower() not in formats:
+        return (f"{flag} {out}: the file's extension gives the plot's format; use one of "
+                f"{', '.join('.' + f for f in sorted(formats))}")
+    return None
+
+
+def save_figure(figure: Figure, out: Path, flag: str, dpi: int) -> None:
+    """Write `figure` to `out` (given as `flag`), in the format its extension names, atomically: a full disk
+    leaves the previous file whole. A path that cannot take it is a UserError."""
+    if problem := figure_path_problem(out, flag):
+        raise UserError(problem)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        figure.savefig(tmp, dpi=120, format=out.suffix[1:].lower())
-        os.replace(tmp, out)  # a full disk leaves the previous plot whole
+        figure.savefig(tmp, dpi=dpi, format=out.suffix[1:].lower())
+        os.replace(tmp, out)
     except OSError as exc:
         raise UserError(f"cannot write the plot {out}: {exc.strerror or exc}") from None
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-    print(f"Wrote {out}: episodic return of {', '.join(names)} against "
-          f"{'agent steps' if config.plot_x == 'steps' else 'wall-clock time'}")
-    return out
 
 
 def find_runs(savedir: Path) -> list[str]:

@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -49,7 +50,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from impala import atari5  # the repository root is on the path only now
-from impala.plotting import CSV_RETURN_COLUMN, read_events, smooth
+from impala.config import UserError
+from impala.plotting import CSV_RETURN_COLUMN, figure_path_problem, read_events, save_figure, smooth
 from impala.stopping import Terminated, sigterm_as_ctrl_c
 
 # The commands behind the results; flags not named here are run.py's defaults.
@@ -433,6 +435,9 @@ def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
     runs = [(g.env_id, seed, atari5_xpid(prefix, g.env_id, seed, args.seeds))
             for g in atari5.GAMES for seed in range(args.seeds)]
     kept = {xpid: record for _, _, xpid in runs if args.keep and (record := _read_json(args.keep / f"{xpid}.json"))}
+    if args.plot_only and not kept and not any((args.savedir / xpid / "meta.json").is_file() for _, _, xpid in runs):
+        raise UserError(f"--plot-only: no Atari-5 run in {args.savedir}" + (" or kept in --keep" if args.keep else "")
+                        + "; train them first")
     if not args.plot_only:
         for env_id, seed, xpid in runs:
             if not args.games or env_id in args.games:
@@ -454,14 +459,21 @@ def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
          "sources": {"paper": atari5.PAPER, "reference_scores": atari5.REFERENCE_SCORES_SOURCE,
                      "weights": atari5.WEIGHTS_SOURCE, "cleanrl": atari5.CLEANRL_SOURCE}}, indent=2) + "\n")
     out = args.out or args.savedir / f"{prefix}.png"  # beside the table
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atari5_figure([(env_id, args.savedir / xpid) for env_id, _, xpid in runs], kept).savefig(out, dpi=100)
+    save_figure(atari5_figure([(env_id, args.savedir / xpid) for env_id, _, xpid in runs], kept), out, "--out",
+                dpi=100)
     print(f"Wrote {args.savedir / f'{prefix}.md'}, {args.savedir / f'{prefix}.json'} and {out}")
     return 0
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Its errors are one line, `results.py: error: ...`, exit code 2, without argparse's usage before them."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", choices=sorted([*EXPERIMENTS, "atari5"]))
     parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, one run each")
     parser.add_argument("--minutes", type=float, default=None, help="stop each run after this long")
@@ -496,6 +508,8 @@ def main() -> int:
         parser.error(f"unknown flags {' '.join(run_flags)}: run.py's flags are for training runs only")
     if args.experiment != "atari5" and args.keep:
         parser.error("--keep is for atari5 only")
+    if args.out is not None and (problem := figure_path_problem(args.out, "--out")):  # before hours of training
+        parser.error(problem)
     if args.experiment == "atari5":
         if args.compare:
             parser.error("atari5 takes no --compare: rerun it with --plot-only for the table")
@@ -508,8 +522,8 @@ def main() -> int:
         for run_dir in args.compare:
             print(json.dumps(summary(run_dir)), flush=True)
         out = args.out or ROOT / "docs" / "results" / f"{args.experiment}_compare.png"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        figure(args.compare, f"{EXPERIMENTS[args.experiment][1]}: runs compared", args.labels).savefig(out, dpi=100)
+        save_figure(figure(args.compare, f"{EXPERIMENTS[args.experiment][1]}: runs compared", args.labels), out,
+                    "--out", dpi=100)
         print(f"Wrote {out}")
         return 0
 
@@ -539,8 +553,7 @@ def main() -> int:
               f"{', '.join(f'{v:.1f}' for v in finals)}; min {finals.min():.1f}, max {finals.max():.1f}, "
               f"mean {finals.mean():.1f} +- {finals.std():.1f}")
     out = args.out or ROOT / "docs" / "results" / f"{args.experiment}.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    figure([args.savedir / n for n in names], f"{env}: {', '.join(names)}").savefig(out, dpi=100)
+    save_figure(figure([args.savedir / n for n in names], f"{env}: {', '.join(names)}"), out, "--out", dpi=100)
     print(f"Wrote {out}")
     return 0
 
@@ -549,6 +562,9 @@ if __name__ == "__main__":
     try:
         with sigterm_as_ctrl_c():
             sys.exit(main())
+    except UserError as exc:  # the figure could not be written; the runs and the table are kept
+        print(f"results.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     except KeyboardInterrupt as stopped:  # the run saved its checkpoint; the same command resumes it
         terminated = isinstance(stopped, Terminated)
         print(f"results: stopped by {'SIGTERM' if terminated else 'Ctrl-C'}; the same command resumes the run",

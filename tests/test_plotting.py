@@ -279,13 +279,21 @@ def test_results_script_without_a_run_to_read_says_so_in_a_line_and_exits_2(tmp_
              (["pong", "--compare", str(tmp_path / "empty"), str(tmp_path / "nowhere")],
               f"--compare: not a run directory (no meta.json): {tmp_path / 'empty'} {tmp_path / 'nowhere'}"),
              (["cartpole", "--savedir", str(tmp_path), "--xpid", "refused", "--bogus", "3"],
-              "run.py: error: unrecognized arguments: --bogus 3")]
+              "run.py: error: unrecognized arguments: --bogus 3"),
+             # Each once a traceback, or a table of dashes written for runs that are not there:
+             (["cartpole", "--savedir", str(tmp_path), "--out", str(tmp_path / "r.xyz")],
+              f"results.py: error: --out {tmp_path / 'r.xyz'}: the file's extension gives the plot's format; use "),
+             (["atari5", "--plot-only", "--savedir", str(tmp_path / "none")],
+              f"results.py: error: --plot-only: no Atari-5 run in {tmp_path / 'none'}; train them first"),
+             (["cartpole", "--seeds", "0"], "results.py: error: --seeds must be >= 1, got 0")]
     for argv, line in cases:
         done = subprocess.run([sys.executable, "scripts/results.py", *argv], cwd=REPO, capture_output=True,
                               text=True, timeout=120, check=False)
         assert done.returncode == 2, done.stderr
-        assert done.stderr.strip().splitlines()[-1].endswith(line), done.stderr
+        assert line in done.stderr.strip().splitlines()[-1], done.stderr
         assert "Traceback" not in done.stderr
+        if argv[0] != "cartpole" or "--bogus" not in argv:  # the training run's own line comes after results'
+            assert done.stderr.count("\n") == 1, done.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["empty"]  # nothing written
 
 
