@@ -71,6 +71,11 @@ class RecentDeaths:
         self._times = [t for t in self._times if now - t < RESTART_WINDOW_S] + [now]
         return len(self._times)
 
+    def recent(self) -> int:
+        """The deaths within the window, without counting one."""
+        now = time.monotonic()
+        return sum(now - t < RESTART_WINDOW_S for t in self._times)
+
 
 class ActorPool(Protocol):
     """The actors of a run, as the trainer sees them. Every method is called from the main thread only,
@@ -252,19 +257,21 @@ class LocalActorPool:
         dead = [(index, process) for index, process in enumerate(self.processes) if not process.is_alive()]
         if not dead:
             return
-        for index, process in dead:
+        for _, process in dead:
             process.join()
-            self._end_if_lost(index, process)
+        lost = [index for index, process in dead if self._end_if_lost(index, process)]
         # Read after the join: an actor writes its traceback before it exits. One that failed at the same time
         # may have sent its own and not yet exited: kept for the check that sees it dead.
         self._unclaimed.update(self.tracebacks())
         for index, process in dead:
-            self._replace(index, process, self._unclaimed.pop(index, "").strip())
+            # The fork server's death costs every actor at once: one restart counted for all it lost.
+            counted = index not in lost or index == lost[0]
+            self._replace(index, process, self._unclaimed.pop(index, "").strip(), counted)
 
-    def _replace(self, index: int, process: BaseProcess, detail: str) -> None:
+    def _replace(self, index: int, process: BaseProcess, detail: str, counted: bool = True) -> None:
         how = exit_description(process.exitcode)
         log.error("Actor %d (pid %d) died: %s%s", index, process.pid, how, f"\n{detail}" if detail else "")
-        deaths, limit = self.deaths.add(), self.config.max_actor_restarts
+        deaths, limit = self.deaths.add() if counted else self.deaths.recent(), self.config.max_actor_restarts
         if deaths > limit:
             raise TrainingError(
                 f"actors died {deaths} times within {RESTART_WINDOW_S:.0f} s "
@@ -274,23 +281,25 @@ class LocalActorPool:
         log.warning("Restarted actor %d (%d slots returned; %d restarts in the last %.0f s, at most %d)", index,
                     returned, deaths, RESTART_WINDOW_S, limit)
 
-    def _end_if_lost(self, index: int, process: BaseProcess) -> None:
+    def _end_if_lost(self, index: int, process: BaseProcess) -> bool:
         """Kill actor `index` where its process still runs although `is_alive` says it ended: the fork server,
         through which this process learns its actors' exit codes, has died (killed, or out of memory), and every
         actor then reads as ended with exit code 255. Its slots must not go to another life while it can still
-        write them. Waits for its end (at most ACTOR_JOIN_TIMEOUT_S); without a pidfd, `is_alive` is believed."""
+        write them. Waits for its end (at most ACTOR_JOIN_TIMEOUT_S); without a pidfd, `is_alive` is believed.
+        Returns whether it was lost so."""
         pidfd = self._pidfds.get(index)
-        if pidfd is None or select.select([pidfd], [], [], 0)[0]:  # readable once the process has ended
-            return
+        if pidfd is None or process.exitcode is None or _ended(pidfd, 0):  # exitcode None: still its own
+            return False
         log.error("Actor %d (pid %d) still runs though the fork server reported its end (%s): the fork server "
                   "has died; killing the actor before its slots go to its next life", index, process.pid,
                   exit_description(process.exitcode))
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        if not select.select([pidfd], [], [], ACTOR_JOIN_TIMEOUT_S)[0]:
+        if not _ended(pidfd, ACTOR_JOIN_TIMEOUT_S):
             log.warning("Actor %d (pid %d) did not end after SIGKILL", index, process.pid)
         with contextlib.suppress(OSError):  # reaped here where this process is pid 1 and so the orphan's parent
             os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+        return True
 
     def _close_pidfd(self, index: int) -> None:
         pidfd = self._pidfds.pop(index, None)
@@ -487,6 +496,13 @@ def die_with_main_process(main_pid: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="main-process-watch", daemon=True).start()
+
+
+def _ended(pidfd: int, timeout_s: float) -> bool:
+    """Whether the process of `pidfd` has ended (its pidfd reads as readable then), waiting up to `timeout_s`."""
+    poller = select.poll()  # not select.select: a pidfd of a large pool may be numbered past 1023
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 def exit_description(exitcode: int | None) -> str:
