@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -124,7 +125,8 @@ def test_a_rank_that_cannot_leave_its_process_group_still_ends(monkeypatch: pyte
     waits on the other ranks: bounded like every close after the final checkpoint."""
     release = threading.Event()
     monkeypatch.setattr(training, "END_CLOSE_TIMEOUT_S", 0.5)
-    monkeypatch.setattr(distributed, "join", lambda config: (config, object()))  # as if under torchrun
+    # As if under torchrun, as a rank other than 0 (which alone logs the run: its console keeps to warnings).
+    monkeypatch.setattr(distributed, "join", lambda config: (config, types.SimpleNamespace(rank=1)))
     monkeypatch.setattr(distributed, "leave", lambda coordinator: release.wait(60))
 
     def build(config: Config, coordinator: object, stop: object, lock: object) -> None:
