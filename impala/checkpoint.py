@@ -9,13 +9,12 @@ one. It is loaded with `torch.load(weights_only=True)`: a checkpoint is data and
 from __future__ import annotations
 
 import errno
-import io
 import math
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
@@ -42,18 +41,39 @@ def header(config: Config, model: Net) -> dict[str, Any]:
             "num_actions": model.num_actions}
 
 
+class _KeepsWriteError:
+    """The file `torch.save` writes through, keeping the OSError of a write that failed: torch reports it as a
+    RuntimeError ("unexpected pos"), which is what a disk with room for part of the file gives."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """Write `state` to `path` atomically (temporary file, fsync, rename, fsync of the directory). A failed write
     (a full disk) is an OSError."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    # Serialised in memory first (a few MB): torch reports a write that fails inside `torch.save` as a
-    # RuntimeError ("unexpected pos"), which is what a disk with room for part of the file gives.
-    serialised = io.BytesIO()
-    torch.save(state, serialised)
     try:
         with open(tmp, "wb") as f:
-            f.write(serialised.getbuffer())
+            writer = _KeepsWriteError(f)
+            try:
+                torch.save(state, writer)  # type: ignore[arg-type]  # a writable file, as torch uses one
+            except RuntimeError:
+                if writer.error is None:
+                    raise
+                raise writer.error from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
