@@ -40,7 +40,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -50,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from impala import atari5  # the repository root is on the path only now
-from impala.config import UserError
+from impala.config import OneLineErrorParser, UserError
 from impala.plotting import CSV_RETURN_COLUMN, figure_path_problem, read_events, save_figure, smooth
 from impala.stopping import Terminated, sigterm_as_ctrl_c
 
@@ -465,15 +464,9 @@ def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
     return 0
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Its errors are one line, `results.py: error: ...`, exit code 2, without argparse's usage before them."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def main() -> int:
-    parser = _OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Its errors are UserErrors: one line, without argparse's usage before it.
+    parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", choices=sorted([*EXPERIMENTS, "atari5"]))
     parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, one run each")
     parser.add_argument("--minutes", type=float, default=None, help="stop each run after this long")
@@ -562,7 +555,7 @@ if __name__ == "__main__":
     try:
         with sigterm_as_ctrl_c():
             sys.exit(main())
-    except UserError as exc:  # the figure could not be written; the runs and the table are kept
+    except UserError as exc:  # a flag, a run that is not there, a figure that could not be written (runs are kept)
         print(f"results.py: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as stopped:  # the run saved its checkpoint; the same command resumes it
