@@ -582,9 +582,7 @@ def test_a_learner_that_fails_after_the_run_ended_but_before_the_stop_says_why_n
         return reason
 
     monkeypatch.setattr(training, "monitor", monitor_then_a_fault)
-    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=5, batch_size=4,
-                    hidden_size=16, total_steps=200, disable_cuda=True, savedir=str(tmp_path), xpid="end-fault")
-    training.train(config)
+    training.train(_small_run(tmp_path, "end-fault", total_steps=200))
     assert "Not saving a final checkpoint: a learner thread failed while stopping (no checkpoint saved yet)" \
         in (tmp_path / "end-fault" / "out.log").read_text()
     assert not (tmp_path / "end-fault" / "model.tar").exists()

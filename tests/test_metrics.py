@@ -349,6 +349,24 @@ def test_tensorboard_after_a_full_disk_is_set_aside_then_tried_anew(tmp_path: Pa
         assert [row["step"] for row in csv.DictReader(f)] == [str(step) for step in (*range(20, 100, 10), 200)]
 
 
+def _disk_for_tensorboard(monkeypatch: pytest.MonkeyPatch, full: bool) -> tuple[list[bool], list[float]]:
+    """TensorBoard's file writes fail as on a full disk while `full[0]`, the file made and nothing written in it;
+    `metrics.time.monotonic` reads `now[0]`. Returns (full, now), for the test to change."""
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    is_full, now, real_write = [full], [1000.0], gfile.LocalFileSystem._write
+
+    def write(self: object, filename: str, content: bytes, mode: str) -> None:
+        if is_full[0]:
+            open(filename, mode).close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_write(self, filename, content, mode)
+
+    monkeypatch.setattr(gfile.LocalFileSystem, "_write", write)
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    return is_full, now
+
+
 def test_tensorboard_on_a_disk_that_stays_full_is_tried_anew_without_a_traceback_and_comes_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         capfd: pytest.CaptureFixture) -> None:
@@ -356,19 +374,7 @@ def test_tensorboard_on_a_disk_that_stays_full_is_tried_anew_without_a_traceback
     writer thread dies without a traceback on the console, a new writer tried while the disk is still full fails
     in its constructor and is tried again later (it ended the run before), and once there is space the curve
     goes on in a new event file; the empty files of the failed tries are not left behind."""
-    from tensorboard.compat.tensorflow_stub.io import gfile
-
-    full, real_write = [False], gfile.LocalFileSystem._write
-
-    def write(self: object, filename: str, content: bytes, mode: str) -> None:
-        if full[0]:
-            open(filename, mode).close()  # the file is made, its content is not written
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(self, filename, content, mode)
-
-    monkeypatch.setattr(gfile.LocalFileSystem, "_write", write)
-    now = [1000.0]
-    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    full, now = _disk_for_tensorboard(monkeypatch, full=False)
     with caplog.at_level(logging.ERROR, logger="impala"):
         runlog = RunLog(tmp_path)
         runlog.scalar("charts/SPS", 1.0, 10)
@@ -396,23 +402,11 @@ def test_a_run_log_begun_on_a_disk_too_full_for_its_first_event_is_made_and_purg
     """A resumed session on a nearly full disk: the event file's first record fails in the writer's constructor.
     That is reported in one line, not a traceback that ends the start; the writer made once there is space
     carries the resume's purge, so the killed session's curve past the checkpoint is still dropped."""
-    from tensorboard.compat.tensorflow_stub.io import gfile
-
     previous = RunLog(tmp_path)  # the killed session: a checkpoint at step 20, events on to step 40
     for step in (10, 20, 30, 40):
         previous.scalar("charts/SPS", float(step), step)
     previous.close()
-    full, real_write = [True], gfile.LocalFileSystem._write
-
-    def write(self: object, filename: str, content: bytes, mode: str) -> None:
-        if full[0]:
-            open(filename, mode).close()  # the file is made, its content is not written
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real_write(self, filename, content, mode)
-
-    monkeypatch.setattr(gfile.LocalFileSystem, "_write", write)
-    now = [1000.0]
-    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
+    full, now = _disk_for_tensorboard(monkeypatch, full=True)
     with caplog.at_level(logging.ERROR, logger="impala"):
         runlog = RunLog(tmp_path, purge_step=20)
         runlog.scalars(25, {"charts/SPS": 25.0})  # not yet time to try again: the CSV only
