@@ -109,6 +109,14 @@ def test_a_learners_fault_before_a_stop_signal_is_why_the_run_ends(failed_first:
         assert training.monitor(run) == "terminated"
 
 
+def _trains_on_then_stops_in_order(run: Training, from_step: int) -> None:
+    """The run trains 2,000 agent steps past `from_step`, then stops in order on SIGTERM, leaving no process."""
+    run.wait_for_steps(from_step + 2_000)
+    run.signal(signal.SIGTERM)
+    assert run.wait(timeout=30) == 143
+    assert wait_until_gone(run.pgid, timeout=30) == []
+
+
 def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None:
     run = Training(tmp_path, "kill-actor")  # far more steps than the test waits for
     try:
@@ -119,11 +127,8 @@ def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None
         restarted = run.wait_for(r"Restarted actor 0 \(\d+ slots returned", timeout=15)
         assert run.actor_pids()[0] != victim
         step_at_restart = run.latest_step()
-        run.wait_for_steps(step_at_restart + 2_000)  # the run goes on
+        _trains_on_then_stops_in_order(run, step_at_restart)
         assert run.latest_step(after=restarted.end()) > step_at_restart
-        run.signal(signal.SIGTERM)
-        assert run.wait(timeout=30) == 143
-        assert wait_until_gone(run.pgid, timeout=30) == []
     finally:
         run.close()
     assert checkpoint_step(run.run_dir) >= step_at_restart + 2_000
@@ -149,10 +154,7 @@ def test_a_killed_fork_server_costs_every_actor_its_life_and_no_old_life_goes_on
         assert not set(old.values()) & set(group_processes(run.pgid)), "an old life outlived its replacement's start"
         assert set(run.actor_pids().values()).isdisjoint(old.values())
         step_at_restart = run.latest_step()
-        run.wait_for_steps(step_at_restart + 2_000)  # the new lives, from a new fork server, train on
-        run.signal(signal.SIGTERM)
-        assert run.wait(timeout=30) == 143
-        assert wait_until_gone(run.pgid, timeout=30) == []
+        _trains_on_then_stops_in_order(run, step_at_restart)  # the new lives, from a new fork server
     finally:
         run.close()
     assert checkpoint_step(run.run_dir) >= step_at_restart + 2_000
