@@ -465,7 +465,16 @@ def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
 
 
 def main() -> int:
-    # Its errors are UserErrors: one line, without argparse's usage before it.
+    """The script; bad input (a flag, a run that is not there, a figure that cannot be written: the runs are kept)
+    is one line, `results.py: error: ...`, and exit code 2."""
+    try:
+        return _main()
+    except UserError as exc:
+        print(f"results.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _main() -> int:
     parser = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiment", choices=sorted([*EXPERIMENTS, "atari5"]))
     parser.add_argument("--seeds", type=int, default=1, help="seeds 0..N-1, one run each")
@@ -555,9 +564,6 @@ if __name__ == "__main__":
     try:
         with sigterm_as_ctrl_c():
             sys.exit(main())
-    except UserError as exc:  # a flag, a run that is not there, a figure that could not be written (runs are kept)
-        print(f"results.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
     except KeyboardInterrupt as stopped:  # the run saved its checkpoint; the same command resumes it
         terminated = isinstance(stopped, Terminated)
         print(f"results: stopped by {'SIGTERM' if terminated else 'Ctrl-C'}; the same command resumes the run",
