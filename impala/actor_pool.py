@@ -208,8 +208,9 @@ class LocalActorPool:
         )
         start_process(process)
         self._close_pidfd(actor_index)
-        with contextlib.suppress(AttributeError, OSError):  # gone already, or no pidfds here: `is_alive` alone
-            self._pidfds[actor_index] = os.pidfd_open(process.pid)
+        pidfd = open_pidfd(process.pid)
+        if pidfd is not None:
+            self._pidfds[actor_index] = pidfd
         for split, (main_end, actor_end) in enumerate(pipes):
             actor_end.close()  # only the actor holds its end, so its death reads as end-of-file here
             assert self.inference is not None
@@ -282,24 +283,10 @@ class LocalActorPool:
                     returned, deaths, RESTART_WINDOW_S, limit)
 
     def _end_if_lost(self, index: int, process: BaseProcess) -> bool:
-        """Kill actor `index` where its process still runs although `is_alive` says it ended: the fork server,
-        through which this process learns its actors' exit codes, has died (killed, or out of memory), and every
-        actor then reads as ended with exit code 255. Its slots must not go to another life while it can still
-        write them. Waits for its end (at most ACTOR_JOIN_TIMEOUT_S); without a pidfd, `is_alive` is believed.
-        Returns whether it was lost so."""
-        pidfd = self._pidfds.get(index)
-        if pidfd is None or process.exitcode is None or _ended(pidfd, 0):  # exitcode None: still its own
-            return False
-        log.error("Actor %d (pid %d) still runs though the fork server reported its end (%s): the fork server "
-                  "has died; killing the actor before its slots go to its next life", index, process.pid,
-                  exit_description(process.exitcode))
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        if not _ended(pidfd, ACTOR_JOIN_TIMEOUT_S):
-            log.warning("Actor %d (pid %d) did not end after SIGKILL", index, process.pid)
-        with contextlib.suppress(OSError):  # reaped here where this process is pid 1 and so the orphan's parent
-            os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
-        return True
+        """Kill actor `index` where its process still runs although `is_alive` says it ended (`end_if_lost`):
+        its slots must not go to another life while it can still write them."""
+        return end_if_lost(self._pidfds.get(index), process, f"Actor {index}",
+                           "killing the actor before its slots go to its next life")
 
     def _close_pidfd(self, index: int) -> None:
         pidfd = self._pidfds.pop(index, None)
@@ -496,6 +483,31 @@ def die_with_main_process(main_pid: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="main-process-watch", daemon=True).start()
+
+
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd of process `pid` (Linux 5.3+), or None where it has gone already or pidfds are missing."""
+    with contextlib.suppress(AttributeError, OSError):
+        return os.pidfd_open(pid)
+    return None
+
+
+def end_if_lost(pidfd: int | None, process: BaseProcess, name: str, why: str) -> bool:
+    """Kill `process` (`name` in the log, `why` its reason) where it still runs although `is_alive` says it
+    ended: the fork server, through which this process learns its children's exit codes, has died (killed, or
+    out of memory), and every child then reads as ended with exit code 255. Waits for its end (at most
+    ACTOR_JOIN_TIMEOUT_S); without a pidfd, `is_alive` is believed. Returns whether it was lost so."""
+    if pidfd is None or process.exitcode is None or _ended(pidfd, 0):  # exitcode None: still its own
+        return False
+    log.error("%s (pid %d) still runs though the fork server reported its end (%s): the fork server has died; %s",
+              name, process.pid, exit_description(process.exitcode), why)
+    with contextlib.suppress(ProcessLookupError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+    if not _ended(pidfd, ACTOR_JOIN_TIMEOUT_S):
+        log.warning("%s (pid %d) did not end after SIGKILL", name, process.pid)
+    with contextlib.suppress(OSError):  # reaped here where this process is pid 1 and so the orphan's parent
+        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
+    return True
 
 
 def _ended(pidfd: int, timeout_s: float) -> bool:

@@ -27,8 +27,10 @@ from impala.actor_pool import (
     RESTART_WINDOW_S,
     RecentDeaths,
     die_with_main_process,
+    end_if_lost,
     exit_description,
     leave_stop_signals_to_main_process,
+    open_pidfd,
     start_process,
 )
 from impala.checkpoint import BEST_CHECKPOINT_NAME, best_so_far, header, save_checkpoint
@@ -57,6 +59,7 @@ class Evaluator:
     model: Net
     best: tuple[float, int] | None  # (mean return, agent step) recorded in model_best.tar
     process: Any = None  # its multiprocessing.Process
+    pidfd: int | None = None  # a pidfd of `process` (Linux 5.3+), to tell its end from the fork server's
     connection: Connection | None = None  # the main end of the pipe to `process`
     pending: dict | None = None  # the request's number and the counters and lives of the weights being evaluated
     last_request_s: float = field(default_factory=time.monotonic)
@@ -109,7 +112,9 @@ def start_evaluator(run: EvaluatedRun) -> None:
                           args=(os.getpid(), run.config, evaluator.model, process_end, evaluator.heartbeat))
     start_process(process)
     process_end.close()  # only the evaluator holds its end, so its death reads as end-of-file here
+    _close_pidfd(evaluator)
     evaluator.process, evaluator.connection, evaluator.error_text = process, main_end, ""
+    evaluator.pidfd = open_pidfd(process.pid)
     log.info("Evaluator started (pid %d): %d %s full games every %g s", process.pid, run.config.eval_episodes,
              run.config.eval_actions, run.config.eval_interval_s)
 
@@ -280,6 +285,7 @@ def replace_evaluator(run: EvaluatedRun, evaluator: Evaluator) -> None:
     """Report a dead evaluator and start another; evaluators that keep dying end evaluation, never training."""
     process = evaluator.process
     process.join()
+    end_if_lost(evaluator.pidfd, process, "The evaluator", "killing it before its replacement starts")
     _pipe(evaluator).close()
     lost = f"the evaluation of step {evaluator.pending['step']} is lost" if evaluator.pending else "no evaluation lost"
     detail = evaluator.error_text.strip()
@@ -314,5 +320,13 @@ def stop_evaluator(run: EvaluatedRun) -> None:
         process.join(timeout=KILLED_JOIN_TIMEOUT_S)
         if process.is_alive():  # in the kernel's uninterruptible sleep: not waited on
             log.warning("The evaluation process (pid %d) did not end after SIGKILL; leaving it", process.pid)
+        end_if_lost(evaluator.pidfd, process, "The evaluator", "killing it")
+        _close_pidfd(evaluator)
+
+
+def _close_pidfd(evaluator: Evaluator) -> None:
+    if evaluator.pidfd is not None:
+        os.close(evaluator.pidfd)
+        evaluator.pidfd = None
 
 

@@ -138,15 +138,23 @@ def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None
 def test_a_killed_fork_server_costs_every_actor_its_life_and_no_old_life_goes_on_writing(tmp_path: Path) -> None:
     """The fork server carries its actors' exit codes: killed (by hand, or out of memory), every actor reads as
     ended, exit code 255, while it still runs. Each must be killed before its slots go to its next life, or two
-    processes write the same slots for the rest of the run; all of them are one restart, not one each."""
-    run = Training(tmp_path, "fork-server", "--max_actor_restarts", "1")  # two actors
+    processes write the same slots for the rest of the run; all of them are one restart, not one each. The
+    evaluator, also the fork server's child, is killed before its replacement starts."""
+    run = Training(tmp_path, "fork-server", "--max_actor_restarts", "1",  # two actors
+                   "--eval_interval_s", "0.2", "--eval_episodes", "1")
     try:
         run.wait_for_steps(500)
         old = run.actor_pids()
+        evaluator = int(run.wait_for(r"Evaluator started \(pid (\d+)\)").group(1))
         servers = [pid for pid in children(run.process.pid)
                    if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert len(servers) == 1 and set(old.values()) <= set(children(servers[0])), (servers, old)
+        assert len(servers) == 1 and {*old.values(), evaluator} <= set(children(servers[0])), (servers, old)
         os.kill(servers[0], signal.SIGKILL)
+        run.wait_for(rf"The evaluator \(pid {evaluator}\) still runs though the fork server reported its end "
+                     r"\(exit code 255\): the fork server has died; killing it before its replacement starts",
+                     timeout=15)
+        run.wait_for(r"Restarted the evaluator", timeout=15)
+        assert evaluator not in group_processes(run.pgid), "the old evaluator outlived its replacement's start"
         for index, pid in old.items():
             run.wait_for(rf"Actor {index} \(pid {pid}\) still runs though the fork server reported its end \(exit "
                          r"code 255\): the fork server has died; killing the actor", timeout=15)
