@@ -1030,7 +1030,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
         for name, text, flags in [("--extra", args.extra, extra)] + [
                 ("--variants", variant, extra + shlex.split(variant)) for variant in args.variants or []]:
             try:
-                parse_config(run_argv(config, "savedir", flags)[2:])
+                run_config = parse_config(run_argv(config, "savedir", flags)[2:])
+                if run_config.env != config.env or run_config.model != config.model:
+                    env_shape(run_config)  # the env and model the run would probe first, checked here
             except UserError as exc:
                 raise UserError(f"{name} {text!r}: {exc}") from None
     return args, config, only

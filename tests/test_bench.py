@@ -397,6 +397,11 @@ def test_unknown_component_is_a_user_error(capsys: pytest.CaptureFixture) -> Non
     (["--variants", "", "--num_actors x"], r"--variants '--num_actors x': argument --num_actors: takes a number"),
     (["--extra", "--unroll_length 2", "--variants", "", " --batch_size 0"],
      r"--variants ' --batch_size 0': --batch_size must be >= 1, got 0"),
+    # the env and model a run probes first
+    (["--variants", "", " --env Pendulum-v1"], r"--variants ' --env Pendulum-v1': env 'Pendulum-v1' has action "
+                                               r"space Box\(.*\); only Discrete is supported"),
+    (["--extra", "--env CartPole-v1 --model shallow"],
+     r"--extra '--env CartPole-v1 --model shallow': --model shallow needs image observations"),
 ])
 def test_bad_bench_flags_are_one_line_before_anything_runs(
         capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, flags: list[str], pattern: str) -> None:
