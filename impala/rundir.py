@@ -189,13 +189,19 @@ def restarts_unsaved_run(config: Config, run_dir: Path) -> bool:
     return True
 
 
+def replaces_own_checkpoint(run_dir: Path, start: Path | None) -> bool:
+    """Whether a run of `run_dir` continued from `start` replaces the directory's own model.tar by another."""
+    current = run_dir / CHECKPOINT_NAME
+    return start is not None and current.is_file() and current.resolve() != start.resolve()
+
+
 def keep_replaced_checkpoint(run_dir: Path, start: Path | None) -> Path | None:
     """A run continued from another checkpoint than its own model.tar (--checkpoint best or PATH: a rewind, or a
     name reused by mistake) would replace that model.tar at its first checkpoint. It is kept first, as
     model_replaced_step_STEP.tar (a hard link where the file system allows), which --keep_checkpoints never
     prunes. Call once the run directory may be written; returns the copy made, if one was."""
     current = run_dir / CHECKPOINT_NAME
-    if start is None or not current.is_file() or current.resolve() == start.resolve():
+    if not replaces_own_checkpoint(run_dir, start):
         return None
     try:
         step = str(int(load_checkpoint(current)["step"]))

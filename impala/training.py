@@ -58,6 +58,7 @@ from impala.rundir import (
     open_run,
     prepare_run_directory,
     record_checkpoint,
+    replaces_own_checkpoint,
     write_run_files,
 )
 from impala.seeding import INFERENCE_STREAM, ActorLives, sampling_seed
@@ -182,8 +183,12 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         stop.check()  # the last moment at which stopping changes nothing
         if writes_files:
             prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # the last check: nothing changed before
+            rewinds = replaces_own_checkpoint(run_dir, checkpoint_path)
             keep_replaced_checkpoint(run_dir, checkpoint_path)
             session, started_session = write_run_files(config, run_dir, resuming, world_size), True
+            if rewinds:  # model.tar at once the step that the logs are about to be cut back to, whatever comes next
+                assert checkpoint is not None
+                _save_start(run_dir, config, state, checkpoint.get("recent_returns", []))
             runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
             runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained
         if coordinator is not None:
@@ -440,6 +445,23 @@ def _log_progress(run: Run, interval_s: float, last_step: int, elapsed_s: float,
 def _frames_per_step(env_id: str) -> int:
     """Env frames per agent step: the frame skip, 4 for Atari (see `environment.EnvBatch`), 1 otherwise."""
     return 4 if is_atari(env_id) else 1
+
+
+def _save_start(run_dir: Path, config: Config, state: LearnerState, recent_returns: list[float]) -> None:
+    """A rewind's start (`--checkpoint best|PATH` into the run's own directory) saved as model.tar before the
+    logs past it are dropped: a run killed before its first checkpoint then resumes where its logs end, not at
+    the later step it was rewound from (kept as model_replaced_step_N.tar)."""
+    try:
+        save_checkpoint(run_dir / CHECKPOINT_NAME, {**state.state_dict(), **header(config, state.model),
+                                                    "recent_returns": list(recent_returns)})
+    except OSError as exc:
+        raise UserError(f"cannot save the rewound checkpoint to {run_dir / CHECKPOINT_NAME}: {exc.strerror or exc}; "
+                        "free space there (its model.tar and logs are as they were)") from None
+    log.info("Saved the start at step %d as %s", state.step, run_dir / CHECKPOINT_NAME)
+    try:
+        record_checkpoint(run_dir, state.step)
+    except OSError as exc:
+        log.error("Could not record the checkpoint in %s: %s (model.tar is saved)", run_dir / "meta.json", exc)
 
 
 def checkpoint(run: Run) -> None:

@@ -171,6 +171,30 @@ def test_a_run_continued_from_another_checkpoint_keeps_the_model_tar_it_replaces
     assert said in log_text and log_text.index(said) < log_text.index("Run ended"), log_text
 
 
+def test_a_rewind_saves_its_start_as_model_tar_before_anything_can_kill_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Killed before its first checkpoint (its logs already cut back to the step it starts from), a rewound run
+    must resume from that step next time, not from the later one it was rewound from."""
+    run_dir = _saved_run(tmp_path, "victim", step=40)
+    other = _saved_run(tmp_path, "other", step=20)
+    on_disk = {}
+
+    class Killed(Exception):
+        pass
+
+    def killed_once_built(_: object) -> None:  # what a kill -9 just after the build leaves
+        on_disk.update(torch.load(run_dir / CHECKPOINT_NAME, weights_only=True))
+        raise Killed
+
+    monkeypatch.setattr(training, "_run", killed_once_built)
+    with pytest.raises(Killed):
+        run.main([*QUICK, "--savedir", str(tmp_path), "--xpid", "victim", "--checkpoint",
+                  str(other / CHECKPOINT_NAME), "--optimizer", "rmsprop"])
+    assert on_disk["step"] == 20 and on_disk["flags"]["checkpoint"] == str(other / CHECKPOINT_NAME)
+    assert torch.load(run_dir / "model_replaced_step_40.tar", weights_only=True)["step"] == 40
+    assert json.loads((run_dir / "meta.json").read_text())["checkpoint_step"] == 20
+
+
 def test_a_file_of_the_runs_name_in_savedir_asks_for_another_xpid(capsys: pytest.CaptureFixture,
                                                                   tmp_path: Path) -> None:
     (tmp_path / "returns.png").write_bytes(b"a plot")
