@@ -347,9 +347,9 @@ def read_meta(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError and undecodable bytes
         problem = f"{type(exc).__name__}: {exc}"
     else:
-        if isinstance(meta, dict):
+        problem = _meta_problem(meta)
+        if problem is None:
             return meta
-        problem = f"a JSON {type(meta).__name__}, not an object"
     aside = path.with_name(path.name + ".unreadable")
     number = 0
     while aside.exists():
@@ -359,6 +359,16 @@ def read_meta(run_dir: Path) -> dict[str, Any]:
     log.warning("%s could not be read (%s); moved to %s, and the run goes on with a new record (its earlier "
                 "starts are lost)", path, problem, aside.name)
     return {}
+
+
+def _meta_problem(meta: Any) -> str | None:
+    """What makes `meta` (meta.json, parsed) a record this module cannot go on (hand-edited, or another
+    program's file), or None."""
+    if not isinstance(meta, dict):
+        return f"a JSON {type(meta).__name__}, not an object"
+    if not isinstance(meta.get("starts", []), list):  # each start appends this session's time to it
+        return "its \"starts\" is not a list"
+    return None
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

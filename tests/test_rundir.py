@@ -38,8 +38,9 @@ def test_a_missing_record_is_empty_and_a_readable_one_is_read(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]
 
 
-@pytest.mark.parametrize("content", [b"", b'{"starts": ["2026-01-01T00:0', b"\xff\xfe", b"[1, 2]"],
-                         ids=["empty", "cut short", "not text", "not an object"])
+@pytest.mark.parametrize("content", [b"", b'{"starts": ["2026-01-01T00:0', b"\xff\xfe", b"[1, 2]",
+                                     b'{"starts": "2026-01-01T00:00:00+00:00"}'],
+                         ids=["empty", "cut short", "not text", "not an object", "starts not a list"])
 def test_an_unreadable_record_is_moved_aside_whole_with_a_warning(tmp_path: Path, content: bytes,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "meta.json").write_bytes(content)
