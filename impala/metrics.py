@@ -81,6 +81,18 @@ def _step_below(text: str, limit: int) -> bool:
         return False
 
 
+def move_aside(path: Path) -> Path:
+    """Rename `path` to PATH.unreadable (-1, -2, ... where that exists), never over another file; returns the
+    new name."""
+    aside = path.with_name(path.name + ".unreadable")
+    number = 0
+    while aside.exists():
+        number += 1
+        aside = path.with_name(f"{path.name}.unreadable-{number}")
+    os.replace(path, aside)
+    return aside
+
+
 class RunLog:
     """TensorBoard event files and `logs.csv` in the run directory.
 
@@ -103,6 +115,7 @@ class RunLog:
         self.writer: SummaryWriter | None = None
         self._tensorboard_failed_at: float | None = None  # when the writer last failed (monotonic s)
         self._purge_step = purge_step  # for the first writer made: its event file carries the purge
+        self._unwritten_flags: Callable[[SummaryWriter], None] | None = None  # `flags` that found no writer
         self._open_writer()  # a disk too full even for its first record: reported, and tried again later
         if purge_step is not None:
             self._purge_csv(purge_step)
@@ -121,7 +134,11 @@ class RunLog:
             self._report("logs.csv", exc)
             return
         complete = data[: data.rfind(b"\n") + 1]  # a last line without its newline was cut short
-        rows = list(csv.reader(io.StringIO(complete.decode(errors="replace"), newline="")))
+        try:
+            rows = list(csv.reader(io.StringIO(complete.decode(errors="replace"), newline="")))
+        except csv.Error as exc:
+            self._set_csv_aside(exc)
+            return
         if not rows or "step" not in rows[0]:
             return
         header, column = rows[0], rows[0].index("step")
@@ -149,8 +166,8 @@ class RunLog:
         """One TensorBoard scalar, not in the CSV (e.g. one per finished episode)."""
         self._tensorboard(lambda writer: writer.add_scalar(tag, value, step))
 
-    def _tensorboard(self, write: Callable[[SummaryWriter], object]) -> None:
-        """`write(writer)`, unless the writer failed and it is not yet time to try a new one.
+    def _tensorboard(self, write: Callable[[SummaryWriter], object]) -> bool:
+        """`write(writer)`, unless the writer failed and it is not yet time to try a new one; whether it wrote.
 
         A failed write leaves a SummaryWriter broken for good (its thread has died on the error, and every later
         call raises that same exception again, its traceback a few frames longer each time: memory a run of days
@@ -158,15 +175,20 @@ class RunLog:
         """
         failed_at = self._tensorboard_failed_at
         if failed_at is not None and (time.monotonic() - failed_at < TENSORBOARD_RETRY_S or not self._open_writer()):
-            return
+            return False
         assert self.writer is not None, "made, or the writer failed"
         try:
+            if self._unwritten_flags is not None:  # the session's flags, once: first in the writer made after
+                self._unwritten_flags(self.writer)
+                self._unwritten_flags = None
             write(self.writer)
         except OSError as exc:
             self._report("the TensorBoard event file", exc)
             self._tensorboard_failed_at = time.monotonic()
             with contextlib.suppress(OSError):
                 self.writer.close()  # raises the same error; what matters is that its file is closed
+            return False
+        return True
 
     def _open_writer(self) -> bool:
         """A new SummaryWriter (a new event file); False where its first record, written by the constructor, failed
@@ -196,25 +218,23 @@ class RunLog:
         Unlike `SummaryWriter.add_hparams`, this writes into the run's own event file and adds no scalars:
         the HPARAMS tab reads the metrics in `HPARAM_METRICS` from the run's scalars.
         """
-        self.text("flags", flags_markdown(flags), step)
+        markdown = flags_markdown(flags)
         clean = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flags.items()}
         summaries = hparams(clean, {tag: 0.0 for tag in HPARAM_METRICS})
 
         def write(writer: SummaryWriter) -> None:
+            writer.add_text("flags", markdown, step)
             for summary in summaries:
                 writer._get_file_writer().add_summary(summary, step)
 
-        self._tensorboard(write)
+        if not self._tensorboard(write):  # a disk too full at the start: written by the next writer made
+            self._unwritten_flags = write
 
     def _write_csv(self, row: dict[str, float]) -> None:
         if self._csv is None:
             fieldnames = list(row)
-            if self._csv_path.exists() and self._csv_path.stat().st_size > 0:
-                with open(self._csv_path, newline="", errors="replace") as f:
-                    fieldnames = next(csv.reader(f), fieldnames)  # appending to a resumed run
-                self._open_csv(fieldnames, append=True)
-            else:
-                self._open_csv(fieldnames, append=False)
+            header = self._csv_header()  # appending to a resumed run
+            self._open_csv(header or fieldnames, append=header is not None)
         assert self._csv is not None
         if any(key not in self._csv.fieldnames for key in row):
             # A tag first seen now (no episode or update finished before the first row): widen the
@@ -234,10 +254,34 @@ class RunLog:
         # tries again.
         file, self._csv_file, self._csv = self._csv_file, None, None
         file.close()
-        with open(self._csv_path, newline="", errors="replace") as f:
-            rows = list(csv.DictReader(f))
+        try:
+            with open(self._csv_path, newline="", errors="replace") as f:
+                rows = list(csv.DictReader(f))
+        except csv.Error as exc:
+            self._set_csv_aside(exc)
+            self._open_csv(fieldnames, append=False)
+            return
         self._replace_csv(fieldnames, [[row.get(key) or "" for key in fieldnames] for row in rows])
         self._open_csv(fieldnames, append=True)
+
+    def _csv_header(self) -> list[str] | None:
+        """The columns of the logs.csv there is, or None where there is none (or it was set aside)."""
+        if not self._csv_path.exists() or self._csv_path.stat().st_size == 0:
+            return None
+        try:
+            with open(self._csv_path, newline="", errors="replace") as f:
+                header = next(csv.reader(f), None)
+        except csv.Error as exc:
+            self._set_csv_aside(exc)
+            return None
+        return header or None
+
+    def _set_csv_aside(self, exc: csv.Error) -> None:
+        """A logs.csv the csv module cannot parse (a stray quote from a disk fault makes it read on to the end of
+        the file, past its field limit) is kept whole as logs.csv.unreadable (-1, -2, ...), and a new one begun."""
+        aside = move_aside(self._csv_path)
+        log.warning("%s could not be read (csv: %s); moved to %s, and the run writes a new one", self._csv_path, exc,
+                    aside.name)
 
     def _replace_csv(self, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
         """logs.csv replaced by `header` and `rows`, atomically: a failure leaves the old file whole."""

@@ -32,6 +32,7 @@ from impala.checkpoint import (
     remove_stale_temporaries,
 )
 from impala.config import LATEST_NAME, Config, UserError, plain_name, run_path
+from impala.metrics import move_aside
 from impala.seeding import ActorLives
 
 log = logging.getLogger("impala")
@@ -345,17 +346,12 @@ def read_meta(run_dir: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:  # ValueError: JSONDecodeError and undecodable bytes
-        problem = f"{type(exc).__name__}: {exc}"
+        problem: str | None = f"{type(exc).__name__}: {exc}"
     else:
         problem = _meta_problem(meta)
         if problem is None:
             return meta
-    aside = path.with_name(path.name + ".unreadable")
-    number = 0
-    while aside.exists():
-        number += 1
-        aside = path.with_name(f"{path.name}.unreadable-{number}")
-    os.replace(path, aside)
+    aside = move_aside(path)
     log.warning("%s could not be read (%s); moved to %s, and the run goes on with a new record (its earlier "
                 "starts are lost)", path, problem, aside.name)
     return {}

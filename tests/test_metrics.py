@@ -117,6 +117,29 @@ def test_a_resumed_run_drops_the_rows_written_after_its_checkpoint_and_a_row_cut
     assert not (tmp_path / "logs.csv.tmp").exists()
 
 
+@pytest.mark.parametrize("purge", [True, False], ids=["resumed", "widened"])
+def test_a_csv_the_csv_module_cannot_parse_is_kept_aside_and_a_new_one_begun(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, purge: bool) -> None:
+    """A stray quote (a disk fault) makes the csv module read on to the end of the file, and past its field limit
+    (128 KiB) it raises: a resume, or a new column later, must not end the run over its log."""
+    _write_rows(tmp_path / "logs.csv", list(range(0, 2_000_000, 100)))  # 380 KB
+    damaged = (tmp_path / "logs.csv").read_bytes().replace(b"\n500,", b'\n"500,', 1)
+    (tmp_path / "logs.csv").write_bytes(damaged)
+    with caplog.at_level(logging.WARNING, logger="impala"):
+        runlog = RunLog(tmp_path, purge_step=300_000 if purge else None)
+        runlog.scalars(300_000, {"charts/SPS": 7.0})
+        runlog.scalars(300_100, {"charts/SPS": 8.0, "late/tag": 1.0})
+        runlog.close()
+    aside = (tmp_path / "logs.csv.unreadable").read_bytes()
+    assert "logs.csv could not be read (csv: field larger than field limit" in caplog.text
+    with open(tmp_path / "logs.csv", newline="") as f:
+        rows = [(row["step"], row["charts/SPS"], row["late/tag"]) for row in csv.DictReader(f)]
+    if purge:  # found at the start: every row since goes to the new file
+        assert aside == damaged and rows == [("300000", "7.0", ""), ("300100", "8.0", "1.0")]
+    else:  # found when a column came: the rows before are in the file kept aside
+        assert aside == damaged + b"300000,7.0,\r\n" and rows == [("300100", "8.0", "1.0")]
+
+
 def test_a_resumed_run_leaves_a_whole_csv_of_rows_before_its_checkpoint_untouched(tmp_path: Path) -> None:
     _write_rows(tmp_path / "logs.csv", [100, 200, 300])
     before = (tmp_path / "logs.csv").read_bytes()
@@ -401,7 +424,8 @@ def test_a_run_log_begun_on_a_disk_too_full_for_its_first_event_is_made_and_purg
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """A resumed session on a nearly full disk: the event file's first record fails in the writer's constructor.
     That is reported in one line, not a traceback that ends the start; the writer made once there is space
-    carries the resume's purge, so the killed session's curve past the checkpoint is still dropped."""
+    carries the resume's purge, so the killed session's curve past the checkpoint is still dropped, and the
+    session's flags, written once at its start."""
     previous = RunLog(tmp_path)  # the killed session: a checkpoint at step 20, events on to step 40
     for step in (10, 20, 30, 40):
         previous.scalar("charts/SPS", float(step), step)
@@ -409,13 +433,17 @@ def test_a_run_log_begun_on_a_disk_too_full_for_its_first_event_is_made_and_purg
     full, now = _disk_for_tensorboard(monkeypatch, full=True)
     with caplog.at_level(logging.ERROR, logger="impala"):
         runlog = RunLog(tmp_path, purge_step=20)
+        runlog.flags({"env": "CartPole-v1"}, 20)
         runlog.scalars(25, {"charts/SPS": 25.0})  # not yet time to try again: the CSV only
         full[0] = False
         now[0] += metrics.TENSORBOARD_RETRY_S
         runlog.scalars(50, {"charts/SPS": 50.0})
         runlog.close()
     assert caplog.text.count("Could not write the TensorBoard event file") == 1
-    assert [(e.step, e.value) for e in _read(tmp_path).Scalars("charts/SPS")] == [(10, 10.0), (50, 50.0)]
+    accumulator = _read(tmp_path)
+    assert [(e.step, e.value) for e in accumulator.Scalars("charts/SPS")] == [(10, 10.0), (50, 50.0)]
+    assert [e.step for e in accumulator.Tensors("flags/text_summary")] == [20]
+    assert "_hparams_/session_start_info" in accumulator.PluginTagToContent("hparams")
     assert all(f.stat().st_size > 0 for f in tmp_path.glob("events.out.tfevents.*"))  # the failed one removed
 
 
