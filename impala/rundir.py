@@ -37,6 +37,7 @@ from impala.seeding import ActorLives
 
 log = logging.getLogger("impala")
 META_NAME = "meta.json"
+LOG_NAME = "out.log"  # the console log
 # What a process killed mid-write leaves in a run directory: `_write_json`'s and `RunLog`'s files before their
 # rename, and the probe of `prepare_run_directory`.
 _TEMPORARY_GLOBS = (".*.json.tmp-*", "logs.csv.tmp", ".write-test-*")
@@ -252,6 +253,11 @@ def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, clai
                             "--xpid") from None
         raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
                         "choose another --savedir") from None
+    try:  # the console log is opened once the run is built, when a failure would leave its start half-recorded
+        with open(run_dir / LOG_NAME, "a"):
+            pass
+    except OSError as exc:
+        raise UserError(f"cannot write {run_dir / LOG_NAME}: {exc.strerror or exc}; move it out of the way") from None
     remove_stale_temporaries(run_dir)
     for pattern in _TEMPORARY_GLOBS:
         for tmp in run_dir.glob(pattern):

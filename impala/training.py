@@ -51,6 +51,7 @@ from impala.metrics import STATUS, IntervalStats, RecentRate, RunLog, close_cons
 from impala.model import Net, use_amp
 from impala.ray_pool import RayActorPool, require_ray
 from impala.rundir import (
+    LOG_NAME,
     DirectoryLock,
     NameTaken,
     finish_run_files,
@@ -644,7 +645,7 @@ def train(config: Config, started_s: float | None = None) -> Path:
 
 
 def _run(run: Run) -> Path:
-    setup_console(run.run_dir / "out.log" if run.writes_files else None)
+    setup_console(run.run_dir / LOG_NAME if run.writes_files else None)
     if run.coordinator is not None and not run.writes_files:
         distributed.rank_console(run.coordinator.rank)
     reason, started = "error", False

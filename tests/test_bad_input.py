@@ -195,6 +195,16 @@ def test_a_rewind_saves_its_start_as_model_tar_before_anything_can_kill_it(
     assert json.loads((run_dir / "meta.json").read_text())["checkpoint_step"] == 20
 
 
+def test_a_console_log_that_cannot_be_written_is_one_line_before_the_run_changes(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    run_dir = _saved_run(tmp_path, "resumed")
+    (run_dir / "out.log").mkdir()  # whatever made it, the run's log cannot go there
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "resumed"],
+                r"cannot write .*resumed/out.log: Is a directory; move it out of the way")
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
 def test_a_file_of_the_runs_name_in_savedir_asks_for_another_xpid(capsys: pytest.CaptureFixture,
                                                                   tmp_path: Path) -> None:
     (tmp_path / "returns.png").write_bytes(b"a plot")

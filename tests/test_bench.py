@@ -398,8 +398,8 @@ def test_unknown_component_is_a_user_error(capsys: pytest.CaptureFixture) -> Non
     (["--extra", "--unroll_length 2", "--variants", "", " --batch_size 0"],
      r"--variants ' --batch_size 0': --batch_size must be >= 1, got 0"),
     # the env and model a run probes first
-    (["--variants", "", " --env Pendulum-v1"], r"--variants ' --env Pendulum-v1': env 'Pendulum-v1' has action "
-                                               r"space Box\(.*\); only Discrete is supported"),
+    (["--variants", "", " --env Pendulum-v1"],
+     r"--variants ' --env Pendulum-v1': env 'Pendulum-v1' has action space Box\(.*\); only Discrete is supported"),
     (["--extra", "--env CartPole-v1 --model shallow"],
      r"--extra '--env CartPole-v1 --model shallow': --model shallow needs image observations"),
 ])
