@@ -926,6 +926,21 @@ def _resumed(saved_config: Config, config: Config) -> LearnerState:
     return resumed
 
 
+def test_a_checkpoint_saved_before_evaluation_seeds_were_counted_goes_on_past_those_its_evaluations_played() -> None:
+    """Evaluation n (from 1) played the seeds n x --eval_episodes on, before their count was kept: a resume from
+    such a checkpoint must not play its evaluations' games again."""
+    config = _config()
+    model = _model()
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    saved = LearnerState(model, optimizer, scheduler, ActorLives(0, 0), step=6, updates=1, evaluations=3).state_dict()
+    del saved["eval_seeds_used"]
+    for flags, used in (({"eval_episodes": 5}, 20), ({}, 4 * config.eval_episodes)):
+        resumed_model = _model()
+        resumed = LearnerState(resumed_model, *learner.make_optimizer(resumed_model, config), ActorLives(0, 1))
+        resumed.load_state_dict({**saved, "flags": flags}, config, Path("model.tar"))
+        assert (resumed.evaluations, resumed.eval_seeds_used) == (3, used)
+
+
 def test_a_resume_with_another_optimizer_starts_it_afresh() -> None:
     """An Adam run resumed with --optimizer rmsprop: Adam's moments fit no RMSprop (its first step failed with
     KeyError 'square_avg'), so the optimiser starts afresh, with a warning, and the weights are the run's."""
