@@ -817,7 +817,7 @@ def _final_step(run_dir: Path) -> int | None:
     with contextlib.suppress(OSError, ValueError, KeyError):
         return int(json.loads((run_dir / "meta.json").read_text())["final_step"])
     with contextlib.suppress(Exception):  # no meta.json: the checkpoint, if one was written
-        return int(load_checkpoint(run_dir / CHECKPOINT_NAME)["step"])
+        return int(load_checkpoint(run_dir / CHECKPOINT_NAME, mmap=True)["step"])
     return None
 
 

@@ -101,8 +101,10 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint as data (`weights_only=True`).
+def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint as data (`weights_only=True`); with `mmap`, its tensors mapped from the file rather than
+    read into memory (for a look at its counters: a second copy of a large model's weights and moments could
+    take the memory its training needs).
 
     A missing, truncated, garbage or foreign file raises UserError with one line naming the file and the fix.
     """
@@ -110,7 +112,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"no checkpoint at {path}; train a run with this --xpid first (or check --savedir)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for truncated, garbage or unsafe files
         reason = first_line(exc)
         raise UserError(f"checkpoint {path} is not a readable checkpoint ({reason[:200]}); it may be truncated "
@@ -181,7 +183,7 @@ def best_so_far(run_dir: Path) -> tuple[float, int] | None:
     path = run_dir / BEST_CHECKPOINT_NAME
     if not path.is_file():
         return None
-    state = load_checkpoint(path)
+    state = load_checkpoint(path, mmap=True)
     score = state.get("eval_return_mean")
     if isinstance(score, bool) or not isinstance(score, (int, float)) or math.isnan(score):
         raise UserError(f"{path} records no evaluation score (eval_return_mean {score!r}); move it away to start a "

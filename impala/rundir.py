@@ -142,7 +142,7 @@ def _go_on_numbering(checkpoint: dict[str, Any], run_dir: Path, checkpoint_path:
     if not current.is_file() or current.resolve() == checkpoint_path.resolve():
         return
     try:
-        own = load_checkpoint(current)
+        own = load_checkpoint(current, mmap=True)
         highest = {key: int(own.get(key, 0)) for key in _SEED_COUNTERS}
     except (UserError, TypeError, ValueError):  # damaged: nothing to go on from (it is kept aside all the same)
         return
@@ -206,7 +206,7 @@ def keep_replaced_checkpoint(run_dir: Path, start: Path | None) -> Path | None:
     if not replaces_own_checkpoint(run_dir, start):
         return None
     try:
-        step = str(int(load_checkpoint(current)["step"]))
+        step = str(int(load_checkpoint(current, mmap=True)["step"]))
     except UserError:  # damaged: kept all the same, under the time it was written
         step = datetime.fromtimestamp(current.stat().st_mtime, UTC).strftime("unreadable-%Y%m%d-%H%M%S")
     target, number = run_dir / f"model_replaced_step_{step}.tar", 1
