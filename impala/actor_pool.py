@@ -185,6 +185,8 @@ class LocalActorPool:
         )
         self.processes: list[Any] = []  # multiprocessing.Process of each actor's current life
         self._pidfds: dict[int, int] = {}  # actor index -> a pidfd of its current life's process (Linux 5.3+)
+        self._servers: dict[int, int | None] = {}  # actor index -> the pid of the fork server that started it
+        self._lost_servers: set[int] = set()  # fork servers whose death was counted as a restart
         self.deaths = RecentDeaths()
         self._unclaimed: dict[int, str] = {}  # tracebacks of actors not yet seen dead (still exiting)
         self.last_hang_check = time.monotonic()
@@ -207,6 +209,7 @@ class LocalActorPool:
             kwargs={"inference_connections": [actor_end for _, actor_end in pipes] if pipes else None},
         )
         start_process(process)
+        self._servers[actor_index] = fork_server_pid()
         self._close_pidfd(actor_index)
         pidfd = open_pidfd(process.pid)
         if pidfd is not None:
@@ -265,9 +268,19 @@ class LocalActorPool:
         # may have sent its own and not yet exited: kept for the check that sees it dead.
         self._unclaimed.update(self.tracebacks())
         for index, process in dead:
-            # The fork server's death costs every actor at once: one restart counted for all it lost.
-            counted = index not in lost or index == lost[0]
+            # The fork server's death costs every actor at once: one restart counted for all it lost, whether this
+            # check sees them all or a later one sees some.
+            counted = index not in lost or self._first_loss_of_server(index)
             self._replace(index, process, self._unclaimed.pop(index, "").strip(), counted)
+
+    def _first_loss_of_server(self, index: int) -> bool:
+        """Whether actor `index`, lost with its fork server, is the first of that server's actors seen lost."""
+        server = self._servers.get(index)
+        if server is None:
+            return True
+        first = server not in self._lost_servers
+        self._lost_servers.add(server)
+        return first
 
     def _replace(self, index: int, process: BaseProcess, detail: str, counted: bool = True) -> None:
         how = exit_description(process.exitcode)
@@ -549,6 +562,15 @@ def finish_within(timeout_s: float, step: Callable[[], None], what: str) -> None
         raise failures[0]
 
 
+def fork_server_pid() -> int | None:
+    """The pid of the fork server this process starts its children from, or None where there is none."""
+    if START_METHOD != "forkserver":
+        return None
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
 def stop_fork_server() -> None:
     """Stop the fork server once every actor is joined.
 
@@ -563,14 +585,12 @@ def stop_fork_server() -> None:
     is joined, and holds nothing but its socket, which `_stop` unlinks. Bounded all the same: a server
     still there after FORK_SERVER_STOP_TIMEOUT_S is logged and left, so the end of a run never hangs on it.
     """
-    if START_METHOD != "forkserver":
+    pid = fork_server_pid()
+    if pid is None:
         return
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
-        return
 
     def stop() -> None:
         with contextlib.suppress(AttributeError, OSError, ChildProcessError):

@@ -258,6 +258,23 @@ def test_the_traceback_of_an_actor_still_exiting_is_reported_with_its_death_at_t
     assert replaced == [(0, "Traceback: first"), (1, "Traceback: second")]
 
 
+def test_actors_lost_with_one_fork_server_count_one_restart_whichever_check_sees_them() -> None:
+    """A fork server's death reads as every actor's, but a check may run while only some of them read so: those
+    the next check finds are not counted again (with --max_actor_restarts 1 that would end the run)."""
+    pool = object.__new__(LocalActorPool)
+    pool.processes = [_Exiting(alive=False), _Exiting(alive=True), _Exiting(alive=True)]
+    pool._unclaimed, pool._pidfds, pool._lost_servers = {}, {}, set()
+    pool._servers = {0: 100, 1: 100, 2: 200}  # actor 2 was started by a later server
+    pool.kill_hung, pool.tracebacks = lambda: None, dict
+    pool._end_if_lost = lambda index, process: True
+    counted: list[tuple[int, bool]] = []
+    pool._replace = lambda index, process, detail, count: counted.append((index, count))
+    pool.check()
+    pool.processes = [_Exiting(alive=True), _Exiting(alive=False), _Exiting(alive=False)]
+    pool.check()
+    assert counted == [(0, True), (1, False), (2, True)]
+
+
 def test_a_traceback_read_before_too_many_deaths_stopped_the_run_is_still_reported(
         caplog: pytest.LogCaptureFixture) -> None:
     """The check that found one death too many had already read the traceback of another actor, still exiting:
