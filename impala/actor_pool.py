@@ -52,6 +52,7 @@ log = logging.getLogger("impala")
 # context exists, so (unlike plain fork) a restarted actor never inherits a held lock or a CUDA
 # state, and (unlike spawn) it does not re-import torch for every actor.
 START_METHOD = "forkserver"
+FORK_SERVER_LOST_EXITCODE = 255  # multiprocessing's exit code for a child whose fork server is gone
 ACTOR_JOIN_TIMEOUT_S = 5.0  # then kill: shutdown is bounded whatever an env does
 FORK_SERVER_STOP_TIMEOUT_S = 10.0  # then kill it
 RESTART_WINDOW_S = 600.0
@@ -510,7 +511,8 @@ def end_if_lost(pidfd: int | None, process: BaseProcess, name: str, why: str) ->
     ended: the fork server, through which this process learns its children's exit codes, has died (killed, or
     out of memory), and every child then reads as ended with exit code 255. Waits for its end (at most
     ACTOR_JOIN_TIMEOUT_S); without a pidfd, `is_alive` is believed. Returns whether it was lost so."""
-    if pidfd is None or process.exitcode is None or _ended(pidfd, 0):  # exitcode None: still its own
+    # Any other exit code is the child's own: it did end (a pid reused before its pidfd was opened is not it).
+    if pidfd is None or process.exitcode != FORK_SERVER_LOST_EXITCODE or _ended(pidfd, 0):
         return False
     log.error("%s (pid %d) still runs though the fork server reported its end (%s): the fork server has died; %s",
               name, process.pid, exit_description(process.exitcode), why)
