@@ -32,8 +32,10 @@ make one table and figure, and a game kept as finished is not trained again.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import re
 import signal
 import subprocess
@@ -169,6 +171,21 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
+def write_text(path: Path, text: str, what: str) -> None:
+    """Write `text` to `path` (`what` it is, for the message) atomically: a full disk leaves the previous file
+    whole. A path that cannot take it (a directory, no permission, no space) is a UserError naming it."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)  # never onto a directory: that is EISDIR
+    except OSError as exc:
+        raise UserError(f"cannot write {what} {path}: {exc.strerror or exc}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
 def run_state(run_dir: Path) -> str:
     """What a rerun does with `run_dir`: "finished" (trained to its own total_steps: skip it), "resume" (a
     checkpoint to continue from: run.py resumes it given the same --xpid) or "new" (train from the start; run.py
@@ -195,7 +212,24 @@ def record_session(run_dir: Path, wall_s: float, state_before: str, machine: str
         "ended": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "wall_s": round(wall_s, 1),
         "was": state_before, "machine": machine, "final_step": _read_json(run_dir / "meta.json").get("final_step")})
     if run_dir.is_dir():
-        path.write_text(json.dumps(record, indent=2) + "\n")
+        write_text(path, json.dumps(record, indent=2) + "\n", "the session record")
+
+
+def save_session(args: argparse.Namespace, run_dir: Path, env_id: str, seed: int, wall_s: float, state_before: str,
+                 machine: str, ending: bool) -> None:
+    """Record a training session (`record_session`) and, with --keep, keep the game so far (a device call that ends
+    here keeps it). A write that fails is a UserError, unless the script is `ending` anyway (Ctrl-C, SIGTERM, run.py's
+    bad input): then it is one line on stderr, the other write is still tried, and the script keeps its exit code."""
+    writes = [lambda: record_session(run_dir, wall_s, state_before, machine)]
+    if args.keep and (run_dir / "meta.json").is_file():
+        writes.append(lambda: keep(args.keep, kept_record(run_dir, env_id, seed)))
+    for write in writes:
+        try:
+            write()
+        except UserError as exc:
+            if not ending:
+                raise
+            print(f"results.py: error: {exc}", file=sys.stderr, flush=True)
 
 
 def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str, seed: int, xpid: str,
@@ -212,13 +246,12 @@ def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str,
         print(f"{xpid}: finished, not trained again", flush=True)
     else:
         print(f"{xpid}: {'resuming from its checkpoint' if state == 'resume' else 'new run'}", flush=True)
-        machine, start = machine_description(), time.monotonic()
+        machine, start, code = machine_description(), time.monotonic(), None
         try:
             code = train("atari5", seed, args.savedir, xpid, args.minutes, run_flags, ["--env", env_id, *ATARI5_FLAGS])
-        finally:  # on Ctrl-C and SIGTERM too, once the run has stopped in order
-            record_session(run_dir, time.monotonic() - start, state, machine)
-            if args.keep and (run_dir / "meta.json").is_file():  # a device call that ends here keeps the game so far
-                keep(args.keep, kept_record(run_dir, env_id, seed))
+        finally:  # on Ctrl-C and SIGTERM too (code None), once the run has stopped in order
+            save_session(args, run_dir, env_id, seed, time.monotonic() - start, state, machine,
+                         ending=code is None or code in (2, 143))
         if code in (2, 143):  # bad input fails every game alike; SIGTERM means stop
             raise SystemExit(code)
         if code not in (0, 130):  # 130: stopped by --minutes, resumable
@@ -228,7 +261,7 @@ def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str,
         record["greedy_test_mean"], record["greedy_test_lengths"] = greedy_test(env_id, args.savedir, xpid,
                                                                                 args.test_episodes)
         record["greedy_test_episodes"] = args.test_episodes
-        (run_dir / ATARI5_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        write_text(run_dir / ATARI5_RECORD, json.dumps(record, indent=2) + "\n", "the greedy test's record")
     if args.keep and (run_dir / "meta.json").is_file():  # before the next game: a session may end during it
         keep(args.keep, kept_record(run_dir, env_id, seed))
 
@@ -313,8 +346,7 @@ def keep(keep_dir: Path, record: dict) -> dict:
     if (kept.get("final_step") or 0) > (record["final_step"] or 0):
         print(f"{path}: kept as it is ({kept['final_step']:,} agent steps, this run {record['final_step'] or 0:,})")
         return kept
-    keep_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=1) + "\n")
+    write_text(path, json.dumps(record, indent=1) + "\n", "the kept record")
     return record
 
 
@@ -451,12 +483,12 @@ def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
                  next((record["flags"] for record in kept.values() if record.get("flags")), {}))
     table = format_atari5(rows, flags)
     print(table, flush=True)
-    args.savedir.mkdir(parents=True, exist_ok=True)
-    (args.savedir / f"{prefix}.md").write_text(table)
-    (args.savedir / f"{prefix}.json").write_text(json.dumps(
+    write_text(args.savedir / f"{prefix}.md", table, "the Atari-5 table")
+    write_text(args.savedir / f"{prefix}.json", json.dumps(
         {"rows": rows, "predicted_median": atari5_medians(rows), "flags": flags,
          "sources": {"paper": atari5.PAPER, "reference_scores": atari5.REFERENCE_SCORES_SOURCE,
-                     "weights": atari5.WEIGHTS_SOURCE, "cleanrl": atari5.CLEANRL_SOURCE}}, indent=2) + "\n")
+                     "weights": atari5.WEIGHTS_SOURCE, "cleanrl": atari5.CLEANRL_SOURCE}}, indent=2) + "\n",
+               "the Atari-5 table")
     out = args.out or args.savedir / f"{prefix}.png"  # beside the table
     save_figure(atari5_figure([(env_id, args.savedir / xpid) for env_id, _, xpid in runs], kept), out, "--out",
                 dpi=100)
@@ -465,8 +497,8 @@ def atari5_experiment(args: argparse.Namespace, run_flags: list[str]) -> int:
 
 
 def main() -> int:
-    """The script; bad input (a flag, a run that is not there, a figure that cannot be written: the runs are kept)
-    is one line, `results.py: error: ...`, and exit code 2."""
+    """The script; bad input (a flag, a run that is not there, a figure, table or record that cannot be written: the
+    runs are kept) is one line, `results.py: error: ...`, and exit code 2."""
     try:
         return _main()
     except UserError as exc:

@@ -7,6 +7,7 @@ import csv
 import importlib.util
 import json
 import math
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from process_helpers import sigterm_to_it_alone, wait_until_gone
 from torch.utils.tensorboard import SummaryWriter
 
 from impala import atari5
+from impala.stopping import Terminated
 
 REPO = Path(__file__).resolve().parent.parent
 BZ, DD, NTG, PHX, QB = (g.env_id for g in atari5.GAMES)
@@ -365,3 +367,81 @@ def test_sigterm_to_the_script_alone_stops_its_run_in_order_and_keeps_the_atari5
     assert meta["end_reason"] == "terminated" and session["final_step"] == meta["final_step"] > 0
     record = json.loads((kept / "atari5-Phoenix.json").read_text())
     assert (record["env"], record["final_step"]) == (PHX, meta["final_step"])
+
+
+# ------------------------------------------------------------------ files that cannot be written: one line, exit code 2
+
+
+def _tree(root: Path) -> dict[str, tuple[int, bytes] | None]:
+    """Every path under `root`: a file's modification time and bytes, None for a directory."""
+    return {str(p.relative_to(root)): None if p.is_dir() else (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize("blocked", ["runs/atari5.md", "kept/atari5-Phoenix.json"])  # under tmp_path
+def test_a_table_or_kept_record_that_cannot_be_written_is_one_line_and_nothing_else_changes(
+        tmp_path: Path, capsys, blocked: str) -> None:
+    """A directory where the table or a kept record goes (no permission, a full disk alike): `results.py: error:`
+    naming the path and why, exit code 2, no traceback; the previous table, figure and runs are left as they were."""
+    savedir = tmp_path / "runs"
+    _finished_run(savedir, "atari5-Phoenix", PHX, [7242.6])
+    (savedir / "atari5.json").write_text("the previous table\n")
+    (savedir / "atari5.png").write_bytes(b"the previous figure")
+    (tmp_path / blocked).mkdir(parents=True)
+    keeping = blocked.startswith("kept/")
+    what = "the kept record" if keeping else "the Atari-5 table"
+    before = _tree(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        _main("atari5", "--plot-only", "--savedir", str(savedir), *(["--keep", str(tmp_path / "kept")] * keeping))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == f"results.py: error: cannot write {what} {tmp_path / blocked}: Is a directory\n"
+    assert _tree(tmp_path) == before  # no temporary file left either
+
+
+class _Run:
+    """run.py as `train` starts it (subprocess.Popen), ending with `returncode`; `stop` is raised by its first
+    wait, as the terminal's Ctrl-C (KeyboardInterrupt) or SIGTERM to the script (Terminated) is."""
+
+    stop: type[BaseException] | None = None
+    returncode = 0
+
+    def __init__(self, command: list[str], **kwargs: object) -> None:
+        self.waits = 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.waits += 1
+        if self.stop is not None and self.waits == 1:
+            raise self.stop()
+        return self.returncode
+
+    def terminate(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("stop", "returncode", "code", "last_line"), [
+    (KeyboardInterrupt, 130, 130, "results: stopped by Ctrl-C; the same command resumes the run"),
+    (Terminated, 143, 143, "results: stopped by SIGTERM; the same command resumes the run"),
+    (None, 0, 2, None),  # the run ended by itself: the failed write is the script's error
+], ids=["ctrl-c", "sigterm", "ended"])
+def test_a_session_record_that_cannot_be_written_does_not_replace_a_stop(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys, stop: type[BaseException] | None, returncode: int,
+        code: int, last_line: str | None) -> None:
+    """The run's atari5.json cannot be written (a directory here; a full disk alike) when a session ends: on
+    Ctrl-C or SIGTERM one line says so, the game is still kept (--keep), and the script ends as the stop does, its
+    line and exit code 130 or 143, no traceback; a session that ended by itself is one line and exit code 2."""
+    run_dir = _finished_run(tmp_path, "atari5-Phoenix", PHX, [1000.0], end_reason="interrupted")
+    (run_dir / results.ATARI5_RECORD).mkdir()
+    kept = tmp_path / "kept"
+    monkeypatch.setattr(_Run, "stop", stop)
+    monkeypatch.setattr(_Run, "returncode", returncode)
+    monkeypatch.setattr(subprocess, "Popen", _Run)  # the script runs afresh below: its `train` starts a _Run
+    monkeypatch.setattr("impala.bench.machine", lambda: {"cpu": "CPU X", "cores_usable": 2, "device": "cpu"})
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "argv", ["results.py", "atari5", "--games", "Phoenix", "--savedir", str(tmp_path),
+                                      "--keep", str(kept)])
+    with pytest.raises(SystemExit) as exit_info:  # as `python scripts/results.py ...` runs: its exit code
+        runpy.run_path(str(REPO / "scripts" / "results.py"), run_name="__main__")
+    assert exit_info.value.code == code
+    error = f"results.py: error: cannot write the session record {run_dir / results.ATARI5_RECORD}: Is a directory"
+    assert capsys.readouterr().err.splitlines() == [error, *([last_line] if last_line else [])]
+    assert (kept / "atari5-Phoenix.json").is_file() == (stop is not None)  # kept all the same on a stop
