@@ -11,8 +11,10 @@ from __future__ import annotations
 import errno
 import math
 import os
+import pickle
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -114,8 +116,13 @@ def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, An
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for truncated, garbage or unsafe files
-        reason = first_line(exc)
-        raise UserError(f"checkpoint {path} is not a readable checkpoint ({reason[:200]}); it may be truncated "
+        if not zipfile.is_zipfile(path):  # a JSON or CSV file of the run, say: torch's own words are no help there
+            reason = "not the archive torch.save writes"
+        elif isinstance(exc, pickle.UnpicklingError):  # not torch's advice to load it unsafely
+            reason = "it holds objects other than tensors and plain data, which are never loaded"
+        else:
+            reason = first_line(exc)[:200]
+        raise UserError(f"checkpoint {path} is not a readable checkpoint ({reason}); it may be truncated "
                         "or not a checkpoint: restore it or start a new run with another --xpid") from None
     required: dict[str, type | tuple[type, ...]] = {"model_state_dict": dict, "flags": dict, "step": int, "observation_shape": (list, tuple),
                 "num_actions": int}
@@ -169,6 +176,9 @@ def find_checkpoint(run_dir: Path | None, choice: str) -> Path:
                             "(train it with --eval_interval_s S), or use --checkpoint latest")
         return path
     path = Path(choice).expanduser()
+    if path.is_dir():
+        raise UserError(f"--checkpoint {choice} is a directory; pass a checkpoint file in it (such as "
+                        f"{path / CHECKPOINT_NAME}), or name a run with --xpid")
     if not path.is_file():
         raise UserError(f"--checkpoint {choice}: no such file; pass latest, best or the path of a checkpoint file")
     return path

@@ -17,6 +17,7 @@ import torch
 from impala.checkpoint import (
     CHECKPOINT_NAME,
     check_compatible,
+    find_checkpoint,
     load_checkpoint,
     remove_stale_temporaries,
     save_checkpoint,
@@ -149,9 +150,26 @@ def test_loading_runs_no_code(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     # A pickle that would create `marker` if it were unpickled with full pickle.
     torch.save({"step": 1, "payload": _Exploit(str(marker))}, path)
-    with pytest.raises(UserError, match="not a readable checkpoint"):
+    with pytest.raises(UserError, match="not a readable checkpoint") as error:
         load_checkpoint(path)
     assert not marker.exists()
+    assert "holds objects other than tensors and plain data" in str(error.value)
+    assert "weights_only" not in str(error.value)  # not torch's advice to load it unsafely
+
+
+@pytest.mark.parametrize(("name", "text"), [("flags.json", '{"env": "CartPole-v1"}\n'), ("logs.csv", "step,a\n1,2\n")])
+def test_another_file_of_a_run_is_named_as_not_a_checkpoint(tmp_path: Path, name: str, text: str) -> None:
+    (tmp_path / name).write_text(text)
+    with pytest.raises(UserError) as error:
+        load_checkpoint(tmp_path / name)
+    assert str(error.value).startswith(f"checkpoint {tmp_path / name} is not a readable checkpoint (not the archive "
+                                       "torch.save writes)"), error.value
+
+
+def test_a_directory_given_as_a_checkpoint_says_so(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"--checkpoint .* is a directory; pass a checkpoint file in it \(such as "
+                                        r".*/model.tar\), or name a run with --xpid"):
+        find_checkpoint(None, str(tmp_path))
 
 
 class _Exploit:
