@@ -96,12 +96,12 @@ def check_shared_memory(needed_bytes: int, path: str = "/dev/shm") -> None:
     except OSError:
         return  # no /dev/shm to check (not Linux): let torch report what it can
     free = stat.f_bavail * stat.f_frsize
-    # Leave room for the shared models and the queues' own segments.
-    if needed_bytes * 1.1 + 64 * 2**20 > free:
+    with_room = needed_bytes * 1.1 + 64 * 2**20  # room for the shared models and the queues' own segments
+    if with_room > free:
         raise UserError(
-            f"the rollout buffers need {needed_bytes / 2**20:.0f} MiB of shared memory but {path} has "
-            f"{free / 2**20:.0f} MiB free; in Docker run with --shm-size=8g (or --ipc=host), "
-            "or lower --num_buffers, --unroll_length or --envs_per_actor")
+            f"the rollout buffers need {needed_bytes / 2**20:.0f} MiB of shared memory, {with_room / 2**20:.0f} MiB "
+            f"with the shared models and queues, but {path} has {free / 2**20:.0f} MiB free; in Docker run with "
+            "--shm-size=8g (or --ipc=host), or lower --num_buffers, --unroll_length or --envs_per_actor")
 
 
 def create_buffers(spec: BufferSpec, shared: bool = True) -> Buffers:
