@@ -251,6 +251,10 @@ def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, clai
         if run_dir.exists() and not run_dir.is_dir():  # a file of that name in SAVEDIR: the name is the fault
             raise UserError(f"cannot make the run directory {run_dir}: a file of that name is there; choose another "
                             "--xpid") from None
+        above = next((parent for parent in run_dir.parents if parent.exists()), None)
+        if above is not None and not above.is_dir():  # --savedir a file, or below one
+            raise UserError(f"cannot make the run directory {run_dir}: {above} is not a directory; choose another "
+                            "--savedir") from None
         raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
                         "choose another --savedir") from None
     try:  # the console log is opened once the run is built, when a failure would leave its start half-recorded

@@ -146,7 +146,9 @@ def test_unwritable_savedir(capsys: pytest.CaptureFixture, tmp_path: Path) -> No
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     _fails_with(capsys, [*QUICK, "--savedir", str(a_file / "runs"), "--xpid", "x"],
-                r"cannot write the run directory .*a_file/runs/x")
+                r"cannot make the run directory .*a_file/runs/x: .*a_file is not a directory; choose another --savedir")
+    _fails_with(capsys, [*QUICK, "--savedir", str(a_file), "--xpid", "x"],
+                r"cannot make the run directory .*a_file/x: .*a_file is not a directory; choose another --savedir")
 
 
 @pytest.mark.parametrize("start", ["path", "best"])
