@@ -229,10 +229,11 @@ def resume_checkpoint(config: Config, run_dir: Path) -> Path | None:
     return find_checkpoint(run_dir, config.checkpoint)
 
 
-def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, claim: bool = False) -> None:
+def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, claim: bool = False) -> bool:
     """Create `run_dir`, take `lock` on it (if `open_run` has not yet), prove it writable and remove temporaries
     of a write that was killed (a checkpoint's, meta.json's, logs.csv's). With `claim` (a name chosen by default) the directory must be new:
-    NameTaken where another training made it first."""
+    NameTaken where another training made it first. Returns whether this call made the directory."""
+    made = not run_dir.exists()
     try:
         if claim:
             run_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -258,14 +259,26 @@ def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, clai
         raise UserError(f"cannot write the run directory {run_dir}: {exc.strerror or exc}; "
                         "choose another --savedir") from None
     try:  # the console log is opened once the run is built, when a failure would leave its start half-recorded
-        with open(run_dir / LOG_NAME, "a"):
-            pass
+        if os.path.lexists(run_dir / LOG_NAME):  # else the probe above has shown that it can be made
+            with open(run_dir / LOG_NAME, "a"):
+                pass
     except OSError as exc:
         raise UserError(f"cannot write {run_dir / LOG_NAME}: {exc.strerror or exc}; move it out of the way") from None
     remove_stale_temporaries(run_dir)
     for pattern in _TEMPORARY_GLOBS:
         for tmp in run_dir.glob(pattern):
             tmp.unlink(missing_ok=True)
+    return made
+
+
+def remove_if_empty(run_dir: Path) -> None:
+    """Remove `run_dir`, made by a start that then failed (a full disk), where it holds nothing but empty files."""
+    with contextlib.suppress(OSError):
+        files = list(run_dir.iterdir())
+        if all(path.is_file() and not path.is_symlink() and path.stat().st_size == 0 for path in files):
+            for path in files:
+                path.unlink()
+            run_dir.rmdir()
 
 
 def write_run_files(config: Config, run_dir: Path, resuming: bool, world_size: int = 1) -> int:

@@ -59,6 +59,7 @@ from impala.rundir import (
     open_run,
     prepare_run_directory,
     record_checkpoint,
+    remove_if_empty,
     replaces_own_checkpoint,
     write_run_files,
 )
@@ -177,13 +178,13 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     # cluster, leaves the run directory as it was.
     ray_connection = ray_pool.connect(config, ray_pool.unroll_bytes(buffers)) if config.ray else None
     runlog: RunLog = distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
-    session, started_session = 0, False
+    session, started_session, made_run_dir = 0, False, False
     try:
         if ray_connection is not None:
             ray_pool.check_names_free(config, ray_connection[0], run_dir.name)
         stop.check()  # the last moment at which stopping changes nothing
         if writes_files:
-            prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # the last check: nothing changed before
+            made_run_dir = prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # nothing changed before
             rewinds = replaces_own_checkpoint(run_dir, checkpoint_path)
             keep_replaced_checkpoint(run_dir, checkpoint_path)
             session, started_session = write_run_files(config, run_dir, resuming, world_size), True
@@ -214,6 +215,8 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         runlog.close()
         if started_session:
             _record_end(run_dir, "error", state.step)
+        elif made_run_dir:  # a new run that wrote nothing (a full disk): no empty directory left behind
+            remove_if_empty(run_dir)
         if ray_connection is not None:
             ray_pool.disconnect(ray_connection)
         raise

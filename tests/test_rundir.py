@@ -202,7 +202,7 @@ def test_a_start_removes_what_a_killed_write_left_and_nothing_else(tmp_path: Pat
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     left = [".model.tar.tmp-41", ".meta.json.tmp-42", ".flags.json.tmp-43", "logs.csv.tmp", ".write-test-44"]
-    kept = ["model.tar", "meta.json", "flags.json", "logs.csv", "model_step_100.tar", "notes.tmp", "out.log"]
+    kept = ["model.tar", "meta.json", "flags.json", "logs.csv", "model_step_100.tar", "notes.tmp"]
     for name in left + kept:
         (run_dir / name).write_text("x")
     prepare_run_directory(run_dir)
