@@ -150,7 +150,7 @@ class RunLog:
         except OSError as exc:
             self._report("logs.csv", exc)
             return
-        log.info("logs.csv: dropped %d rows from step %d on, written after the checkpoint this run resumes from",
+        log.info("logs.csv: dropped %d rows from step %d on, where this run resumes (it logs that step again)",
                  len(rows) - 1 - len(kept), purge_step)
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:

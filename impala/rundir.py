@@ -187,7 +187,8 @@ def restarts_unsaved_run(config: Config, run_dir: Path) -> bool:
     if env is not None and env != config.env:
         raise UserError(f"run {run_dir} is a run of {env} (its flags.json; killed before its first checkpoint), "
                         f"not of {config.env}; choose another --xpid")
-    log.warning("Run %s has no checkpoint (stopped before its first one): it starts again from step 0", run_dir)
+    log.warning("Run %s has no checkpoint (stopped before its first one): it starts again from step 0, its "
+                "TensorBoard events and logs.csv rows dropped", run_dir)
     return True
 
 
