@@ -76,7 +76,17 @@ from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.actor_pool import keep_freed_memory
 from impala.buffers import BufferSpec, create_buffers, pin_observations, unpin_observations
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
-from impala.config import Config, OneLineErrorParser, UserError, add_flags, cpu_quota, env_int, parse_config, to_flags
+from impala.config import (
+    Config,
+    DefaultsHelpFormatter,
+    OneLineErrorParser,
+    UserError,
+    add_flags,
+    cpu_quota,
+    env_int,
+    parse_config,
+    to_flags,
+)
 from impala.environment import EnvBatch, probe_env
 from impala.inference import InferenceServer, InferenceServers
 from impala.learners import learner_torch_threads, select_device
@@ -984,7 +994,7 @@ def format_table(results: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m impala.bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        prog="python -m impala.bench", formatter_class=DefaultsHelpFormatter,
         description="Measure env, inference and learner throughput alone, the trainer end to end, and the "
                     "ceiling the parts imply, per wall second and per CPU-second.")
     add_flags(parser, CONFIG_FLAGS, BENCH_DEFAULTS)  # the trainer's flags that the bench passes on

@@ -490,13 +490,22 @@ HELP_GROUPS: dict[str, tuple[str, str | None]] = {
 }
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each flag's default after its help, unless the help says its default itself (`auto`, a rule)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="run.py",
         usage="%(prog)s [--mode {train,test,plot}] [--env ENV] [--xpid XPID] [FLAG ...]",
         description="IMPALA: actor processes fill shared rollout buffers, learner threads apply V-trace. Every "
                     "flag below, by topic, with its default.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     add_flags(parser)
     return parser
