@@ -642,7 +642,8 @@ def plain_name(text: str) -> str:
 MAX_NAME_BYTES = 255  # of one file name, on Linux's file systems
 MAX_XPID_CHARS = MAX_NAME_BYTES - 40  # room for what is named after a run (`NAME.rank-R.remote-A.life-L`)
 MAX_INFERENCE_WAIT_MS = 60_000.0  # a wait for more actors' requests; longer overflowed the selector's timeout
-MAX_EPISODES = 1_000_000  # test or evaluation games: their seeds are drawn up front
+# Test or evaluation games, played at once, an env each: 1,000 Atari envs take some 1.6 GB and 3 CPU-minutes to make.
+MAX_EPISODES = 1_000
 # Passes over one batch (PPO takes a few): every pass's minibatch order is drawn up front, and a stop waits for
 # the update under way. More overflowed, ran out of memory, or stopped after minutes.
 MAX_EPOCHS = 1_000

@@ -84,7 +84,8 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--savedir", " "], r"--savedir must name a directory, got ' '"),
     (["--momentum", "1.5"], r"--momentum must be in \[0, 1\), got 1.5"),
     (["--inference_wait_ms", "1e30"], r"--inference_wait_ms must be at most 60,000, got 1e\+30"),
-    (["--test_episodes", "99999999999999999999"], r"--test_episodes must be at most 1,000,000, got 9+"),
+    (["--test_episodes", "99999999999999999999"], r"--test_episodes must be at most 1,000, got 9+"),
+    (["--eval_episodes", "1001"], r"--eval_episodes must be at most 1,000, got 1001"),
     (["--hidden_size", "200000"], r"--hidden_size must be at most 65,536, got 200000"),
     (["--epochs", "99999999999999999999"], r"--epochs must be at most 1,000, got 9+$"),
     (["--minibatches", "1", "--unroll_length", "1", "--batch_size", "1"],  # none fewer to use
