@@ -3,6 +3,7 @@ newest weights, played in the evaluation process that `training` starts). Both g
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -165,10 +166,10 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
     mean = _print_results(games, state)
     if recorder is not None:
         run_dir = _run_dir(config) or find_checkpoint(None, config.checkpoint).parent
-        write_evaluation(run_dir, int(state["step"]), games.returns, recorder.frames(), VIDEO_FPS_ATARI
-                         if is_atari(config.env) else VIDEO_FPS_OTHER)
-        print(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {run_dir} "
-              "(IMAGES tab, eval/video)")
+        log_dir = write_test_results(run_dir, int(state["step"]), games.returns, recorder.frames(),
+                                     VIDEO_FPS_ATARI if is_atari(config.env) else VIDEO_FPS_OTHER)
+        print(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {log_dir} "
+              f"(IMAGES tab, {TEST_TAG_PREFIX}/video)")
     return mean
 
 
@@ -230,6 +231,14 @@ VIDEO_FPS_ATARI = 15.0
 VIDEO_FPS_OTHER = 30.0
 VIDEO_MAX_FRAMES = 2000  # a long game would make a GIF of tens of MB: keep its start
 VIDEO_SCALE = 2  # 84x84 Atari frames are small on screen
+VIDEO_MAX_SIDE = 512  # pixels: a larger image observation is shown subsampled (2,000 frames of 512x512: 1.5 GB)
+VIDEO_MAX_WIDTH = 1024  # pixels: the bar charts of vector observations
+
+# Test mode's records: TensorBoard events of their own in RUN_DIR/test (another TensorBoard run beside the
+# training's, which a resume's purge of the run directory's events does not touch, and which `--mode plot` does
+# not read), under tags of their own, so that no test result joins the curves of the evaluations while training.
+TEST_DIR_NAME = "test"
+TEST_TAG_PREFIX = "test"
 
 
 class EpisodeRecorder:
@@ -237,8 +246,11 @@ class EpisodeRecorder:
 
     Frames show what the agent sees, so no renderer is needed (gymnasium's classic-control renderer
     needs pygame): for image observations [C, H, W] with 3 channels the colour image, with any other number
-    the newest frame of the stack (Atari's 4), in grey; for vector observations [D] one bar per dimension (up:
-    positive, down: negative, each scaled to its largest magnitude in the episode).
+    the newest frame of the stack (Atari's 4), in grey; for 2-D observations [H, W] the grey image; for vector
+    observations [D] (and any other shape, flattened) one bar per dimension (up: positive, down: negative, each
+    scaled to its largest magnitude in the episode), or, for more dimensions than VIDEO_MAX_WIDTH has room for
+    (about a third of it), one bar per group of neighbouring dimensions. Images are shown VIDEO_SCALE times
+    their size, where that stays within VIDEO_MAX_SIDE, subsampled where they are larger.
     """
 
     def __init__(self, max_frames: int = VIDEO_MAX_FRAMES) -> None:
@@ -260,41 +272,95 @@ class EpisodeRecorder:
             raise ValueError("no observation recorded")
         stacked = np.stack(self.observations)
         if stacked.ndim == 4:  # [T, C, H, W] images
-            image = stacked.transpose(0, 2, 3, 1) if stacked.shape[1] == 3 else stacked[:, -1, :, :, None]
-            image = image.astype(np.uint8).repeat(VIDEO_SCALE, axis=1).repeat(VIDEO_SCALE, axis=2)
-            return np.repeat(image, 3 // image.shape[-1], axis=-1)
-        return _bar_frames(stacked.reshape(len(stacked), -1).astype(np.float64))
+            return _image_frames(stacked.transpose(0, 2, 3, 1) if stacked.shape[1] == 3 else stacked[:, -1, :, :, None])
+        if stacked.ndim == 3 and min(stacked.shape[1:]) > 1:  # [T, H, W]: a grey image (a row or column: a vector)
+            return _image_frames(stacked[..., None])
+        return _bar_frames(stacked.reshape(len(stacked), -1).astype(np.float64), max_width=VIDEO_MAX_WIDTH)
 
 
-def _bar_frames(values: np.ndarray, height: int = 96, max_width: int = 1024) -> np.ndarray:
-    """[T, D] values -> [T, height, D * (bar_width + gap) + gap, 3] uint8 bar charts around a zero line, bars 24
-    pixels wide with 8 between them, narrower where D is large (at least 2 and 1), to keep near `max_width`."""
+def _image_frames(images: np.ndarray, max_side: int = VIDEO_MAX_SIDE) -> np.ndarray:
+    """[T, H, W, C] images (C 3: colour, 1: grey) -> [T, h, w, 3] uint8: VIDEO_SCALE times their size where that
+    stays within `max_side` pixels, else as large as fits (every k-th pixel of a larger one). uint8 values are
+    shown as they are; others (float observations) spread over 0..255 from the episode's smallest to largest."""
+    largest = max(images.shape[1:3])
+    stride = -(-largest // max_side)  # ceil: 1 where the image fits
+    images = images[:, ::stride, ::stride]
+    if images.dtype != np.uint8:
+        low, high = float(images.min()), float(images.max())
+        levels = (images - low) * (255.0 / (high - low)) if high > low else np.zeros(images.shape, np.float32)
+        images = np.rint(levels).astype(np.uint8)
+    scale = max(1, min(VIDEO_SCALE, max_side // max(images.shape[1:3])))
+    if scale > 1:
+        images = images.repeat(scale, axis=1).repeat(scale, axis=2)
+    return np.repeat(images, 3 // images.shape[-1], axis=-1)
+
+
+# The bar charts on white: a grey zero line, blue bars up (positive), red ones down.
+_ZERO_LINE, _POSITIVE, _NEGATIVE = (160, 160, 160), (40, 120, 200), (220, 90, 60)
+
+
+def _bar_frames(values: np.ndarray, height: int = 96, max_width: int = VIDEO_MAX_WIDTH) -> np.ndarray:
+    """[T, D] values -> [T, height, width, 3] uint8 bar charts around a zero line, `width` at most `max_width`.
+
+    One bar per dimension, each scaled to its largest magnitude in the episode: 24 pixels wide with 8 between
+    them, narrower where D is large (at least 2 and 1), to keep near `max_width`. Where even those do not fit
+    (D above (max_width - 1) // 3, 341 for 1,024 pixels), each bar stands for a group of neighbouring dimensions
+    and shows the one of them farthest from zero (a one-hot vector's one keeps its bar)."""
     steps, dims = values.shape
-    bar_width = max(2, min(24, max_width * 3 // (4 * dims + 1)))
-    gap = max(1, bar_width // 3)
     scale = np.abs(values).max(axis=0)
     scale[scale == 0] = 1.0
-    heights = np.rint(values / scale * (height // 2 - 4)).astype(np.int64)  # [T, D], 4 px margin
-    frames = np.full((steps, height, dims * (bar_width + gap) + gap, 3), 255, np.uint8)
-    middle = height // 2
-    frames[:, middle, :] = 160  # the zero line
-    for t in range(steps):
-        for d in range(dims):
-            left = gap + d * (bar_width + gap)
-            top, bottom = sorted((middle, middle - heights[t, d]))
-            color = (40, 120, 200) if heights[t, d] >= 0 else (220, 90, 60)
-            frames[t, top:bottom + 1, left:left + bar_width] = color
+    values = values / scale  # [T, D] in [-1, 1]
+    max_bars = max(1, (max_width - 1) // 3)  # bars of 2 pixels with 1 between them and before the first
+    if dims > max_bars:
+        group = -(-dims // max_bars)
+        bars = -(-dims // group)
+        grouped = np.zeros((steps, bars * group))
+        grouped[:, :dims] = values
+        grouped = grouped.reshape(steps, bars, group)
+        farthest = np.abs(grouped).argmax(axis=-1)  # [T, bars]
+        values = np.take_along_axis(grouped, farthest[..., None], axis=-1)[..., 0]
+    bars = values.shape[1]
+    bar_width = max(2, min(24, max_width * 3 // (4 * bars + 1)))
+    gap = max(1, bar_width // 3)
+    period = bar_width + gap
+    middle, reach = height // 2, height // 2 - 4  # 4 px margin
+    heights = np.rint(values * reach).astype(np.int64)  # [T, bars], -reach..reach
+    # Each height's bar as one column of pixels, bar_width wide, [2 * reach + 1, height, bar_width * 3]; picked
+    # for every bar of every frame at once: no loop over the bars.
+    levels = np.arange(-reach, reach + 1)[:, None]
+    rows = np.arange(height)[None, :]
+    in_bar = (rows >= np.minimum(middle, middle - levels)) & (rows <= np.maximum(middle, middle - levels))
+    empty = np.where((rows == middle)[..., None], _rgb(_ZERO_LINE), _rgb((255, 255, 255)))  # [1, height, 3]
+    colour = np.where((levels >= 0)[..., None], _rgb(_POSITIVE), _rgb(_NEGATIVE))  # [2 * reach + 1, 1, 3]
+    bar_columns = np.tile(np.where(in_bar[..., None], colour, empty), (1, 1, bar_width))
+    frames = np.full((steps, height, bars * period + gap, 3), 255, np.uint8)  # white
+    frames[:, middle] = _ZERO_LINE
+    # A view of the frames' rows after the first gap: per bar, its pixels' bytes, then its gap's.
+    per_bar = frames.reshape(steps, height, -1)[:, :, gap * 3:].reshape(steps, height, bars, period * 3)
+    per_bar[:, :, :, :bar_width * 3] = bar_columns[heights + reach].transpose(0, 2, 1, 3)
     return frames
 
 
-def write_evaluation(run_dir: Path, step: int, returns: list[float], frames: np.ndarray, fps: float) -> None:
-    """The test returns (eval/episodic_return_mean) and one episode's video (eval/video) at the checkpoint's step."""
+def _rgb(colour: tuple[int, int, int]) -> np.ndarray:
+    return np.array(colour, np.uint8)
+
+
+def write_test_results(run_dir: Path, step: int, returns: list[float], frames: np.ndarray, fps: float) -> Path:
+    """Test mode's mean return (test/episodic_return_mean) and one episode's video (test/video) at the checkpoint's
+    step, in a new event file in RUN_DIR/test (see TEST_DIR_NAME); returns that directory. UserError where they
+    cannot be written (a full disk), leaving no event file begun nor directory made."""
     quiet_event_writer_threads()
-    before = set(run_dir.glob("events.out.tfevents.*"))
+    log_dir = run_dir / TEST_DIR_NAME
+    made = not log_dir.is_dir()
+    before = set(log_dir.glob("events.out.tfevents.*"))
     try:  # not a RunLog, which reports a failed write and goes on: here it is the command's whole work
-        with SummaryWriter(log_dir=str(run_dir)) as writer:
-            writer.add_scalar("eval/episodic_return_mean", float(np.mean(returns)), step)
-            writer._get_file_writer().add_summary(video_summary("eval/video", frames, fps), step)
+        with SummaryWriter(log_dir=str(log_dir)) as writer:
+            writer.add_scalar(f"{TEST_TAG_PREFIX}/episodic_return_mean", float(np.mean(returns)), step)
+            writer._get_file_writer().add_summary(video_summary(f"{TEST_TAG_PREFIX}/video", frames, fps), step)
     except OSError as exc:
-        remove_empty_files(set(run_dir.glob("events.out.tfevents.*")) - before)  # the event file it began
+        remove_empty_files(set(log_dir.glob("events.out.tfevents.*")) - before)  # the event file it began
+        if made:
+            with contextlib.suppress(OSError):
+                log_dir.rmdir()  # only where empty
         raise UserError(f"cannot write the video to TensorBoard in {run_dir}: {exc.strerror or exc}") from None
+    return log_dir

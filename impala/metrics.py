@@ -9,8 +9,8 @@ Tags follow the CleanRL / Stable-Baselines3 grouping, always against agent steps
     timing/   wait_batch_ms, host_to_device_ms (stack_ms of it), update_lock_wait_ms, forward_backward_ms, publish_ms,
               vote_ms (torchrun), inference_batch_ms, inference_forward_ms, inference_slots_ms (--inference central)
     actors/   slot_wait_share, policy_share, env_share, write_share (where the local actors' time went)
-    eval/     episodic_return_mean, episodic_return_std, episode_length_mean, games_cut, cpu_s (while training);
-              episodic_return_mean and video (test mode)
+    eval/     episodic_return_mean, episodic_return_std, episode_length_mean, games_cut, cpu_s (while training)
+    test/     episodic_return_mean and video (test mode's --video, in RUN_DIR/test: a TensorBoard run of its own)
     flags     the run's flags as a markdown table (TEXT tab) and as hparams (HPARAMS tab)
 
 The console gets one progress line per log interval: redrawn in place on a terminal, a plain log line

@@ -682,10 +682,105 @@ def test_the_video_of_three_channel_images_is_in_colour_and_of_atari_stacks_thei
         np.testing.assert_array_equal(frames[:, ::2, ::2, channel], stacks[:, -1])
 
 
-def test_the_video_of_a_long_vector_keeps_one_bar_per_dimension_in_about_a_thousand_pixels() -> None:
-    assert _recorded(np.eye(4)[[0, 1]]).shape == (2, 96, 4 * 32 + 8, 3)  # CartPole's bars as they were
-    one_hot = np.eye(500)[[3, 7]]  # Taxi's squares
+def test_the_video_of_a_long_vector_keeps_its_bars_within_a_thousand_pixels() -> None:
+    """One bar per dimension up to 341 (2 pixels, 1 between), one per group of neighbouring dimensions beyond:
+    a 7,056-vector drew 21,169 pixels wide (116 MiB for 20 frames; 11 GiB at the 2,000-frame cap)."""
+    frames = _recorded(np.array([[1.0, -2.0, 0.0, 0.25], [-1.0, 2.0, 0.0, 0.5]]))  # each scaled to its largest
+    assert frames.shape == (2, 96, 4 * 32 + 8, 3)  # CartPole's bars as they were: 24 pixels wide, 8 between
+    positive, negative, zero_line = (40, 120, 200), (220, 90, 60), (160, 160, 160)
+    bar_columns = [8 + 32 * d + 12 for d in range(4)]  # the middle of each bar
+    assert [frames[0, 10, x].tolist() for x in bar_columns] == [list(positive), [255] * 3, [255] * 3, [255] * 3]
+    assert [frames[0, 85, x].tolist() for x in bar_columns] == [[255] * 3, list(negative), [255] * 3, [255] * 3]
+    assert frames[0, 30, bar_columns[3]].tolist() == list(positive)  # half its largest: up to row 26
+    assert frames[1, 48, 4].tolist() == list(zero_line) and frames[1, 85, bar_columns[0]].tolist() == list(negative)
+    assert frames[1, 10, bar_columns[3]].tolist() == list(positive)
+    assert _recorded(np.eye(341)[[3, 7]]).shape == (2, 96, 341 * 3 + 1, 3)  # the most that fit, one each
+    one_hot = np.eye(500)[[3, 7]]  # Taxi's squares: 250 bars of 2 squares, 3 pixels wide, 1 between
     frames = _recorded(one_hot)
-    assert frames.shape == (2, 96, 500 * 3 + 1, 3)  # bars of 2 pixels, 1 between them
-    blue = (frames[:, 40] == (40, 120, 200)).all(axis=-1)  # a row above the zero line
-    assert [sorted(set(np.flatnonzero(row) // 3)) for row in blue] == [[3], [7]]
+    assert frames.shape == (2, 96, 250 * 4 + 1, 3)
+    blue = (frames[:, 40] == positive).all(axis=-1)  # a row above the zero line
+    assert [sorted(set(np.flatnonzero(row) // 4)) for row in blue] == [[3 // 2], [7 // 2]]  # the hot square kept
+    long = np.zeros((3, 100_000), np.float32)
+    long[0, 99_999], long[1, 5] = -1.0, 3.0  # in the last bar and the first: 341 bars of 294 dimensions each
+    frames = _recorded(long)
+    assert frames.shape == (3, 96, 1024, 3) and frames.nbytes == 3 * 96 * 1024 * 3
+    assert (frames[0, 80, -3:-1] == negative).all() and (frames[1, 10, 1:3] == positive).all()
+
+
+def test_the_video_of_2d_observations_is_a_grey_image_of_bounded_size() -> None:
+    """A [H, W] observation (a grey frame without a channel axis) was drawn as H * W bars: 84 x 84 took 116 MiB for
+    20 frames (21,169 pixels wide) and an out-of-memory kill at the 2,000-frame cap; now it is an image, twice
+    its size, and a large one is subsampled to fit VIDEO_MAX_SIDE pixels."""
+    rng = np.random.default_rng(0)
+    grey = rng.integers(0, 256, (20, 84, 84), dtype=np.uint8)
+    frames = _recorded(grey)
+    assert frames.shape == (20, 168, 168, 3) and frames.dtype == np.uint8
+    assert frames.nbytes == 20 * 168 * 168 * 3  # 1.7 MB
+    for channel in range(3):
+        np.testing.assert_array_equal(frames[:, ::2, ::2, channel], grey)
+        np.testing.assert_array_equal(frames[:, 1::2, 1::2, channel], grey)
+    levels = np.linspace(-1.0, 3.0, 2 * 6 * 5, dtype=np.float32).reshape(2, 6, 5)  # not uint8: spread over 0..255
+    frames = _recorded(levels)
+    assert frames.shape == (2, 12, 10, 3)
+    np.testing.assert_allclose(frames[:, ::2, ::2, 1], (levels + 1) * 255 / 4, atol=1)
+    large = rng.integers(0, 256, (2, 1200, 900), dtype=np.uint8)
+    frames = _recorded(large)
+    assert frames.shape == (2, 400, 300, 3)  # every third pixel: within VIDEO_MAX_SIDE, 512
+    np.testing.assert_array_equal(frames[..., 0], large[:, ::3, ::3])
+    assert _recorded(np.ones((2, 1, 6), np.float32)).shape == (2, 96, 6 * 32 + 8, 3)  # one row: a vector's bars
+
+
+def _run_with_evaluations(run_dir: Path, step: int, evaluations: dict[int, float]) -> None:
+    """A run dir as training leaves it: a checkpoint at `step` and its evaluations while training."""
+    run_dir.mkdir(parents=True)
+    save_checkpoint(run_dir / CHECKPOINT_NAME, _state(_net(), step))
+    runlog = RunLog(run_dir)
+    for at, value in evaluations.items():
+        runlog.scalar("charts/episodic_return", value / 2, at)
+        runlog.scalars(at, {EVAL_TAG: value})
+    runlog.close()
+
+
+def _events(log_dir: Path) -> EventAccumulator:
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "images": 0})
+    events.Reload()
+    return events
+
+
+def test_test_modes_video_and_return_stay_apart_from_trainings_evaluations_and_survive_a_resume(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """Test mode's --video wrote eval/episodic_return_mean and eval/video into the run's own event files at the
+    checkpoint's step: a second point at one step of the evaluations' curve (and `--mode plot` drew it as one), and
+    a resume from that checkpoint purged both. Now they are test/... tags in RUN_DIR/test."""
+    import impala.plotting
+
+    run_dir = tmp_path / "b"
+    _run_with_evaluations(run_dir, 300, {200: 10.0, 300: 12.0})
+    argv = ["--mode", "test", "--env", "CartPole-v1", "--savedir", str(tmp_path), "--xpid", "b", "--test_episodes",
+            "2", "--video", "--hidden_size", "32"]
+    assert run.main(argv) == 0
+
+    def training_series() -> list[tuple[int, float]]:
+        events = _events(run_dir)
+        assert not events.Tags()["images"] and not [t for t in events.Tags()["scalars"] if t.startswith("test/")]
+        return [(e.step, e.value) for e in events.Scalars(EVAL_TAG)]
+
+    assert training_series() == [(200, 10.0), (300, 12.0)]  # no second point at step 300
+    drawn = impala.plotting.load_curve(tmp_path, "b").evaluation  # what --mode plot draws as evaluations
+    assert drawn is not None and (drawn.steps.tolist(), drawn.values.tolist()) == ([200, 300], [10.0, 12.0])
+    out = capsys.readouterr().out
+    test_dir = run_dir / "test"
+    assert f"to TensorBoard in {test_dir} (IMAGES tab, test/video)" in out
+    played = re.search(r"Mean return over 2 episodes: ([\d.]+)", out)
+    assert played is not None, out
+    # A resume from the checkpoint: its purge drops the run's events from step 300 on, and it evaluates again there.
+    runlog = RunLog(run_dir, purge_step=300)
+    runlog.scalars(300, {EVAL_TAG: 14.0})
+    runlog.close()
+    assert training_series() == [(200, 10.0), (300, 14.0)]
+    test_events = _events(test_dir)  # the test's records, whole
+    test_returns = [(e.step, round(e.value, 2)) for e in test_events.Scalars("test/episodic_return_mean")]
+    assert test_returns == [(300, float(played.group(1)))]
+    (video,) = test_events.Images("test/video")
+    assert video.step == 300 and video.encoded_image_string.startswith(b"GIF")
+    assert impala.plotting.find_runs(tmp_path) == ["b"]  # RUN_DIR/test is no run of its own to plot

@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from impala import metrics
-from impala.evaluate import write_evaluation
+from impala.evaluate import write_test_results
 from impala.metrics import (
     STATUS,
     ConsoleHandler,
@@ -178,10 +178,10 @@ def test_video_is_an_animated_gif_image_summary(tmp_path: Path) -> None:
     frames = np.zeros((5, 6, 8, 3), np.uint8)
     for t in range(5):
         frames[t, :, t] = 255  # a white column moving right
-    write_evaluation(tmp_path, 123, [1.0, 3.0], frames, fps=10)  # what test mode writes
+    assert write_test_results(tmp_path, 123, [1.0, 3.0], frames, fps=10) == tmp_path / "test"
 
-    assert [(e.step, e.value) for e in _read(tmp_path).Scalars("eval/episodic_return_mean")] == [(123, 2.0)]
-    (image,) = _read(tmp_path).Images("eval/video")
+    assert [(e.step, e.value) for e in _read(tmp_path / "test").Scalars("test/episodic_return_mean")] == [(123, 2.0)]
+    (image,) = _read(tmp_path / "test").Images("test/video")
     assert (image.step, image.width, image.height) == (123, 8, 6)
     gif = Image.open(io.BytesIO(image.encoded_image_string))
     assert gif.format == "GIF" and gif.n_frames == 5

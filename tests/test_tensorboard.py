@@ -112,10 +112,12 @@ def test_flags_are_in_tensorboard_as_text_and_hparams(trained: TrainedRun) -> No
 
 
 def test_test_mode_writes_a_video_and_the_return_at_the_checkpoint_step(trained: TrainedRun) -> None:
-    (video,) = trained.events.Images("eval/video")
+    test_events = EventAccumulator(str(trained.run_dir / "test"), size_guidance={"scalars": 0, "images": 0})
+    test_events.Reload()
+    (video,) = test_events.Images("test/video")
     assert video.step == TOTAL_STEPS
     gif = Image.open(io.BytesIO(video.encoded_image_string))
-    (mean_return,) = trained.events.Scalars("eval/episodic_return_mean")
+    (mean_return,) = test_events.Scalars("test/episodic_return_mean")
     assert gif.format == "GIF" and gif.n_frames >= 8  # CartPole cannot fall in fewer steps
     assert mean_return.step == TOTAL_STEPS and mean_return.value >= 8
     assert "Wrote the first episode" in trained.stdout
@@ -156,8 +158,8 @@ def test_plot_of_the_run_shows_its_learning_curve(trained: TrainedRun) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     curve = plotting.load_curve(trained.savedir, "cartpole")
     legend = plotting.returns_figure([curve]).axes[0].get_legend()
-    # Test mode wrote its mean return as an evaluation (eval/episodic_return_mean at the checkpoint's step).
-    assert [t.get_text() for t in legend.get_texts()] == ["cartpole", "cartpole: evaluation"]
+    # No evaluation while training; test mode's mean return is in test/, not drawn as one.
+    assert [t.get_text() for t in legend.get_texts()] == ["cartpole"]
     smoothed = plotting.smooth(curve.returns, plotting.smoothing_window(len(curve.returns)))
     assert smoothed[-1] > 2 * smoothed[0]  # it learned: a random CartPole policy averages about 22
 
@@ -202,7 +204,8 @@ def _served(logdir: Path) -> tuple[dict, dict]:
 
 def test_tensorboard_server_serves_every_tag_group(trained: TrainedRun) -> None:
     tags, plugins = _served(trained.run_dir)
-    (run_tags,) = tags.values()  # the run directory itself is the one run
+    assert sorted(tags) == [".", "test"]  # the run directory itself, and test mode's records beside its own
+    run_tags = tags["."]
     missing = [tag for tag in ALL_TAGS if tag not in run_tags]
     assert not missing, f"served tags lack {missing}"
     assert all(plugins[name]["enabled"] for name in ("scalars", "images", "text", "hparams"))
