@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -41,6 +41,9 @@ from impala.metrics import RunLog
 from impala.model import Net
 from impala.rundir import record_best
 from impala.seeding import ActorLives
+
+if TYPE_CHECKING:
+    from impala.distributed import Coordinator
 
 log = logging.getLogger("impala")
 
@@ -80,6 +83,7 @@ class EvaluatedRun(Protocol):
     state: LearnerState
     update_lock: threading.Lock
     evaluator: Evaluator | None
+    coordinator: Coordinator | None
 
 
 def make_evaluator(config: Config, run_dir: Path, observation_shape: tuple[int, ...], num_actions: int,
@@ -207,6 +211,8 @@ def _request_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
         run.state.evaluations += 1
         run.state.eval_seeds_used += run.config.eval_episodes
         counters = run.state.counters()  # with the weights: model_best.tar saves them
+    if run.coordinator is not None:  # the other ranks' actor lives too, as in a checkpoint
+        counters = run.coordinator.run_wide_lives(counters)
     number = counters["evaluations"]
     evaluator.last_request_s = time.monotonic()
     if evaluator.heartbeat is not None:

@@ -324,7 +324,7 @@ def _fake_run(tmp_path: Path, best: tuple[float, int] | None) -> types.SimpleNam
     model = _net()
     evaluator = Evaluator(_net(), best)
     return types.SimpleNamespace(config=Config(env="CartPole-v1", eval_interval_s=1, hidden_size=32), run_dir=tmp_path,
-                                 model=model, runlog=RunLog(tmp_path), evaluator=evaluator)
+                                 model=model, runlog=RunLog(tmp_path), evaluator=evaluator, coordinator=None)
 
 
 def _games(returns: list[float], lengths: tuple[int, int] = (120, 80), cut: tuple[bool, bool] = (False, False)
@@ -484,6 +484,12 @@ def test_the_wait_for_a_request_is_not_held_against_the_evaluation_it_asks_for(
                                      "actor_lives": 6, "env_seeds_used": 24}
         check_evaluator(run_)
         assert idle.is_alive() and "made no progress" not in caplog.text
+        # Under torchrun, the lives every rank reached, as a checkpoint keeps them: a resume from model_best.tar
+        # must not hand another rank's lives out again.
+        run_.coordinator = types.SimpleNamespace(run_wide_lives=lambda counters: {**counters, "actor_lives": 11})
+        evaluator.pending, evaluator.last_request_s = None, time.monotonic() - 700
+        check_evaluator(run_)
+        assert process_end.recv()[0] == 6 and evaluator.pending["actor_lives"] == 11
     finally:
         idle.kill()
         idle.join()
