@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -202,7 +203,8 @@ def serve_evaluations(model: Net, config: Config, connection: Connection, heartb
     comes), seeded from the run's evaluation seed number `seeds_from` on, and answers `(number, step, games,
     cpu_s)`, `games` the `Games` played and `cpu_s` the CPU seconds this process spent on them.
     `heartbeat.value`, when given, is set to `time.monotonic()` at every agent step (for the main process's
-    hung-evaluator watch, --actor_timeout_s).
+    hung-evaluator watch, --actor_timeout_s), and every EVAL_START_BEAT_S until the first: making and resetting
+    hundreds of envs, at the lowest priority on busy cores, can take minutes.
     """
 
     def beat(*_: object) -> None:
@@ -217,14 +219,39 @@ def serve_evaluations(model: Net, config: Config, connection: Connection, heartb
         beat()
         start_cpu_s = time.process_time()
         seed = config.seed + EVAL_SEED_OFFSET + seeds_from
-        games = play(model, config.env, config.eval_episodes, seed,
-                     greedy=config.eval_actions == "greedy", on_step=beat, fire_on_life_loss=config.fire_on_life_loss,
-                     max_steps=config.eval_max_steps)
+        with _beating_until_the_first_step(beat) as step_beat:
+            games = play(model, config.env, config.eval_episodes, seed, greedy=config.eval_actions == "greedy",
+                         on_step=step_beat, fire_on_life_loss=config.fire_on_life_loss, max_steps=config.eval_max_steps)
         try:
             connection.send((number, step, games, time.process_time() - start_cpu_s))
         except BrokenPipeError:  # nobody to answer
             return
 
+
+EVAL_START_BEAT_S = 5.0  # the evaluator's heartbeat while its envs are made and reset, before their first step
+
+
+@contextlib.contextmanager
+def _beating_until_the_first_step(beat: Callable[[], None]) -> Iterator[Callable[..., None]]:
+    """`beat()` every EVAL_START_BEAT_S from a thread until the block calls the `on_step` it is given (which beats
+    too), or ends."""
+    stepping = threading.Event()
+
+    def beat_until_stepping() -> None:
+        while not stepping.wait(EVAL_START_BEAT_S):
+            beat()
+
+    def step_beat(*_: object) -> None:
+        stepping.set()
+        beat()
+
+    thread = threading.Thread(target=beat_until_stepping, name="eval-start-beat", daemon=True)
+    thread.start()
+    try:
+        yield step_beat
+    finally:
+        stepping.set()
+        thread.join()
 
 # Atari plays at 60 frames/s and an agent step is 4 frames; other envs have no common clock.
 VIDEO_FPS_ATARI = 15.0

@@ -40,6 +40,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import impala.checkpoint
 import impala.evaluator
 import run
+from impala import evaluate
 from impala.checkpoint import (
     BEST_CHECKPOINT_NAME,
     CHECKPOINT_NAME,
@@ -297,6 +298,36 @@ def test_the_evaluator_follows_fire_on_life_loss(monkeypatch: pytest.MonkeyPatch
     main_end.close()
     server.join(timeout=30)
     assert built == [False]
+
+
+def test_an_evaluators_heartbeat_goes_on_while_its_envs_are_made_and_stops_with_a_game_that_hangs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hundreds of envs made and reset at the lowest priority can outlast --actor_timeout_s: the evaluator beats
+    until their first step. From then on only steps beat, so a game that hangs is still found."""
+    beats: list[float] = []
+
+    class Heartbeat:  # the shared double, each value set kept
+        value = property(lambda self: beats[-1], lambda self, value: beats.append(value))
+
+    def slow_to_start(model: object, env_id: str, episodes: int, seed: int, on_step: Callable[..., None],
+                      **kwargs: object) -> Games:
+        time.sleep(0.3)  # making and resetting the envs
+        on_step(None, None)
+        count = len(beats)
+        time.sleep(0.3)  # a step that hangs
+        assert len(beats) == count, "beats from the start's thread after the first step"
+        return _games([1.0, 2.0])
+
+    monkeypatch.setattr(evaluate, "EVAL_START_BEAT_S", 0.05)
+    monkeypatch.setattr(evaluate, "play", slow_to_start)
+    main_end, process_end = Pipe()
+    server = threading.Thread(target=serve_evaluations, args=(_net(), Config(env="CartPole-v1"), process_end, Heartbeat()))
+    server.start()
+    main_end.send((0, 0, 0))
+    assert main_end.recv()[2].returns == [1.0, 2.0]
+    main_end.close()
+    server.join(timeout=30)
+    assert len(beats) >= 4  # the request's, three or more while starting, the first step's
 
 
 def test_an_evaluator_whose_main_end_closed_while_it_played_ends_quietly() -> None:
