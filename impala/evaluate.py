@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -155,6 +156,8 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
         config = dataclasses.replace(config, env=str(state["flags"]["env"]))
         print(f"Playing {config.env}, the env of the checkpoint")
     recorder = EpisodeRecorder() if config.video else None
+    if recorder is not None:  # before the games, which may take long: a video that cannot be kept is one line now
+        _check_writable((_run_dir(config) or find_checkpoint(None, config.checkpoint).parent) / TEST_DIR_NAME)
     try:
         games = play(model, config.env, config.test_episodes, config.seed + 12345,
                      greedy=config.eval_actions == "greedy", on_step=recorder.add if recorder is not None else None,
@@ -174,13 +177,21 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
     return mean
 
 
+def _check_writable(log_dir: Path) -> None:
+    """UserError where `log_dir` (test mode's, made by its first write) could not be written."""
+    existing = next(path for path in (log_dir, *log_dir.parents) if path.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"cannot write the video to TensorBoard in {log_dir.parent}: "
+                        f"{existing} is not a writable directory")
+
+
 def _print_results(games: Games, state: dict) -> float:
     """Print the games' mean return and lengths; return the mean."""
     returns = games.returns
     mean = float(np.mean(returns))
     best = (f"; its evaluation while training: {state['eval_return_mean']:.2f}" if "eval_return_mean" in state
             else "")
-    print(f"Mean return over {len(returns)} episodes: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
+    print(f"Mean return over {len(returns)} episode{'s' if len(returns) != 1 else ''}: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
           f"checkpoint at step {state['step']}{best})")
     print(games.summary())
     return mean

@@ -103,7 +103,7 @@ def greedy_test(env: str, savedir: Path, xpid: str, episodes: int) -> tuple[floa
     if done.returncode != 0:  # no checkpoint yet, for one: run.py's own line says why
         raise SystemExit(f"results: the greedy test of {xpid} failed: {done.stderr.strip() or done.returncode}")
     output = done.stdout
-    match = re.search(r"Mean return over \d+ episodes: (-?[\d.]+)", output)
+    match = re.search(r"Mean return over \d+ episodes?: (-?[\d.]+)", output)
     lengths = re.search(r"^Games lasted .*$", output, re.MULTILINE)
     if match is None or lengths is None:
         raise RuntimeError(f"no mean return or game lengths in the test output:\n{output}")

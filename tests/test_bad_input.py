@@ -232,6 +232,19 @@ def test_test_mode_plays_the_checkpoints_env_unless_another_is_given(capsys: pyt
                 r"was trained on 'CartPole-v1', not 'Acrobot-v1'; pass --env CartPole-v1")
 
 
+def test_test_mode_video_that_has_nowhere_to_go_is_one_line_before_any_game(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    run_dir = _saved_run(tmp_path, "cartpole")
+    (run_dir / "test").write_text("notes")  # where test mode's TensorBoard run would go
+    argv = ["--mode", "test", "--savedir", str(tmp_path), "--xpid", "cartpole", "--test_episodes", "1", "--video"]
+    assert run.main(argv) == 2
+    captured = capsys.readouterr()
+    assert "Mean return" not in captured.out  # refused before the games, which can take long
+    assert captured.err == (f"run.py: error: cannot write the video to TensorBoard in {run_dir}: {run_dir / 'test'} "
+                            "is not a writable directory\n")
+    assert (run_dir / "test").read_text() == "notes"
+
+
 def test_test_mode_video_on_a_full_disk_is_one_line_after_the_results(
         capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from tensorboard.compat.tensorflow_stub.io import gfile
