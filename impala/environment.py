@@ -240,7 +240,10 @@ class EnvBatch:
     def _check_finite(self, what: str, values: np.ndarray) -> None:
         """Raise when an env sent a NaN or an infinity: the actor fails and says so. Unchecked, a NaN would make
         the learner skip update after update, and an infinite reward would be clipped to 1, silently."""
-        if values.dtype.kind == "f" and not np.isfinite(values).all():
+        if values.dtype.kind != "f":
+            return
+        values = values.astype(np.float32, copy=False)  # as the slots hold it: 1e39 is finite only in float64
+        if not np.isfinite(values).all():
             bad = np.flatnonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1))
             raise NonFiniteEnvOutput(f"env {self.env_id!r} sent a non-finite {what} (NaN or inf) in {len(bad)} of "
                                      f"its {self.num_envs} envs (the first: env {bad[0]})")

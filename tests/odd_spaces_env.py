@@ -7,7 +7,8 @@
   tests of the layout), so a policy must read the channels.
 - `NonFiniteObservation-v0`, `NonFiniteReward-v0`, `NonFiniteFinalObservation-v0`: a vector of 2 zeros and a
   reward of 0, until step BAD_STEP sends NaN as the observation, an infinity as the reward, or minus infinity as
-  the observation its episode is cut at (a time limit of BAD_STEP steps).
+  the observation its episode is cut at (a time limit of BAD_STEP steps). `NonFiniteAsFloat32-v0`: float64
+  observations, one of them 1e39 at step BAD_STEP (infinite as float32).
 - `Endless-v0`: no time limit and no end: the observation is the step count (a vector of 1), the reward 1 for
   action 1 and 0 for action 0; a game ends only where a time limit cuts it. `EndlessCutAt5-v0`: the same with a
   time limit of its own, 5 steps.
@@ -67,22 +68,25 @@ BAD_STEP = 3
 
 
 class NonFinite(gym.Env):
-    observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), np.float32)
     action_space = gym.spaces.Discrete(2)
 
     def __init__(self, what: str) -> None:
         self.what = what
+        self.dtype = np.float64 if what == "float32 observation" else np.float32
+        self.observation_space = gym.spaces.Box(-np.inf, np.inf, (2,), self.dtype)
 
     def reset(self, *, seed: int | None = None, options: dict | None = None) -> Any:
         super().reset(seed=seed)
         self.t = 0
-        return np.zeros(2, np.float32), {}
+        return np.zeros(2, self.dtype), {}
 
     def step(self, action: Any) -> Any:
         self.t += 1
-        obs, reward, bad = np.zeros(2, np.float32), 0.0, self.t == BAD_STEP
+        obs, reward, bad = np.zeros(2, self.dtype), 0.0, self.t == BAD_STEP
         if bad and self.what == "observation":
             obs[1] = np.nan
+        elif bad and self.what == "float32 observation":
+            obs[1] = 1e39  # finite in float64, infinite in the float32 slots
         elif bad and self.what == "reward":
             reward = np.inf
         elif bad and self.what == "final observation":
@@ -109,6 +113,7 @@ gym.register("EndlessCutAt5-v0", entry_point=Endless, max_episode_steps=5)
 gym.register("ShiftedActions-v0", entry_point=ShiftedActions)
 gym.register("NonFiniteObservation-v0", entry_point=NonFinite, kwargs={"what": "observation"})
 gym.register("NonFiniteReward-v0", entry_point=NonFinite, kwargs={"what": "reward"})
+gym.register("NonFiniteAsFloat32-v0", entry_point=NonFinite, kwargs={"what": "float32 observation"})
 gym.register("NonFiniteFinalObservation-v0", entry_point=NonFinite, kwargs={"what": "final observation"},
              max_episode_steps=BAD_STEP)
 gym.register("ColourImage-v0", entry_point=ColourImage)

@@ -418,7 +418,8 @@ def test_a_discrete_observation_comes_out_one_hot_and_so_does_the_final_one_of_a
 
 @pytest.mark.parametrize(("env", "what"), [("NonFiniteObservation-v0", "observation"),
                                          ("NonFiniteReward-v0", "reward"),
-                                         ("NonFiniteFinalObservation-v0", "final observation")])
+                                         ("NonFiniteFinalObservation-v0", "final observation"),
+                                         ("NonFiniteAsFloat32-v0", "observation")])
 def test_a_nan_or_an_infinity_from_an_env_fails_with_what_it_was(env: str, what: str) -> None:
     """Before, a NaN observation failed the actor inside torch.multinomial ("probability tensor contains either
     inf, nan or element < 0"), and an infinite reward not at all: clipped to 1 by the learner (or, unclipped,
