@@ -60,22 +60,37 @@ ACTOR_NICENESS = 10
 
 
 class RecentDeaths:
-    """The crash-rate limit (--max_actor_restarts) of local actors, of remote ones and of the evaluator: the times of
-    their deaths within the last RESTART_WINDOW_S."""
+    """The crash limit (--max_actor_restarts) of local actors, of remote ones and of the evaluator: their deaths
+    within the last RESTART_WINDOW_S, and their deaths in a row with no progress between them (no update learned,
+    no evaluation finished). The second catches a slow crash loop: a few actors whose env hangs in every life,
+    each killed after --actor_timeout_s, die too seldom for the window but never let the run learn again."""
 
     def __init__(self) -> None:
         self._times: list[float] = []
+        self._in_a_row = 0
+        self._progress: object = None  # the sign of progress at the last death (a policy version, a count)
 
-    def add(self) -> int:
-        """Count a death now; returns the deaths within the window, this one included."""
+    def add(self, progress: object = None) -> int:
+        """Count a death now, `progress` the owner's sign of progress (a new value: progress since the last death);
+        returns the deaths within the window, this one included, or the deaths in a row where they are more."""
         now = time.monotonic()
         self._times = [t for t in self._times if now - t < RESTART_WINDOW_S] + [now]
-        return len(self._times)
+        if progress != self._progress:
+            self._progress, self._in_a_row = progress, 0
+        self._in_a_row += 1
+        return max(len(self._times), self._in_a_row)
 
     def recent(self) -> int:
-        """The deaths within the window, without counting one."""
+        """What `add` returns, without counting a death."""
         now = time.monotonic()
-        return sum(now - t < RESTART_WINDOW_S for t in self._times)
+        return max(sum(now - t < RESTART_WINDOW_S for t in self._times), self._in_a_row)
+
+    def span(self) -> str:
+        """What the count `add` and `recent` return counts, for a message."""
+        now = time.monotonic()
+        if self._in_a_row > sum(now - t < RESTART_WINDOW_S for t in self._times):
+            return "in a row, with no progress in between"
+        return f"within {RESTART_WINDOW_S:.0f} s"
 
 
 class ActorPool(Protocol):
@@ -89,7 +104,8 @@ class ActorPool(Protocol):
 
     def check(self) -> None:
         """Replace every actor that died or hung, returning the slots it held; raise TrainingError when
-        actors die more than --max_actor_restarts times within RESTART_WINDOW_S."""
+        actors die more than --max_actor_restarts times within RESTART_WINDOW_S, or in a row with no update
+        learned in between (`RecentDeaths`)."""
 
     def publish(self, model: Net, version: int) -> None:
         """Make `model`'s weights, policy version `version`, the ones actors act with from now on."""
@@ -286,15 +302,17 @@ class LocalActorPool:
     def _replace(self, index: int, process: BaseProcess, detail: str, counted: bool = True) -> None:
         how = exit_description(process.exitcode)
         log.error("Actor %d (pid %d) died: %s%s", index, process.pid, how, f"\n{detail}" if detail else "")
-        deaths, limit = self.deaths.add() if counted else self.deaths.recent(), self.config.max_actor_restarts
+        progress = self.channels.policy_version.value  # a new version: the learner updated since the last death
+        deaths = self.deaths.add(progress) if counted else self.deaths.recent()
+        limit = self.config.max_actor_restarts
         if deaths > limit:
             raise TrainingError(
-                f"actors died {deaths} times within {RESTART_WINDOW_S:.0f} s "
+                f"actors died {deaths} times {self.deaths.span()} "
                 f"(--max_actor_restarts {limit}); last: actor {index}, {how}" + (f"\n{detail}" if detail else ""))
         returned = self.slots.reclaim(index)
         self.processes[index] = self.start_actor(index)
-        log.warning("Restarted actor %d (%d slots returned; %d restarts in the last %.0f s, at most %d)", index,
-                    returned, deaths, RESTART_WINDOW_S, limit)
+        log.warning("Restarted actor %d (%d slots returned; %d restarts %s, at most %d)", index,
+                    returned, deaths, self.deaths.span(), limit)
 
     def _end_if_lost(self, index: int, process: BaseProcess) -> bool:
         """Kill actor `index` where its process still runs although `is_alive` says it ended (`end_if_lost`):

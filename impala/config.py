@@ -261,7 +261,8 @@ class Config:
     checkpoint_interval_s: float = _flag(300.0, "seconds between checkpoints (one is always written at the end)")
     keep_checkpoints: int = _flag(0, "also keep the last K checkpoints (periodic and final) beside model.tar, named "
                                   "model_step_STEP.tar; 0: only model.tar")
-    max_actor_restarts: int = _flag(10, "a run stops after more than this many actor crashes within 10 minutes")
+    max_actor_restarts: int = _flag(10, "a run stops after more than this many actor crashes within 10 minutes, or in a "
+                                    "row with no update learned between them")
     actor_timeout_s: float = _flag(300.0, "an actor that makes no progress for this long (no env step, no wait "
                                           "for a slot or an action: a hung env) is killed and replaced, and so is the "
                                           "evaluator stuck in an evaluation; 0: never")

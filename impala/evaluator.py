@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from impala.actor_pool import (
-    RESTART_WINDOW_S,
     RecentDeaths,
     die_with_main_process,
     end_if_lost,
@@ -69,6 +68,7 @@ class Evaluator:
     error_text: str = ""  # the traceback a failing evaluator sent before it died
     deaths: RecentDeaths = field(default_factory=RecentDeaths)
     disabled: bool = False
+    finished: int = 0  # evaluations received in this session
     ctx: BaseContext | None = None  # the run's multiprocessing context, which starts `process`
     heartbeat: Any = None  # shared double: time.monotonic() of the evaluator's last sign of progress
     last_hang_check_s: float = field(default_factory=time.monotonic)
@@ -230,6 +230,7 @@ def finish_evaluation(run: EvaluatedRun, evaluator: Evaluator, pending: dict, ga
     Its games' mean length and how many a time limit cut are logged too: a policy that stalls plays every
     game to the limit, and its return alone does not show it.
     """
+    evaluator.finished += 1
     returns = games.returns
     mean, std = statistics.fmean(returns), statistics.pstdev(returns)
     scalars = {"eval/episodic_return_mean": mean, "eval/episodic_return_std": std,
@@ -298,14 +299,14 @@ def replace_evaluator(run: EvaluatedRun, evaluator: Evaluator) -> None:
     log.error("Evaluator (pid %d) died: %s; %s, training goes on%s", process.pid,
               exit_description(process.exitcode), lost, f"\n{detail}" if detail else "")
     evaluator.pending, evaluator.last_request_s = None, time.monotonic()
-    deaths = evaluator.deaths.add()
+    deaths = evaluator.deaths.add(evaluator.finished)  # an evaluation finished since the last death: progress
     if deaths > run.config.max_actor_restarts:
         evaluator.disabled = True
-        log.error("The evaluator died %d times within %.0f s (--max_actor_restarts %d): no more evaluations "
-                  "in this run; training goes on", deaths, RESTART_WINDOW_S, run.config.max_actor_restarts)
+        log.error("The evaluator died %d times %s (--max_actor_restarts %d): no more evaluations in this run; "
+                  "training goes on", deaths, evaluator.deaths.span(), run.config.max_actor_restarts)
         return
     start_evaluator(run)
-    log.warning("Restarted the evaluator (%d deaths in the last %.0f s)", deaths, RESTART_WINDOW_S)
+    log.warning("Restarted the evaluator (%d deaths %s)", deaths, evaluator.deaths.span())
 
 
 def stop_evaluator(run: EvaluatedRun) -> None:

@@ -38,7 +38,6 @@ import torch
 from impala.actor import ActorChannels, run_actor
 from impala.actor_pool import (
     ACTOR_NICENESS,
-    RESTART_WINDOW_S,
     LocalActorPool,
     RecentDeaths,
     stop_signals_blocked,
@@ -503,15 +502,15 @@ class RayActorPool:
     def _replace(self, remote: RemoteLife, detail: str) -> None:
         pid = f"pid {remote.pid}" if remote.pid is not None else "never acted"
         log.error("Remote actor %d (%s, life %d) died: %s", remote.index, pid, remote.life, detail)
-        deaths, limit = self.deaths.add(), self.config.max_actor_restarts
+        deaths, limit = self.deaths.add(self.version), self.config.max_actor_restarts
         if deaths > limit:
-            raise TrainingError(f"actors died {deaths} times within {RESTART_WINDOW_S:.0f} s "
+            raise TrainingError(f"actors died {deaths} times {self.deaths.span()} "
                                 f"(--max_actor_restarts {limit}); last: remote actor {remote.index}: {detail}")
         self.ray.kill(remote.handle, no_restart=True)  # it may still live (a hang, an exception in it)
         self.remotes[remote.index] = self._start_remote(remote.index)
         self.stats.restarts += 1
-        log.warning("Replaced remote actor %d (%d restarts in the last %.0f s, at most %d)", remote.index,
-                    deaths, RESTART_WINDOW_S, limit)
+        log.warning("Replaced remote actor %d (%d restarts %s, at most %d)", remote.index, deaths,
+                    self.deaths.span(), limit)
 
     # ------------------------------------------------------------------------------------- stop
 

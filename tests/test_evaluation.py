@@ -37,6 +37,7 @@ from process_helpers import (
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import impala.actor_pool
 import impala.checkpoint
 import impala.evaluator
 import run
@@ -445,6 +446,29 @@ def test_an_evaluator_that_keeps_dying_ends_evaluation_not_training(tmp_path: Pa
     logged = caplog.text
     check_evaluator(run_)  # a disabled evaluator is left alone: nothing to poll, nothing started
     assert run_.evaluator.process is dead and run_.evaluator.pending is None and caplog.text == logged
+    run_.runlog.close()
+
+
+def test_an_evaluator_that_dies_in_every_evaluation_however_seldom_ends_evaluation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """One death per --eval_interval_s of 300 s is too seldom for the 10-minute window: counted in a row, with no
+    evaluation finished between them, they end evaluation too; one that finishes starts the row again."""
+    now = [1000.0]
+    monkeypatch.setattr(impala.actor_pool.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(impala.evaluator, "start_evaluator", lambda run: None)
+    run_ = _fake_run(tmp_path, best=None)
+    run_.config = Config(env="CartPole-v1", eval_interval_s=300, max_actor_restarts=2)
+    dead = types.SimpleNamespace(pid=4321, exitcode=1, join=lambda timeout=None: None)
+    run_.evaluator.process, run_.evaluator.connection = dead, types.SimpleNamespace(close=lambda: None)
+    for death in range(1, 4):
+        if death == 2:
+            run_.evaluator.finished += 1  # an evaluation came back between the first two deaths
+        replace_evaluator(run_, run_.evaluator)
+        now[0] += 300
+    assert not run_.evaluator.disabled
+    replace_evaluator(run_, run_.evaluator)
+    assert run_.evaluator.disabled
+    assert "The evaluator died 3 times in a row, with no progress in between (--max_actor_restarts 2)" in caplog.text
     run_.runlog.close()
 
 

@@ -34,7 +34,7 @@ from process_helpers import (
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from impala import learner, training
+from impala import actor_pool, learner, training
 from impala.actor_pool import LocalActorPool
 from impala.config import Config
 from impala.learners import Learners
@@ -158,7 +158,7 @@ def test_a_killed_fork_server_costs_every_actor_its_life_and_no_old_life_goes_on
         for index, pid in old.items():
             run.wait_for(rf"Actor {index} \(pid {pid}\) still runs though the fork server reported its end \(exit "
                          r"code 255\): the fork server has died; killing the actor", timeout=15)
-            run.wait_for(rf"Restarted actor {index} \(\d+ slots returned; 1 restarts in the last", timeout=15)
+            run.wait_for(rf"Restarted actor {index} \(\d+ slots returned; 1 restarts within 600 s", timeout=15)
         assert not set(old.values()) & set(group_processes(run.pgid)), "an old life outlived its replacement's start"
         assert set(run.actor_pids().values()).isdisjoint(old.values())
         step_at_restart = run.latest_step()
@@ -256,6 +256,23 @@ def test_the_traceback_of_an_actor_still_exiting_is_reported_with_its_death_at_t
     second.alive = False
     pool.check()
     assert replaced == [(0, "Traceback: first"), (1, "Traceback: second")]
+
+
+def test_deaths_count_within_the_window_or_in_a_row_without_progress(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few actors whose env hangs in every life die once per --actor_timeout_s each: too seldom for the 10-minute
+    window, and the run would retry for ever without learning again. Deaths in a row with no progress between
+    them count too; progress starts the row again."""
+    now = [1000.0]
+    monkeypatch.setattr(actor_pool.time, "monotonic", lambda: now[0])
+    deaths = actor_pool.RecentDeaths()
+    counts = []
+    for _ in range(12):  # 4 actors, each killed every 300 s: 2 deaths a window, 8 a row
+        counts.append(deaths.add(progress=7))
+        now[0] += 75
+    assert counts == list(range(1, 13)) and deaths.span() == "in a row, with no progress in between"
+    assert deaths.add(progress=8) == 8 and deaths.span() == "within 600 s"  # an update learned: a new row
+    now[0] += 601
+    assert deaths.recent() == 1 and deaths.add(progress=8) == 2
 
 
 def test_actors_lost_with_one_fork_server_count_one_restart_whichever_check_sees_them() -> None:
