@@ -30,7 +30,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,17 @@ def _step_below(text: str, limit: int) -> bool:
         return False
 
 
+def _complete_rows(file: Iterable[str], cut: bool) -> Iterator[list[str]]:
+    """The CSV rows of `file`, but for its last where a kill cut that line short (`cut`: no newline at its end)."""
+    previous = None
+    for row in csv.reader(file):
+        if previous is not None:
+            yield previous
+        previous = row
+    if previous is not None and not cut:
+        yield previous
+
+
 def move_aside(path: Path) -> Path:
     """Rename `path` to PATH.unreadable (-1, -2, ... where that exists), never over another file; returns the
     new name."""
@@ -127,31 +138,39 @@ class RunLog:
         below them. Replaced atomically, and only when something is dropped; a file that cannot be read or replaced
         is reported and kept as it is."""
         try:
-            data = self._csv_path.read_bytes()
+            with open(self._csv_path, "rb") as raw:  # a last line without its newline was cut short
+                cut = raw.seek(0, os.SEEK_END) > 0 and raw.seek(-1, os.SEEK_END) >= 0 and raw.read(1) != b"\n"
         except FileNotFoundError:
             return
         except OSError as exc:
             self._report("logs.csv", exc)
             return
-        complete = data[: data.rfind(b"\n") + 1]  # a last line without its newline was cut short
-        try:
-            rows = list(csv.reader(io.StringIO(complete.decode(errors="replace"), newline="")))
+        try:  # streamed, twice where something is dropped: a run of weeks has a logs.csv of hundreds of MB
+            with open(self._csv_path, newline="", errors="replace") as f:
+                rows = _complete_rows(f, cut)
+                header = next(rows, None)
+                if header is None or "step" not in header:
+                    return
+                column = header.index("step")
+
+                def kept(row: list[str]) -> bool:
+                    return len(row) == len(header) and _step_below(row[column], purge_step)
+
+                dropped = sum(not kept(row) for row in rows)
+            if not dropped and not cut:
+                return
+            with open(self._csv_path, newline="", errors="replace") as f:
+                rows = _complete_rows(f, cut)
+                next(rows)
+                self._replace_csv(header, (row for row in rows if kept(row)))
         except csv.Error as exc:
             self._set_csv_aside(exc)
             return
-        if not rows or "step" not in rows[0]:
-            return
-        header, column = rows[0], rows[0].index("step")
-        kept = [row for row in rows[1:] if len(row) == len(header) and _step_below(row[column], purge_step)]
-        if len(kept) == len(rows) - 1 and len(complete) == len(data):
-            return
-        try:
-            self._replace_csv(header, kept)
         except OSError as exc:
             self._report("logs.csv", exc)
             return
         log.info("logs.csv: dropped %d rows from step %d on, where this run resumes (it logs that step again)",
-                 len(rows) - 1 - len(kept), purge_step)
+                 dropped, purge_step)
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Write each `tag: value` at `step` to TensorBoard and one row to the CSV."""
@@ -255,13 +274,12 @@ class RunLog:
         file, self._csv_file, self._csv = self._csv_file, None, None
         file.close()
         try:
-            with open(self._csv_path, newline="", errors="replace") as f:
-                rows = list(csv.DictReader(f))
+            with open(self._csv_path, newline="", errors="replace") as f:  # streamed, as in `_purge_csv`
+                self._replace_csv(fieldnames, ([row.get(key) or "" for key in fieldnames] for row in csv.DictReader(f)))
         except csv.Error as exc:
             self._set_csv_aside(exc)
             self._open_csv(fieldnames, append=False)
             return
-        self._replace_csv(fieldnames, [[row.get(key) or "" for key in fieldnames] for row in rows])
         self._open_csv(fieldnames, append=True)
 
     def _csv_header(self) -> list[str] | None:
@@ -283,12 +301,14 @@ class RunLog:
         log.warning("%s could not be read (csv: %s); moved to %s, and the run writes a new one", self._csv_path, exc,
                     aside.name)
 
-    def _replace_csv(self, header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    def _replace_csv(self, header: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
         """logs.csv replaced by `header` and `rows`, atomically: a failure leaves the old file whole."""
         tmp = self._csv_path.with_suffix(".csv.tmp")
         try:
             with open(tmp, "w", newline="") as f:
-                csv.writer(f).writerows([header, *rows])
+                writer = csv.writer(f)
+                writer.writerow(header)
+                writer.writerows(rows)
             os.replace(tmp, self._csv_path)
         finally:
             tmp.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ import errno
 import io
 import logging
 import math
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +139,29 @@ def test_a_csv_the_csv_module_cannot_parse_is_kept_aside_and_a_new_one_begun(
         assert aside == damaged and rows == [("300000", "7.0", ""), ("300100", "8.0", "1.0")]
     else:  # found when a column came: the rows before are in the file kept aside
         assert aside == damaged + b"300000,7.0,\r\n" and rows == [("300100", "8.0", "1.0")]
+
+
+@pytest.mark.parametrize("widen", [False, True], ids=["purged", "widened"])
+def test_a_long_runs_csv_is_purged_and_widened_without_holding_it_in_memory(tmp_path: Path, widen: bool) -> None:
+    """A run of weeks has a logs.csv of hundreds of MB: read whole, its rows took some 12 times its size in
+    memory at every resume (and kept resident by the trainer's malloc settings)."""
+    with open(tmp_path / "logs.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", *(f"tag{i}" for i in range(20))])
+        writer.writerows([step, *[1.2345678] * 20] for step in range(0, 2_000_000, 40))  # 10 MB
+    tracemalloc.start()
+    try:
+        runlog = RunLog(tmp_path, purge_step=1_000_000)
+        if widen:
+            runlog.scalars(1_000_000, {"new/tag": 1.0})
+        runlog.close()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * 2**20, peak  # 120 MB read whole
+    with open(tmp_path / "logs.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert len(rows) == 1 + 25_000 + widen and rows[-1][0] == ("1000000" if widen else "999960")
 
 
 def test_a_resumed_run_leaves_a_whole_csv_of_rows_before_its_checkpoint_untouched(tmp_path: Path) -> None:
