@@ -127,6 +127,7 @@ class RunLog:
         self._tensorboard_failed_at: float | None = None  # when the writer last failed (monotonic s)
         self._purge_step = purge_step  # for the first writer made: its event file carries the purge
         self._unwritten_flags: Callable[[SummaryWriter], None] | None = None  # `flags` that found no writer
+        self._widen_after = 0.0  # when logs.csv's header may next be widened (monotonic s), after a failed try
         self._open_writer()  # a disk too full even for its first record: reported, and tried again later
         if purge_step is not None:
             self._purge_csv(purge_step)
@@ -251,16 +252,27 @@ class RunLog:
 
     def _write_csv(self, row: dict[str, float]) -> None:
         if self._csv is None:
-            fieldnames = list(row)
-            header = self._csv_header()  # appending to a resumed run
-            self._open_csv(header or fieldnames, append=header is not None)
+            self._reopen_csv(list(row))
         assert self._csv is not None
-        if any(key not in self._csv.fieldnames for key in row):
+        if any(key not in self._csv.fieldnames for key in row) and time.monotonic() >= self._widen_after:
             # A tag first seen now (no episode or update finished before the first row): widen the
             # header rather than drop the column for the rest of the run.
-            self._widen_csv([*self._csv.fieldnames, *(k for k in row if k not in self._csv.fieldnames)])
-        self._csv.writerow(row)
+            try:
+                self._widen_csv([*self._csv.fieldnames, *(k for k in row if k not in self._csv.fieldnames)])
+            except OSError as exc:
+                # Widening rewrites the whole file: a disk without room for a second copy takes the row without
+                # its new columns, and the widening is tried again in a while, not at every row.
+                self._report("logs.csv", exc)
+                self._widen_after = time.monotonic() + TENSORBOARD_RETRY_S
+                self._reopen_csv(list(row))
+        assert self._csv is not None
+        self._csv.writerow(row)  # columns the header lacks are left out (`extrasaction="ignore"`)
         self._csv_file.flush()
+
+    def _reopen_csv(self, fieldnames: list[str]) -> None:
+        """Open logs.csv to append, with its own header (a resumed run's), or a new one of `fieldnames`."""
+        header = self._csv_header()
+        self._open_csv(header or fieldnames, append=header is not None)
 
     def _open_csv(self, fieldnames: Sequence[str], append: bool) -> None:
         self._csv_file = open(self._csv_path, "a" if append else "w", newline="")  # noqa: SIM115 - open for the run

@@ -473,31 +473,40 @@ def test_a_run_log_begun_on_a_disk_too_full_for_its_first_event_is_made_and_purg
 
 def test_a_csv_whose_widening_failed_on_a_full_disk_keeps_taking_rows_and_widens_once_it_can(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """Widening rewrites the whole file (a second copy's worth of space): failing there loses that row only."""
+    """Widening rewrites the whole file (a second copy's worth of space): failing there costs that row its new
+    column, not the row, and is tried again a while later, not at every row (each try rewrites the file)."""
+    now = [1000.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
     runlog = RunLog(tmp_path)
     runlog.scalars(10, {"charts/SPS": 1.0})
-    replace = runlog._replace_csv
+    replace, tries = runlog._replace_csv, []
 
     def full(header: object, rows: object) -> None:
+        tries.append(header)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(runlog, "_replace_csv", full)
     with caplog.at_level(logging.ERROR, logger="impala"):
         runlog.scalars(20, {"charts/SPS": 2.0, "eval/episodic_return_mean": 5.0})  # a first evaluation's tag
     assert "Could not write logs.csv" in caplog.text
-    runlog.scalars(30, {"charts/SPS": 3.0})
+    runlog.scalars(30, {"charts/SPS": 3.0, "eval/episodic_return_mean": 5.5})
+    assert len(tries) == 1  # not again so soon
     monkeypatch.setattr(runlog, "_replace_csv", replace)  # space again
+    now[0] += metrics.TENSORBOARD_RETRY_S
     runlog.scalars(40, {"charts/SPS": 4.0, "eval/episodic_return_mean": 6.0})
     runlog.close()
     with open(tmp_path / "logs.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["step"], r["charts/SPS"], r["eval/episodic_return_mean"]) for r in rows] == [
-        ("10", "1.0", ""), ("30", "3.0", ""), ("40", "4.0", "6.0")]
+        ("10", "1.0", ""), ("20", "2.0", ""), ("30", "3.0", ""), ("40", "4.0", "6.0")]
 
 
 def test_a_csv_whose_file_fails_to_close_before_widening_takes_rows_again(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """On a full disk the file's last flush fails, and with it the close that widening starts with."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """On a full disk the file's last flush fails, and with it the close that widening starts with: the file is
+    reopened as it is, the row appended without its new column, and the widening tried again later."""
+    now = [1000.0]
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: now[0])
     runlog = RunLog(tmp_path)
     runlog.scalars(10, {"charts/SPS": 1.0})
     runlog._csv_file.close()
@@ -505,12 +514,14 @@ def test_a_csv_whose_file_fails_to_close_before_widening_takes_rows_again(
     with caplog.at_level(logging.ERROR, logger="impala"):
         runlog.scalars(20, {"charts/SPS": 2.0, "eval/episodic_return_mean": 5.0})
     assert "Could not write logs.csv" in caplog.text
-    runlog.scalars(30, {"charts/SPS": 3.0})  # space again: reopened as it is, this row appended
+    runlog.scalars(30, {"charts/SPS": 3.0})
+    now[0] += metrics.TENSORBOARD_RETRY_S
     runlog.scalars(40, {"charts/SPS": 4.0, "eval/episodic_return_mean": 6.0})
     runlog.close()
     with open(tmp_path / "logs.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["step"], r["eval/episodic_return_mean"]) for r in rows] == [("10", ""), ("30", ""), ("40", "6.0")]
+    assert [(r["step"], r["eval/episodic_return_mean"]) for r in rows] == [
+        ("10", ""), ("20", ""), ("30", ""), ("40", "6.0")]
 
 
 def test_closing_the_logs_on_a_full_disk_reports_instead_of_raising(tmp_path: Path,
