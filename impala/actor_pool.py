@@ -413,6 +413,18 @@ def _seed_range(seeds: tuple[int, ...]) -> str:
     return f"{seeds[0]}-{seeds[-1]}" if len(seeds) > 1 else str(seeds[0])
 
 
+OOM_SCORE_ADJ = 500  # of actors and the evaluator: out of memory, the kernel kills one of them before the learner
+
+
+def prefer_for_the_oom_killer() -> None:
+    """Make this child process the out-of-memory killer's choice before the main process (which holds the learner
+    and touches every slot, so would be chosen first): a child killed is replaced, and if the memory runs out
+    again and again the run stops in order, with a final checkpoint, rather than losing everything since the
+    last one. Raising one's own score needs no privilege; where /proc is not there, nothing changes."""
+    with contextlib.suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
+        f.write(str(OOM_SCORE_ADJ))
+
+
 def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None:
     """The body of an actor process: die with the run, report crashes, act (`actor.run_actor`)."""
     die_with_main_process(main_pid)
@@ -423,6 +435,7 @@ def _actor_process(main_pid: int, *actor_args: Any, **actor_kwargs: Any) -> None
     # processes the learner is the bottleneck, so it should win every contended core.
     with contextlib.suppress(OSError):
         os.nice(ACTOR_NICENESS)
+    prefer_for_the_oom_killer()
     keep_freed_memory()
     # run_actor sends the traceback of whatever kills it to the main process, which logs it with the death. Printed
     # here too (multiprocessing's default for an exception), every death would show it twice on the console.

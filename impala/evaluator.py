@@ -30,6 +30,7 @@ from impala.actor_pool import (
     exit_description,
     leave_stop_signals_to_main_process,
     open_pidfd,
+    prefer_for_the_oom_killer,
     start_process,
 )
 from impala.checkpoint import BEST_CHECKPOINT_NAME, best_so_far, header, save_checkpoint
@@ -131,6 +132,7 @@ def _evaluator_process(main_pid: int, config: Config, model: Net, connection: Co
     faulthandler.enable()
     with contextlib.suppress(OSError):
         os.nice(EVALUATOR_NICENESS)
+    prefer_for_the_oom_killer()
     try:
         serve_evaluations(model, config, connection, heartbeat)
     except Exception:  # noqa: BLE001 - reported below

@@ -122,6 +122,8 @@ def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None
     try:
         run.wait_for_steps(500)
         victim = run.actor_pids()[0]
+        # The out-of-memory killer's first choice, before the main process: an actor is replaced.
+        assert Path(f"/proc/{victim}/oom_score_adj").read_text() == "500\n"
         os.kill(victim, signal.SIGKILL)
         run.wait_for(rf"Actor 0 \(pid {victim}\) died: killed by SIGKILL", timeout=15)
         restarted = run.wait_for(r"Restarted actor 0 \(\d+ slots returned", timeout=15)
@@ -146,6 +148,10 @@ def test_a_killed_fork_server_costs_every_actor_its_life_and_no_old_life_goes_on
         run.wait_for_steps(500)
         old = run.actor_pids()
         evaluator = int(run.wait_for(r"Evaluator started \(pid (\d+)\)").group(1))
+        deadline = time.monotonic() + 15  # set by the evaluator's own start, which may still be under way
+        while Path(f"/proc/{evaluator}/oom_score_adj").read_text() != "500\n" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert Path(f"/proc/{evaluator}/oom_score_adj").read_text() == "500\n"  # chosen before the main process
         servers = [pid for pid in children(run.process.pid)
                    if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(servers) == 1 and {*old.values(), evaluator} <= set(children(servers[0])), (servers, old)
