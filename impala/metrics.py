@@ -43,6 +43,7 @@ log = logging.getLogger("impala")
 # Pass as `extra=STATUS` to log a progress line: a terminal redraws it in place instead of scrolling.
 STATUS = {"status": True}
 
+NEW_COLUMNS = "the new columns of logs.csv"  # what a failed widening reports
 TENSORBOARD_RETRY_S = 60.0  # after a failed TensorBoard write (a full disk), how long until a new writer is tried
 
 # The scalar tags the HPARAMS tab shows beside each run's flags (TensorBoard reads their values from
@@ -181,6 +182,8 @@ class RunLog:
             self._write_csv({"step": step, **values})
         except OSError as exc:
             self._report("logs.csv", exc)
+        else:
+            self._recovered("logs.csv")
 
     def scalar(self, tag: str, value: float, step: int) -> None:
         """One TensorBoard scalar, not in the CSV (e.g. one per finished episode)."""
@@ -208,6 +211,7 @@ class RunLog:
             with contextlib.suppress(OSError):
                 self.writer.close()  # raises the same error; what matters is that its file is closed
             return False
+        self._recovered("the TensorBoard event file")
         return True
 
     def _open_writer(self) -> bool:
@@ -226,7 +230,14 @@ class RunLog:
     def _report(self, what: str, exc: OSError) -> None:
         if what not in self._failed:
             self._failed.add(what)
-            log.error("Could not write %s in %s: %s; training goes on (reported once)", what, self.run_dir, exc)
+            log.error("Could not write %s in %s: %s; training goes on (reported once, until it is written again)",
+                      what, self.run_dir, exc)
+
+    def _recovered(self, what: str) -> None:
+        """Say that `what` is written again after a failure, which a new failure then reports again."""
+        if what in self._failed:
+            self._failed.discard(what)
+            log.warning("Writing %s in %s again", what, self.run_dir)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Markdown text in TensorBoard's TEXT tab."""
@@ -262,9 +273,11 @@ class RunLog:
             except OSError as exc:
                 # Widening rewrites the whole file: a disk without room for a second copy takes the row without
                 # its new columns, and the widening is tried again in a while, not at every row.
-                self._report("logs.csv", exc)
+                self._report(NEW_COLUMNS, exc)
                 self._widen_after = time.monotonic() + TENSORBOARD_RETRY_S
                 self._reopen_csv(list(row))
+            else:
+                self._recovered(NEW_COLUMNS)
         assert self._csv is not None
         self._csv.writerow(row)  # columns the header lacks are left out (`extrasaction="ignore"`)
         self._csv_file.flush()
@@ -483,16 +496,30 @@ class _ReportsFailuresOnce:
     and the next records are still tried, so they land again once the stream takes them."""
 
     _failed_once = False
+    _erred = False  # in the record being written
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._erred = False
+        super().emit(record)  # type: ignore[misc]
+        if self._failed_once and not self._erred:  # written again: a later failure is reported again
+            self._failed_once = False
+            self._tell(f"writing the log to {self._destination()} again")
 
     def handleError(self, record: logging.LogRecord) -> None:
+        self._erred = True
         if self._failed_once:
             return
         self._failed_once = True
-        error = sys.exc_info()[1]
+        self._tell(f"could not write the log to {self._destination()}: {sys.exc_info()[1]}; training goes on "
+                   "(reported once, until it is written again)")
+
+    def _destination(self) -> str:
+        return getattr(self, "baseFilename", "stdout")  # a FileHandler's path, else the console
+
+    @staticmethod
+    def _tell(line: str) -> None:
         with contextlib.suppress(Exception):  # stderr may be gone as well
-            destination = getattr(self, "baseFilename", "stdout")  # a FileHandler's path, else the console
-            sys.stderr.write(f"impala: could not write the log to {destination}: {error}; training goes "
-                             "on (reported once)\n")
+            sys.stderr.write(f"impala: {line}\n")
             sys.stderr.flush()
 
 

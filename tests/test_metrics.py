@@ -347,7 +347,8 @@ def test_a_log_file_on_a_full_disk_is_reported_once_and_takes_lines_again_once_i
     assert (tmp_path / "out.log").read_text() == "before\nafter\n"
     err = capsys.readouterr().err
     assert err == (f"impala: could not write the log to {tmp_path / 'out.log'}: [Errno 28] No space left on device; "
-                   "training goes on (reported once)\n")
+                   "training goes on (reported once, until it is written again)\n"
+                   f"impala: writing the log to {tmp_path / 'out.log'} again\n")
 
 
 def test_a_console_whose_reader_went_away_is_reported_once(monkeypatch: pytest.MonkeyPatch,
@@ -455,7 +456,7 @@ def test_a_run_log_begun_on_a_disk_too_full_for_its_first_event_is_made_and_purg
         previous.scalar("charts/SPS", float(step), step)
     previous.close()
     full, now = _disk_for_tensorboard(monkeypatch, full=True)
-    with caplog.at_level(logging.ERROR, logger="impala"):
+    with caplog.at_level(logging.WARNING, logger="impala"):
         runlog = RunLog(tmp_path, purge_step=20)
         runlog.flags({"env": "CartPole-v1"}, 20)
         runlog.scalars(25, {"charts/SPS": 25.0})  # not yet time to try again: the CSV only
@@ -464,6 +465,7 @@ def test_a_run_log_begun_on_a_disk_too_full_for_its_first_event_is_made_and_purg
         runlog.scalars(50, {"charts/SPS": 50.0})
         runlog.close()
     assert caplog.text.count("Could not write the TensorBoard event file") == 1
+    assert caplog.text.count("Writing the TensorBoard event file") == 1  # and a later failure is reported again
     accumulator = _read(tmp_path)
     assert [(e.step, e.value) for e in accumulator.Scalars("charts/SPS")] == [(10, 10.0), (50, 50.0)]
     assert [e.step for e in accumulator.Tensors("flags/text_summary")] == [20]
@@ -486,15 +488,17 @@ def test_a_csv_whose_widening_failed_on_a_full_disk_keeps_taking_rows_and_widens
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(runlog, "_replace_csv", full)
-    with caplog.at_level(logging.ERROR, logger="impala"):
+    with caplog.at_level(logging.WARNING, logger="impala"):
         runlog.scalars(20, {"charts/SPS": 2.0, "eval/episodic_return_mean": 5.0})  # a first evaluation's tag
-    assert "Could not write logs.csv" in caplog.text
-    runlog.scalars(30, {"charts/SPS": 3.0, "eval/episodic_return_mean": 5.5})
-    assert len(tries) == 1  # not again so soon
-    monkeypatch.setattr(runlog, "_replace_csv", replace)  # space again
-    now[0] += metrics.TENSORBOARD_RETRY_S
-    runlog.scalars(40, {"charts/SPS": 4.0, "eval/episodic_return_mean": 6.0})
-    runlog.close()
+        assert "Could not write the new columns of logs.csv" in caplog.text
+        runlog.scalars(30, {"charts/SPS": 3.0, "eval/episodic_return_mean": 5.5})
+        assert len(tries) == 1  # not again so soon
+        monkeypatch.setattr(runlog, "_replace_csv", replace)  # space again
+        now[0] += metrics.TENSORBOARD_RETRY_S
+        runlog.scalars(40, {"charts/SPS": 4.0, "eval/episodic_return_mean": 6.0})
+        runlog.close()
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == [
+        "Could not write the new columns of logs.csv", "Writing the new columns of logs.csv"]
     with open(tmp_path / "logs.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["step"], r["charts/SPS"], r["eval/episodic_return_mean"]) for r in rows] == [
@@ -513,7 +517,7 @@ def test_a_csv_whose_file_fails_to_close_before_widening_takes_rows_again(
     runlog._csv_file = _Refusing(OSError(errno.ENOSPC, "No space left on device"))
     with caplog.at_level(logging.ERROR, logger="impala"):
         runlog.scalars(20, {"charts/SPS": 2.0, "eval/episodic_return_mean": 5.0})
-    assert "Could not write logs.csv" in caplog.text
+    assert "Could not write the new columns of logs.csv" in caplog.text
     runlog.scalars(30, {"charts/SPS": 3.0})
     now[0] += metrics.TENSORBOARD_RETRY_S
     runlog.scalars(40, {"charts/SPS": 4.0, "eval/episodic_return_mean": 6.0})
