@@ -230,7 +230,7 @@ def serve_evaluations(model: Net, config: Config, connection: Connection, heartb
         beat()
         start_cpu_s = time.process_time()
         seed = config.seed + EVAL_SEED_OFFSET + seeds_from
-        with _beating_until_the_first_step(beat) as step_beat:
+        with _beating_until_the_first_step(beat, EVAL_START_ALLOWANCE * config.actor_timeout_s) as step_beat:
             games = play(model, config.env, config.eval_episodes, seed, greedy=config.eval_actions == "greedy",
                          on_step=step_beat, fire_on_life_loss=config.fire_on_life_loss, max_steps=config.eval_max_steps)
         try:
@@ -240,16 +240,19 @@ def serve_evaluations(model: Net, config: Config, connection: Connection, heartb
 
 
 EVAL_START_BEAT_S = 5.0  # the evaluator's heartbeat while its envs are made and reset, before their first step
+# How long that may go on, in --actor_timeout_s: a start that takes longer is a hang, which the watch then finds.
+EVAL_START_ALLOWANCE = 3
 
 
 @contextlib.contextmanager
-def _beating_until_the_first_step(beat: Callable[[], None]) -> Iterator[Callable[..., None]]:
+def _beating_until_the_first_step(beat: Callable[[], None], limit_s: float) -> Iterator[Callable[..., None]]:
     """`beat()` every EVAL_START_BEAT_S from a thread until the block calls the `on_step` it is given (which beats
-    too), or ends."""
+    too), the block ends, or `limit_s` has passed."""
     stepping = threading.Event()
+    deadline = time.monotonic() + limit_s
 
     def beat_until_stepping() -> None:
-        while not stepping.wait(EVAL_START_BEAT_S):
+        while not stepping.wait(EVAL_START_BEAT_S) and time.monotonic() < deadline:
             beat()
 
     def step_beat(*_: object) -> None:
