@@ -163,6 +163,19 @@ def check_compatible(state: dict[str, Any], *, env: str, model: str, use_lstm: b
                         + " (checkpoint vs flags); pass the run's own flags or use a new --xpid")
 
 
+def eval_seeds_used(state: dict[str, Any], eval_episodes: int) -> int:
+    """The evaluation seeds the run of checkpoint `state` handed out: its count, or, in a checkpoint saved before
+    the count was kept, what its evaluations played then (evaluation n, from 1, the seeds n x --eval_episodes on;
+    the checkpoint's own --eval_episodes, else `eval_episodes`). Raises TypeError or ValueError for a count that
+    is not a number."""
+    if "eval_seeds_used" in state:
+        return int(state["eval_seeds_used"])
+    evaluations = int(state.get("evaluations", 0))
+    flags = state.get("flags")
+    episodes = flags.get("eval_episodes", eval_episodes) if isinstance(flags, dict) else eval_episodes
+    return (evaluations + 1) * int(episodes) if evaluations else 0
+
+
 def find_checkpoint(run_dir: Path | None, choice: str) -> Path:
     """The file `--checkpoint CHOICE` names: latest (`run_dir`/model.tar), best (`run_dir`/model_best.tar)
     or a path. UserError, one line, for a best or a path that is not there; a missing model.tar is left to

@@ -18,6 +18,7 @@ import torch
 
 from impala import cudagraphs, losses, vtrace
 from impala.buffers import Buffers
+from impala.checkpoint import eval_seeds_used
 from impala.config import Config, UserError, first_line
 from impala.model import CoreState, Net
 from impala.seeding import ActorLives
@@ -663,9 +664,7 @@ class LearnerState:
         try:
             for name in self.COUNTERS:
                 setattr(self, name, int(state.get(name, 0)))
-            if "eval_seeds_used" not in state:  # saved before the count: evaluation n played seeds n x K on
-                episodes = state.get("flags", {}).get("eval_episodes", config.eval_episodes)
-                self.eval_seeds_used = (self.evaluations + 1) * int(episodes) if self.evaluations else 0
+            self.eval_seeds_used = eval_seeds_used(state, config.eval_episodes)  # also of a checkpoint saved before
             self.lives.load_state_dict(state)
         except (TypeError, ValueError) as exc:
             raise UserError(f"checkpoint {path} has a counter that is not a whole number: {first_line(exc)[:200]}"

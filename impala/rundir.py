@@ -26,6 +26,7 @@ import torch
 from impala.checkpoint import (
     CHECKPOINT_NAME,
     check_compatible,
+    eval_seeds_used,
     find_checkpoint,
     link_or_copy,
     load_checkpoint,
@@ -128,7 +129,7 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
     if int(checkpoint["step"]) >= config.total_steps:
         raise UserError(f"run {run_dir} already reached step {checkpoint['step']} of --total_steps "
                         f"{config.total_steps}; pass a larger --total_steps to train it further")
-    _go_on_numbering(checkpoint, run_dir, checkpoint_path)
+    _go_on_numbering(checkpoint, run_dir, checkpoint_path, config.eval_episodes)
     return run_dir, resuming, checkpoint_path, checkpoint
 
 
@@ -137,13 +138,16 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
 _SEED_COUNTERS = (*ActorLives.KEYS, "evaluations", "eval_seeds_used")
 
 
-def _go_on_numbering(checkpoint: dict[str, Any], run_dir: Path, checkpoint_path: Path) -> None:
+def _go_on_numbering(checkpoint: dict[str, Any], run_dir: Path, checkpoint_path: Path, eval_episodes: int) -> None:
     current = run_dir / CHECKPOINT_NAME
     if not current.is_file() or current.resolve() == checkpoint_path.resolve():
         return
     try:
         own = load_checkpoint(current, mmap=True)
         highest = {key: int(own.get(key, 0)) for key in _SEED_COUNTERS}
+        highest["eval_seeds_used"] = eval_seeds_used(own, eval_episodes)  # saved before the count too
+        if isinstance(checkpoint.get("evaluations", 0), int):
+            checkpoint["eval_seeds_used"] = eval_seeds_used(checkpoint, eval_episodes)
     except (UserError, TypeError, ValueError):  # damaged: nothing to go on from (it is kept aside all the same)
         return
     for key, value in highest.items():

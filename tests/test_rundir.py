@@ -16,6 +16,7 @@ import pytest
 import torch
 from process_helpers import REPO_ROOT, SMALL_RUN, Training, run_py
 
+from impala import rundir
 from impala.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from impala.config import Config, UserError
 from impala.rundir import (
@@ -208,3 +209,14 @@ def test_a_start_removes_what_a_killed_write_left_and_nothing_else(tmp_path: Pat
     prepare_run_directory(run_dir)
     assert sorted(p.name for p in run_dir.iterdir()) == sorted(kept)
     assert all((run_dir / name).read_text() == "x" for name in kept)
+
+
+def test_a_rewind_from_checkpoints_saved_before_evaluation_seeds_were_counted_goes_on_past_their_seeds(
+        tmp_path: Path) -> None:
+    """Evaluation n (from 1) played the seeds n x --eval_episodes on before their count was kept: a rewind of such
+    a run must go on past the seeds its model.tar's evaluations played, not from 0 (the count the load found)."""
+    shapes = {"model_state_dict": {}, "observation_shape": [4], "num_actions": 2, "flags": {"eval_episodes": 10}}
+    save_checkpoint(tmp_path / "model.tar", {**shapes, "step": 900, "evaluations": 9})  # 9 evaluations of 10 games
+    best = {**shapes, "step": 300, "evaluations": 3}
+    rundir._go_on_numbering(best, tmp_path, tmp_path / "model_best.tar", eval_episodes=5)
+    assert (best["evaluations"], best["eval_seeds_used"]) == (9, 100)
