@@ -500,10 +500,14 @@ class _ReportsFailuresOnce:
 
     def emit(self, record: logging.LogRecord) -> None:
         self._erred = False
-        super().emit(record)  # type: ignore[misc]
+        self._write(record)
         if self._failed_once and not self._erred:  # written again: a later failure is reported again
             self._failed_once = False
             self._tell(f"writing the log to {self._destination()} again")
+
+    def _write(self, record: logging.LogRecord) -> None:
+        """The handler's own emit, which calls `handleError` where the write fails."""
+        super().emit(record)  # type: ignore[misc]
 
     def handleError(self, record: logging.LogRecord) -> None:
         self._erred = True
@@ -550,7 +554,7 @@ class ConsoleHandler(_ReportsFailuresOnce, logging.Handler):
         super().__init__()
         self._status: str | None = None
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def _write(self, record: logging.LogRecord) -> None:
         try:
             stream = sys.stdout
             text = self.format(record)

@@ -360,6 +360,13 @@ def test_a_console_whose_reader_went_away_is_reported_once(monkeypatch: pytest.M
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "could not write the log to stdout: [Errno 32] Broken pipe" in err
     assert "Logging error" not in err and "Traceback" not in err
+    monkeypatch.setattr("sys.stdout", io.StringIO())  # a reader again: said once, and a new failure told again
+    logger.info("back")
+    monkeypatch.setattr("sys.stdout", _Refusing(BrokenPipeError(errno.EPIPE, "Broken pipe")))
+    logger.info("gone again")
+    failed_again = ("impala: could not write the log to stdout: [Errno 32] Broken pipe; training goes on (reported "
+                    "once, until it is written again)")
+    assert capsys.readouterr().err.splitlines() == ["impala: writing the log to stdout again", failed_again]
 
 
 class _BrokenWriter:
