@@ -286,8 +286,8 @@ class Config:
 
     # Test and plot modes.
     test_episodes: int = _flag(10, "test mode: full-game episodes to play")
-    video: bool = _flag(False, "test mode: also write the first episode to TensorBoard in SAVEDIR/XPID as an "
-                        "animated GIF (IMAGES tab, tag eval/video)")
+    video: bool = _flag(False, "test mode: also write the first episode as an animated GIF, and the games' mean "
+                        "return, to TensorBoard in SAVEDIR/XPID/test (IMAGES tab, tag test/video)")
     plot_out: str | None = _flag(None, "plot mode: the file to write, its format from its extension (.png, .svg, "
                                  ".pdf, ...; default: SAVEDIR/returns.png)")
     plot_xpids: tuple[str, ...] = _flag((), "plot mode: runs to plot (default: XPID, or every run in SAVEDIR)",

@@ -242,7 +242,8 @@ class EnvBatch:
         the learner skip update after update, and an infinite reward would be clipped to 1, silently."""
         if values.dtype.kind != "f":
             return
-        values = values.astype(np.float32, copy=False)  # as the slots hold it: 1e39 is finite only in float64
+        with np.errstate(over="ignore"):  # what overflows is reported below, not warned of
+            values = values.astype(np.float32, copy=False)  # as the slots hold it: 1e39 is finite only in float64
         if not np.isfinite(values).all():
             bad = np.flatnonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1))
             raise NonFiniteEnvOutput(f"env {self.env_id!r} sent a non-finite {what} (NaN or inf) in {len(bad)} of "

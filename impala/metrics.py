@@ -44,6 +44,7 @@ log = logging.getLogger("impala")
 STATUS = {"status": True}
 
 NEW_COLUMNS = "the new columns of logs.csv"  # what a failed widening reports
+PURGE = "logs.csv without its rows from the resumed step on (they stay)"  # what a failed purge reports
 TENSORBOARD_RETRY_S = 60.0  # after a failed TensorBoard write (a full disk), how long until a new writer is tried
 
 # The scalar tags the HPARAMS tab shows beside each run's flags (TensorBoard reads their values from
@@ -145,7 +146,7 @@ class RunLog:
         except FileNotFoundError:
             return
         except OSError as exc:
-            self._report("logs.csv", exc)
+            self._report(PURGE, exc)
             return
         try:  # streamed, twice where something is dropped: a run of weeks has a logs.csv of hundreds of MB
             with open(self._csv_path, newline="", errors="replace") as f:
@@ -169,7 +170,7 @@ class RunLog:
             self._set_csv_aside(exc)
             return
         except OSError as exc:
-            self._report("logs.csv", exc)
+            self._report(PURGE, exc)
             return
         log.info("logs.csv: dropped %d rows from step %d on, where this run resumes (it logs that step again)",
                  dropped, purge_step)

@@ -488,7 +488,8 @@ class RayActorPool:
 
     def check(self) -> None:
         """The local actors' check, then: raise what killed the receiver; replace every remote actor that died,
-        within the same limit of restarts (--max_actor_restarts in RESTART_WINDOW_S)."""
+        within the same limit of restarts (--max_actor_restarts within RESTART_WINDOW_S, or in a row with no update
+        learned in between)."""
         self.local.check()
         if self.error is not None:
             raise TrainingError(f"the Ray receiver thread failed: {self.error!r}") from self.error

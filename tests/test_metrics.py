@@ -535,6 +535,24 @@ def test_a_csv_whose_file_fails_to_close_before_widening_takes_rows_again(
         ("10", ""), ("20", ""), ("30", ""), ("40", "6.0")]
 
 
+def test_a_purge_that_failed_is_not_said_to_be_written_again_by_the_next_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The rows past the resumed step stay where the purge could not rewrite the file: a row appended after it
+    does not make that right, so it must not read as a recovery."""
+    _write_rows(tmp_path / "logs.csv", [100, 200, 300])
+
+    def full(self: RunLog, header: object, rows: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RunLog, "_replace_csv", full)
+    with caplog.at_level(logging.WARNING, logger="impala"):
+        runlog = RunLog(tmp_path, purge_step=200)
+        runlog.scalars(200, {"charts/SPS": 7.0})
+        runlog.close()
+    assert [r.getMessage().split(" in ")[0] for r in caplog.records] == [
+        "Could not write logs.csv without its rows from the resumed step on (they stay)"]
+
+
 def test_closing_the_logs_on_a_full_disk_reports_instead_of_raising(tmp_path: Path,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     runlog = RunLog(tmp_path)
