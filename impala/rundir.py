@@ -254,6 +254,8 @@ def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, clai
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
+        if made and run_dir.is_dir():  # made here, then found unwritable (a quota, no inodes): not left behind
+            remove_if_empty(run_dir)
         if run_dir.exists() and not run_dir.is_dir():  # a file of that name in SAVEDIR: the name is the fault
             raise UserError(f"cannot make the run directory {run_dir}: a file of that name is there; choose another "
                             "--xpid") from None

@@ -428,6 +428,21 @@ def test_a_directory_with_files_of_a_run_but_no_flags_is_not_written_over(
     assert _snapshot(other) == before
 
 
+def test_a_new_run_directory_found_unwritable_is_not_left_behind(
+        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_text = Path.write_text
+
+    def no_inodes(path: Path, text: str, *args: object, **kwargs: object) -> int:
+        if path.name.startswith(".write-test-"):  # the probe of a directory just made (a quota, no inodes left)
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        return write_text(path, text, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "write_text", no_inodes)
+    _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "new"],
+                r"cannot write the run directory .*new: Disk quota exceeded; choose another --savedir")
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("resuming", [False, True])
 def test_a_full_disk_is_refused_in_one_line_before_anything_is_changed(
         capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resuming: bool) -> None:
