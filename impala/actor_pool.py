@@ -73,24 +73,26 @@ class RecentDeaths:
     def add(self, progress: object = None) -> int:
         """Count a death now, `progress` the owner's sign of progress (a new value: progress since the last death);
         returns the deaths within the window, this one included, or the deaths in a row where they are more."""
-        now = time.monotonic()
-        self._times = [t for t in self._times if now - t < RESTART_WINDOW_S] + [now]
+        self._times.append(time.monotonic())
         if progress != self._progress:
             self._progress, self._in_a_row = progress, 0
         self._in_a_row += 1
-        return max(len(self._times), self._in_a_row)
+        return self.recent()
 
     def recent(self) -> int:
         """What `add` returns, without counting a death."""
-        now = time.monotonic()
-        return max(sum(now - t < RESTART_WINDOW_S for t in self._times), self._in_a_row)
+        return max(self._within_window(), self._in_a_row)
 
     def span(self) -> str:
         """What the count `add` and `recent` return counts, for a message."""
-        now = time.monotonic()
-        if self._in_a_row > sum(now - t < RESTART_WINDOW_S for t in self._times):
+        if self._in_a_row > self._within_window():
             return "in a row, with no progress in between"
         return f"within {RESTART_WINDOW_S:.0f} s"
+
+    def _within_window(self) -> int:
+        now = time.monotonic()
+        self._times = [t for t in self._times if now - t < RESTART_WINDOW_S]
+        return len(self._times)
 
 
 class ActorPool(Protocol):
