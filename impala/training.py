@@ -462,8 +462,13 @@ def _save_start(run_dir: Path, config: Config, state: LearnerState, recent_retur
         raise UserError(f"cannot save the rewound checkpoint to {run_dir / CHECKPOINT_NAME}: {exc.strerror or exc}; "
                         "free space there (its model.tar and logs are as they were)") from None
     log.info("Saved the start at step %d as %s", state.step, run_dir / CHECKPOINT_NAME)
+    _record_checkpoint(run_dir, state.step)
+
+
+def _record_checkpoint(run_dir: Path, step: int) -> None:
+    """model.tar's step in meta.json; a failed write is reported (model.tar is saved all the same)."""
     try:
-        record_checkpoint(run_dir, state.step)
+        record_checkpoint(run_dir, step)
     except OSError as exc:
         log.error("Could not record the checkpoint in %s: %s (model.tar is saved)", run_dir / "meta.json", exc)
 
@@ -481,10 +486,7 @@ def checkpoint(run: Run) -> None:
     save_checkpoint(run.run_dir / CHECKPOINT_NAME, state)
     run.saved_step = state["step"]
     log.info("Saved checkpoint at step %d to %s", state["step"], run.run_dir / CHECKPOINT_NAME)
-    try:
-        record_checkpoint(run.run_dir, state["step"])
-    except OSError as exc:
-        log.error("Could not record the checkpoint in %s: %s (model.tar is saved)", run.run_dir / "meta.json", exc)
+    _record_checkpoint(run.run_dir, state["step"])
     _keep_step_copy(run, state["step"])
 
 
