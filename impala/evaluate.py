@@ -156,8 +156,9 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
         config = dataclasses.replace(config, env=str(state["flags"]["env"]))
         print(f"Playing {config.env}, the env of the checkpoint")
     recorder = EpisodeRecorder() if config.video else None
-    if recorder is not None:  # before the games, which may take long: a video that cannot be kept is one line now
-        _check_writable((_run_dir(config) or find_checkpoint(None, config.checkpoint).parent) / TEST_DIR_NAME)
+    video_run_dir = (_run_dir(config) or find_checkpoint(None, config.checkpoint).parent) if recorder else None
+    if video_run_dir is not None:  # before the games, which may take long: a video that cannot be kept is one line
+        _check_writable(video_run_dir / TEST_DIR_NAME)
     try:
         games = play(model, config.env, config.test_episodes, config.seed + 12345,
                      greedy=config.eval_actions == "greedy", on_step=recorder.add if recorder is not None else None,
@@ -168,9 +169,8 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
             _print_results(stopped.games, state)
         raise
     mean = _print_results(games, state)
-    if recorder is not None:
-        run_dir = _run_dir(config) or find_checkpoint(None, config.checkpoint).parent
-        log_dir = write_test_results(run_dir, int(state["step"]), games.returns, recorder.frames(),
+    if recorder is not None and video_run_dir is not None:
+        log_dir = write_test_results(video_run_dir, int(state["step"]), games.returns, recorder.frames(),
                                      VIDEO_FPS_ATARI if is_atari(config.env) else VIDEO_FPS_OTHER)
         print(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {log_dir} "
               f"(IMAGES tab, {TEST_TAG_PREFIX}/video)")
