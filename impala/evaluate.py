@@ -24,6 +24,7 @@ from impala.config import Config, UserError, run_path
 from impala.environment import EnvBatch, is_atari
 from impala.metrics import quiet_event_writer_threads, remove_empty_files, video_summary
 from impala.model import Net
+from impala.seeding import EVAL_SEED_OFFSET, TEST_SEED_OFFSET
 
 log = logging.getLogger("impala")
 
@@ -160,7 +161,7 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
     if video_run_dir is not None:  # before the games, which may take long: a video that cannot be kept is one line
         _check_writable(video_run_dir / TEST_DIR_NAME)
     try:
-        games = play(model, config.env, config.test_episodes, config.seed + 12345,
+        games = play(model, config.env, config.test_episodes, config.seed + TEST_SEED_OFFSET,
                      greedy=config.eval_actions == "greedy", on_step=recorder.add if recorder is not None else None,
                      fire_on_life_loss=config.fire_on_life_loss, max_steps=config.eval_max_steps)
     except PlayInterrupted as stopped:  # what had been played, then exit code 130 (no video: a game unfinished)
@@ -197,12 +198,11 @@ def _print_results(games: Games, state: dict) -> float:
     return mean
 
 
-# Evaluations play the games seeded EVAL_SEED_OFFSET after the run's seed and on, one per game (`play`), each
-# evaluation the next --eval_episodes of them: other games than the actors' and the test mode's, and other games in
-# every evaluation, so the best is not chosen on one fixed set. The count of seeds handed out is in the checkpoint, as
+# Evaluations play the games seeded EVAL_SEED_OFFSET (impala/seeding.py) after the run's seed and on, one per game
+# (`play`), each evaluation the next --eval_episodes of them: other games than the actors' and the test mode's, and
+# other games in every evaluation, so the best is not chosen on one fixed set. The count of seeds handed out is in the checkpoint, as
 # the actor lives are: a resumed session goes on from it, whatever its --eval_episodes. Only what a killed session
 # evaluated after its last checkpoint is played again, as its training is done again.
-EVAL_SEED_OFFSET = 1_000_000
 
 
 def serve_evaluations(model: Net, config: Config, connection: Connection, heartbeat: Any = None) -> None:

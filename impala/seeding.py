@@ -7,7 +7,10 @@ sessions by the run's starts (meta.json). So every seed follows from --seed and 
 - env seeds are handed out consecutively from --seed, each life taking the next block of one seed per env,
   so no two lives of a run's checkpointed history share one (they wrap at 2^31, ale-py's int32 limit);
 - a sampling stream is seeded by numpy's SeedSequence from (--seed, session, actor, life): a session
-  killed before its last checkpoint does not replay its sampling streams after a resume.
+  killed before its last checkpoint does not replay its sampling streams after a resume;
+- evaluations and test mode play games seeded from ranges of their own, EVAL_SEED_OFFSET and TEST_SEED_OFFSET
+  after --seed: the actors' range meets the evaluations' only after 2^30 seeds, theirs the test mode's after
+  2^29, so no evaluated or tested game is one the actors trained on.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import ClassVar
 import numpy as np
 
 SEED_LIMIT = 2**31  # ale-py takes int32 env seeds; --seed must be below it
+EVAL_SEED_OFFSET = 2**30  # evaluations' first env seed, after --seed (wrapped below SEED_LIMIT)
+TEST_SEED_OFFSET = 2**30 + 2**29  # test mode's first env seed, after --seed
 INFERENCE_STREAM = -1  # the "actor index" of the central inference thread's sampling stream
 
 

@@ -57,7 +57,7 @@ from impala.evaluator import Evaluator, check_evaluator, finish_evaluation, repl
 from impala.learner import LearnerState
 from impala.metrics import RunLog
 from impala.model import Net
-from impala.seeding import ActorLives
+from impala.seeding import SEED_LIMIT, ActorLives, env_seeds
 
 EVAL_TAG = "eval/episodic_return_mean"
 CARTPOLE_MAX_RETURN = 500.0  # CartPole-v1 truncates a game at 500 steps: no evaluation can score more
@@ -200,6 +200,31 @@ def test_the_evaluator_plays_the_games_test_mode_plays() -> None:
     assert len(games.returns) == 3 and all(r >= 1 for r in games.returns) and cpu_s > 0
     # It beat once on taking the request and once per agent step: the games run side by side, the longest last.
     assert heartbeat.beats == 1 + max(games.lengths)
+
+
+@pytest.mark.parametrize("seed", [7, SEED_LIMIT - 100])
+def test_test_mode_and_evaluations_play_none_of_the_games_a_long_runs_actors_were_seeded_with(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, seed: int) -> None:
+    """Actors take env seeds in turn from --seed: a run of weeks with restarts takes millions. Test mode's games and
+    the evaluations' (tens of thousands) come from ranges of their own, also where the seeds wrap at 2^31."""
+    path = tmp_path / "model.tar"
+    save_checkpoint(path, _state(_net(), 40))
+    tested: list[int] = []
+
+    def recording_play(model: Net, env_id: str, episodes: int, first_seed: int, **kwargs: object) -> Games:
+        tested.extend(env_seeds(first_seed, episodes))
+        return play(model, env_id, episodes, first_seed, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(evaluate, "play", recording_play)
+    evaluate.test(Config(mode="test", env="CartPole-v1", checkpoint=str(path), test_episodes=2, seed=seed))
+    evaluated = env_seeds(seed + EVAL_SEED_OFFSET, 100_000)
+    actor_seeds = 10**7
+
+    def after_the_actors(seeds: tuple[int, ...] | list[int]) -> bool:
+        return all((s - seed) % SEED_LIMIT >= actor_seeds for s in seeds)
+
+    assert len(tested) == 2 and after_the_actors(tested) and after_the_actors(evaluated)
+    assert not set(tested) & set(evaluated)
 
 
 class _CountingHeartbeat:
