@@ -315,13 +315,37 @@ def write_latest(run_dir: Path) -> None:
     latest = run_dir.parent / LATEST_NAME
     if latest.is_dir() and not latest.is_symlink():
         return
-    tmp = run_dir.parent / f".latest-{os.getpid()}"
+    tmp = run_dir.parent / f"{LATEST_TMP_PREFIX}{os.getpid()}"
     try:
         tmp.write_text(run_dir.name + "\n")
         os.replace(tmp, latest)  # atomic: a reader sees the old name or the new one
     except OSError:  # the file is a convenience only; a full disk leaves no temporary file behind
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+    _remove_stale_latest_files(run_dir.parent)
+
+
+LATEST_TMP_PREFIX = ".latest-"  # + the writer's pid: SAVEDIR/latest's temporary file
+
+
+def _remove_stale_latest_files(savedir: Path) -> None:
+    """Remove the temporary `latest` files of writers no longer running (killed between write and rename)."""
+    for path in savedir.glob(f"{LATEST_TMP_PREFIX}*"):
+        pid = path.name.removeprefix(LATEST_TMP_PREFIX)
+        if not pid.isdigit() or _running(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 def finish_run_files(run_dir: Path, reason: str, step: int) -> None:

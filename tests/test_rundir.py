@@ -81,6 +81,18 @@ def test_a_write_that_fails_part_way_leaves_the_previous_record_whole(tmp_path: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["meta.json"]  # no temporary left behind
 
 
+def test_a_temporary_latest_file_of_a_start_killed_mid_write_is_removed_by_the_next(tmp_path: Path) -> None:
+    """A kill -9 between the write and the rename leaves `.latest-PID`; a start running meanwhile keeps its own."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True)
+    stale, running = tmp_path / f".latest-{int(dead.stdout)}", tmp_path / ".latest-1"  # pid 1: always running
+    stale.write_text("old\n")
+    running.write_text("other\n")
+    write_latest(tmp_path / "run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".latest-1", "latest"]
+    assert (tmp_path / "latest").read_text() == "run\n"
+
+
 @pytest.mark.slow
 def test_a_run_whose_record_was_cut_short_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     args = (*SMALL_RUN, "--disable_cuda", "--savedir", str(tmp_path), "--xpid", "cut")
