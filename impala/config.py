@@ -292,7 +292,7 @@ class Config:
                                  ".pdf, ...; default: SAVEDIR/returns.png)")
     plot_xpids: tuple[str, ...] = _flag((), "plot mode: runs to plot (default: XPID, or every run in SAVEDIR)",
                                         nargs="*", metavar="XPID")
-    plot_x: str = _flag("steps", "plot mode: x axis, agent steps or wall-clock time since the run's first point",
+    plot_x: str = _flag("steps", "plot mode: x axis, agent steps or hours of training since the run's first point",
                         choices=("steps", "time"))
 
     def __post_init__(self) -> None:

@@ -2,7 +2,7 @@
 
     python run.py --mode plot --savedir runs --xpid A B        # or: python -m impala.plotting --xpid A B
     python run.py --mode plot --savedir runs --plot_out cmp.png  # every run in SAVEDIR
-    python run.py --mode plot --xpid A B --plot_x time         # against wall-clock time
+    python run.py --mode plot --xpid A B --plot_x time         # against hours of training
 
 Returns come from each run's TensorBoard event files (`charts/episodic_return`, one point per finished
 episode), or, for a run without them, from `logs.csv` (`charts/mean_return_100`). Each run is drawn
@@ -16,20 +16,19 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
-import logging
 import math
 import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
 from impala.config import Config, UserError, parse_config, run_path
+from impala.events import event_files, read_scalars
 
 RETURN_TAG = "charts/episodic_return"
 EVAL_TAG = "eval/episodic_return_mean"
@@ -39,7 +38,8 @@ MAX_SMOOTHING_EPISODES = 100  # the usual "mean of the last 100 episodes"
 
 @dataclass
 class Series:
-    """[N] agent steps, wall-clock seconds since the run's first point (None from a CSV) and values, by step."""
+    """[N] agent steps, seconds of training since the run's first point (pauses between sessions left out; None
+    from a CSV) and values, by step."""
 
     steps: np.ndarray
     times: np.ndarray | None
@@ -63,7 +63,7 @@ class Curve:
     steps: np.ndarray
     returns: np.ndarray
     env: str | None = None
-    times: np.ndarray | None = None  # [N] wall-clock seconds; None for a run with only a logs.csv
+    times: np.ndarray | None = None  # [N] seconds of training (Series.times); None for a run with only a logs.csv
     evaluation: Series | None = None
 
 
@@ -88,7 +88,7 @@ def plot(config: Config) -> Path:
     out = Path(config.plot_out).expanduser() if config.plot_out else savedir / "returns.png"
     save_figure(returns_figure(curves, x=config.plot_x), out, "--plot_out", dpi=120)
     print(f"Wrote {out}: episodic return of {', '.join(names)} against "
-          f"{'agent steps' if config.plot_x == 'steps' else 'wall-clock time'}")
+          f"{'agent steps' if config.plot_x == 'steps' else 'hours of training'}")
     return out
 
 
@@ -126,7 +126,7 @@ def find_runs(savedir: Path) -> list[str]:
     if not savedir.is_dir():
         return []
     return sorted(p.name for p in savedir.iterdir()
-                  if p.is_dir() and not p.is_symlink() and (any(p.glob("events.out.tfevents.*"))
+                  if p.is_dir() and not p.is_symlink() and (bool(event_files(p))
                                                              or (p / "logs.csv").is_file()))
 
 
@@ -151,7 +151,9 @@ def load_curve(savedir: Path, name: str) -> Curve:
     if not run_dir.is_dir():
         existing = find_runs(savedir)
         raise UserError(f"no run {name!r} in {savedir} (runs there: {', '.join(existing) or 'none'})")
-    series = _series_from_events(run_dir, (RETURN_TAG, EVAL_TAG))
+    series, damaged_events = _series_from_events(run_dir, (RETURN_TAG, EVAL_TAG))
+    if damaged_events:
+        print(damaged_events_line(name, damaged_events))
     if len(series[RETURN_TAG].steps) == 0 and len(series[EVAL_TAG].steps) == 0:
         from_csv, damaged = _series_from_csv(run_dir / "logs.csv", (CSV_RETURN_COLUMN, EVAL_TAG))
         series = {RETURN_TAG: from_csv[CSV_RETURN_COLUMN], EVAL_TAG: from_csv[EVAL_TAG]}
@@ -165,33 +167,27 @@ def load_curve(savedir: Path, name: str) -> Curve:
     return Curve(name, returns.steps, returns.values, _env_of(run_dir), returns.times, evaluation)
 
 
-def read_events(run_dir: Path, size_guidance: Mapping[str, int]) -> Any:
-    """A loaded EventAccumulator of `run_dir`. Quiet: a resumed run's purge (its events past the checkpoint it
-    resumed from, dropped) would be a warning on stderr for every plot, though it is the run's own doing."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+def _series_from_events(run_dir: Path, tags: Sequence[str]) -> tuple[dict[str, Series], list[tuple[Path, int]]]:
+    """Each tag's points, with the seconds the run had trained since the first point of any of `tags` (the pauses
+    between its sessions left out), and the records of the event files that could not be read (file, byte offset;
+    each ended its file's points)."""
+    scalars = read_scalars(run_dir, tuple(tags))
+    start = min((point[1] for points in scalars.points.values() for point in points), default=0.0)
 
-    accumulator = EventAccumulator(str(run_dir), size_guidance=dict(size_guidance))
-    tensorboard_log = logging.getLogger("tensorboard")
-    level = tensorboard_log.level
-    tensorboard_log.setLevel(logging.ERROR)
-    try:
-        accumulator.Reload()
-    finally:
-        tensorboard_log.setLevel(level)
-    return accumulator
+    def seconds(points: list[tuple[int, float, float]]) -> np.ndarray:
+        return scalars.active_s(np.array([p[1] for p in points])) - scalars.active_s(np.array([start]))[0]
+
+    series = {tag: Series(np.array([p[0] for p in points], np.int64), seconds(points),
+                          np.array([p[2] for p in points], np.float64)) if points else Series.empty()
+              for tag, points in scalars.points.items()}
+    return series, scalars.damaged
 
 
-def _series_from_events(run_dir: Path, tags: Sequence[str]) -> dict[str, Series]:
-    """Each tag's points, with wall times counted from the first point of any of `tags`."""
-    # size_guidance 0 keeps every point: the default reservoir would keep a random 10,000.
-    accumulator = read_events(run_dir, {"scalars": 0, "images": 1, "tensors": 1})
-    found = accumulator.Tags()["scalars"]
-    events = {tag: accumulator.Scalars(tag) if tag in found else [] for tag in tags}
-    start = min((e.wall_time for points in events.values() for e in points), default=0.0)
-    return {tag: Series(np.array([e.step for e in points], np.int64),
-                        np.array([e.wall_time - start for e in points], np.float64),
-                        np.array([e.value for e in points], np.float64)) if points else Series.empty()
-            for tag, points in events.items()}
+def damaged_events_line(name: str, damaged: Sequence[tuple[Path, int]]) -> str:
+    """One line on the records of a run's event files that could not be read."""
+    where = "; ".join(f"{path.name} from byte {offset:,}" for path, offset in damaged)
+    return (f"Run {name}: left out the rest of {len(damaged)} event file(s) after a record that could not be read "
+            f"(damaged, or cut short by a kill): {where}")
 
 
 def _series_from_csv(path: Path, columns: Sequence[str]) -> tuple[dict[str, Series], list[int]]:
@@ -260,7 +256,7 @@ def smoothing_window(num_points: int) -> int:
 def returns_figure(curves: Sequence[Curve], colors: Mapping[str, str] | None = None, x: str = "steps") -> Figure:
     """A figure of every curve, raw and smoothed, and its evaluations, with the run names in the legend.
 
-    `x`: "steps" (agent steps) or "time" (wall-clock hours since each run's first point; every curve needs
+    `x`: "steps" (agent steps) or "time" (hours of training since each run's first point; every curve needs
     `times`). Uses matplotlib's object API with the Agg canvas: no display, no global backend change.
     """
     figure = Figure(figsize=(8, 5), layout="constrained")
@@ -281,7 +277,7 @@ def returns_figure(curves: Sequence[Curve], colors: Mapping[str, str] | None = N
                       label=f"{label}: evaluation")
     single_env = next(iter(envs)) if len(envs) == 1 else None
     axes.set_title("Episodic return" + (f": {single_env}" if single_env else ""))
-    axes.set_xlabel("agent steps" if x == "steps" else "wall-clock hours since the run's first point")
+    axes.set_xlabel("agent steps" if x == "steps" else "hours of training since the run's first point")
     axes.set_ylabel("episodic return (bold: rolling mean; dashed: evaluations)")
     if x == "steps":
         axes.xaxis.set_major_formatter(EngFormatter())

@@ -16,7 +16,8 @@ Flags this script does not know are passed on to `run.py` after the experiment's
 Each run trains with `run.py` in SAVEDIR (default results/runs), then plays `--test_episodes` greedy
 games with `run.py --mode test`, prints one summary line per run (final mean of the last 100 training
 games, agent steps, wall time, greedy test mean) and writes a PNG of the return against agent steps and
-against wall time (default docs/results/NAME.png). With several seeds it also prints the spread.
+against wall time (default docs/results/NAME.png); the wall time of a resumed run leaves out the pauses between
+its sessions. With several seeds it also prints the spread.
 
 `atari5` trains the README's default command on each Atari-5 game for 10M agent steps (XPID atari5-GAME),
 one game after the other. Rerunning it skips the games that finished (and were tested), resumes the one
@@ -52,7 +53,8 @@ sys.path.insert(0, str(ROOT))
 
 from impala import atari5  # the repository root is on the path only now
 from impala.config import OneLineErrorParser, UserError
-from impala.plotting import CSV_RETURN_COLUMN, figure_path_problem, read_events, save_figure, smooth
+from impala.events import event_files, read_scalars
+from impala.plotting import CSV_RETURN_COLUMN, damaged_events_line, figure_path_problem, save_figure, smooth
 from impala.stopping import Terminated, sigterm_as_ctrl_c
 
 # The commands behind the results; flags not named here are run.py's defaults.
@@ -111,15 +113,15 @@ def greedy_test(env: str, savedir: Path, xpid: str, episodes: int) -> tuple[floa
 
 
 def episodes(run_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every finished game of a run: agent step, return, and wall seconds since the run's first event."""
-    accumulator = read_events(run_dir, {"scalars": 0})
-    if RETURN_TAG not in accumulator.Tags()["scalars"]:  # no game finished yet
-        return np.empty(0, np.int64), np.empty(0), np.empty(0)
-    events = accumulator.Scalars(RETURN_TAG)
-    first_wall = min(accumulator.Scalars(tag)[0].wall_time for tag in accumulator.Tags()["scalars"])
-    steps = np.array([e.step for e in events], np.int64)
-    returns = np.array([e.value for e in events], np.float64)
-    walls = np.array([e.wall_time - first_wall for e in events], np.float64)
+    """Every finished game of a run: agent step, return, and the seconds it had trained by then (from the run's
+    first event, less the pauses between its sessions)."""
+    scalars = read_scalars(run_dir, (RETURN_TAG,))
+    if scalars.damaged:
+        print(damaged_events_line(run_dir.name, scalars.damaged))
+    points = scalars.points[RETURN_TAG]
+    steps = np.array([point[0] for point in points], np.int64)
+    walls = scalars.active_s(np.array([point[1] for point in points], np.float64))
+    returns = np.array([point[2] for point in points], np.float64)
     order = np.argsort(steps, kind="stable")
     return steps[order], returns[order], walls[order]
 
@@ -320,7 +322,7 @@ def curve_points(run_dir: Path) -> list[list[float]]:
     """[agent step, mean of the last 100 games] after the last game at or before each of KEPT_CURVE_POINTS
     evenly spaced steps (from the event files, else logs.csv's `charts/mean_return_100`): the bold curve of the
     figure, small enough to keep in the repository."""
-    steps, returns, _ = episodes(run_dir) if any(run_dir.glob("events.out.tfevents.*")) else (np.empty(0),) * 3
+    steps, returns, _ = episodes(run_dir) if event_files(run_dir) else (np.empty(0),) * 3
     means = smooth(returns, LAST_GAMES)
     if not len(steps):
         steps, means = csv_means(run_dir)

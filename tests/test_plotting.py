@@ -232,7 +232,7 @@ def test_evaluations_are_drawn_with_the_training_return_against_steps_or_wall_ti
     curves = [curve, plotting.load_curve(tmp_path, "b")]
     axes = plotting.returns_figure(curves, x="time").axes[0]
     assert [t.get_text() for t in axes.get_legend().get_texts()] == ["a", "a: evaluation", "b", "b: evaluation"]
-    assert "wall-clock hours" in axes.get_xlabel()
+    assert "hours of training" in axes.get_xlabel()
     raw, _, evaluation = axes.get_lines()[:3]
     assert raw.get_xdata()[-1] == pytest.approx(49 / 3600)  # each run from its own first point, in hours
     assert evaluation.get_xdata().tolist() == pytest.approx([t / 3600 for t in (5.5, 15.5, 25.5, 35.5, 45.5)])
