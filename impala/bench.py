@@ -86,6 +86,7 @@ from impala.config import (
     env_int,
     parse_config,
     to_flags,
+    usable_cores,
 )
 from impala.environment import EnvBatch, probe_env
 from impala.inference import InferenceServer, InferenceServers
@@ -1020,6 +1021,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
         raise UserError(f"--only {args.only!r} names no component; choose from {','.join(COMPONENTS)}")
     if unknown:
         raise UserError(f"--only {args.only!r}: unknown {', '.join(unknown)}; choose from {','.join(COMPONENTS)}")
+    if distributed.launched_by_torchrun() and only != ["learner"]:  # every rank would run each: e2e runs would join
+        raise UserError(f"--only {args.only!r} under torchrun: only the learner is measured on several ranks "  # as one
+                        "(--only learner); run the other components without torchrun")
     if not 0 < args.seconds < math.inf:
         raise UserError(f"--seconds must be > 0 and finite, got {args.seconds}")
     for name, text in [("--extra", args.extra)] + [("--variants", v) for v in args.variants or []]:
@@ -1069,9 +1073,10 @@ def run_bench(args: argparse.Namespace, config: Config, only: Sequence[str]) -> 
                       f"{components[name]['steps_per_cpu_s']:.0f} steps/CPU-s", file=sys.stderr)
     results["components"] = components
     has_all = all(name in components for name in ("env", "inference", "learner"))
-    limit = ceiling(components, results["machine"]["cores_usable"]) if has_all else None
+    cores = usable_cores()  # the affinity's cores, fewer under a cgroup quota: what the trainer's --num_actors auto uses
+    limit = ceiling(components, cores) if has_all else None
     results["ceiling"] = limit
-    results["env_ceiling_steps_per_s"] = env_limit = env_ceiling(components, results["machine"]["cores_usable"])
+    results["env_ceiling_steps_per_s"] = env_limit = env_ceiling(components, cores)
     rows = []
     if "e2e" in only:
         extra = shlex.split(args.extra)

@@ -20,8 +20,8 @@ import pytest
 import torch
 from process_helpers import REPO_ROOT, children, runs_started_by, sigterm_to_it_alone, wait_until_gone
 
-from impala import bench, learner, vtrace
-from impala.config import Config
+from impala import bench, distributed, learner, vtrace
+from impala.config import Config, usable_cores
 from impala.model import Net
 
 RATE_KEYS = {"steps", "wall_s", "cpu_s", "steps_per_s", "steps_per_cpu_s", "cpu_ms_per_step"}
@@ -96,7 +96,7 @@ def test_a_gradient_step_launches_as_many_operations_for_any_unroll_length_with_
 
 def test_ceiling_is_the_sum_of_cpu_per_step_times_the_cores(micro_results: dict) -> None:
     limit = micro_results["ceiling"]
-    assert limit["cores"] == micro_results["machine"]["cores_usable"]
+    assert limit["cores"] == usable_cores()  # the affinity's, fewer under a cgroup quota
     assert limit["steps_per_s"] == pytest.approx(limit["steps_per_cpu_s"] * limit["cores"])
 
 
@@ -410,6 +410,35 @@ def test_bad_bench_flags_are_one_line_before_anything_runs(
     err = capsys.readouterr().err
     assert err.startswith("bench: error: ") and err.count("\n") == 1, err
     assert re.search(pattern, err), err
+
+
+def test_under_torchrun_only_the_learner_is_measured(capsys: pytest.CaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank runs what --only names: two ranks' end-to-end runs would train as one run of two ranks, its
+    steps those of both and its CPU time rank 0's alone."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    assert distributed.launched_by_torchrun()
+    monkeypatch.setattr(bench, "run_bench", lambda *args: pytest.fail("a component ran"))
+    assert bench.main(["--only", "learner,e2e", "--env", "CartPole-v1"]) == 2
+    assert capsys.readouterr().err == ("bench: error: --only 'learner,e2e' under torchrun: only the learner is "
+                                       "measured on several ranks (--only learner); run the other components "
+                                       "without torchrun\n")
+    assert bench.parse_args(["--only", "learner", "--env", "CartPole-v1"])[2] == ["learner"]
+
+
+def test_the_ceilings_count_the_cores_a_cgroup_quota_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`docker run --cpus 4` on a bigger host: 4 cores' worth of CPU time, as --num_actors auto counts them."""
+    monkeypatch.setattr(bench, "usable_cores", lambda: 4)
+    monkeypatch.setattr(bench, "env_shape", lambda config: bench.EnvShape((4,), torch.float32, 2, "mlp"))
+    for name, rate in (("env", 1000.0), ("inference", 500.0), ("learner", 250.0)):
+        monkeypatch.setattr(bench, f"bench_{name}", lambda *args, rate=rate: {
+            "steps_per_s": rate, "steps_per_cpu_s": rate, "device": "cpu"})
+    args, config, only = bench.parse_args(["--only", "env,inference,learner", "--env", "CartPole-v1"])
+    results = bench.run_bench(args, config, only)
+    assert results["ceiling"]["cores"] == 4
+    assert results["ceiling"]["steps_per_s"] == pytest.approx(4 / (1 / 1000 + 1 / 500 + 1 / 250))
+    assert results["env_ceiling_steps_per_s"] == pytest.approx(4000.0)
 
 
 def test_a_model_the_env_cannot_take_is_one_line_before_a_component_runs(capsys: pytest.CaptureFixture) -> None:
