@@ -155,12 +155,10 @@ def load_curve(savedir: Path, name: str) -> Curve:
     if damaged_events:
         print(damaged_events_line(name, damaged_events))
     if len(series[RETURN_TAG].steps) == 0 and len(series[EVAL_TAG].steps) == 0:
-        from_csv, damaged = _series_from_csv(run_dir / "logs.csv", (CSV_RETURN_COLUMN, EVAL_TAG))
+        from_csv, damaged = series_from_csv(run_dir / "logs.csv", (CSV_RETURN_COLUMN, EVAL_TAG))
         series = {RETURN_TAG: from_csv[CSV_RETURN_COLUMN], EVAL_TAG: from_csv[EVAL_TAG]}
         if damaged:
-            shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
-            print(f"Run {name}: left out {len(damaged)} damaged row(s) of its logs.csv (line(s) {shown}): a step or "
-                  "value that is not a number, or bytes that are not text")
+            print(damaged_rows_line(name, damaged))
     returns, evaluation = series[RETURN_TAG].sorted(), series[EVAL_TAG].sorted()
     if len(returns.steps) == 0 and len(evaluation.steps) == 0:
         raise UserError(f"run {name!r} in {savedir} has no finished episode to plot yet")
@@ -190,7 +188,14 @@ def damaged_events_line(name: str, damaged: Sequence[tuple[Path, int]]) -> str:
             f"(damaged, or cut short by a kill): {where}")
 
 
-def _series_from_csv(path: Path, columns: Sequence[str]) -> tuple[dict[str, Series], list[int]]:
+def damaged_rows_line(name: str, damaged: Sequence[int]) -> str:
+    """One line on the rows of a run's logs.csv left out as damaged (their line numbers)."""
+    shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
+    return (f"Run {name}: left out {len(damaged)} damaged row(s) of its logs.csv (line(s) {shown}): a step or value "
+            "that is not a number, or bytes that are not text")
+
+
+def series_from_csv(path: Path, columns: Sequence[str]) -> tuple[dict[str, Series], list[int]]:
     """Each of `columns`' points in logs.csv `path` (none without the file), and the numbers of the lines left out
     as damaged: a step or a value that is not a number (bytes that are not UTF-8 read as U+FFFD), a row the
     csv module cannot read. A kill can cut the last row short and a disk fault can garble any: such a row is

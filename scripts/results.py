@@ -54,7 +54,15 @@ sys.path.insert(0, str(ROOT))
 from impala import atari5  # the repository root is on the path only now
 from impala.config import OneLineErrorParser, UserError
 from impala.events import event_files, read_scalars
-from impala.plotting import CSV_RETURN_COLUMN, damaged_events_line, figure_path_problem, save_figure, smooth
+from impala.plotting import (
+    CSV_RETURN_COLUMN,
+    damaged_events_line,
+    damaged_rows_line,
+    figure_path_problem,
+    save_figure,
+    series_from_csv,
+    smooth,
+)
 from impala.stopping import Terminated, sigterm_as_ctrl_c
 
 # The commands behind the results; flags not named here are run.py's defaults.
@@ -128,9 +136,8 @@ def episodes(run_dir: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 def summary(run_dir: Path) -> dict:
     steps, returns, walls = episodes(run_dir)
-    flags = json.loads((run_dir / "flags.json").read_text())
-    meta = json.loads((run_dir / "meta.json").read_text())
-    return {"xpid": run_dir.name, "env": flags["env"], "games": len(returns), "final_step": meta.get("final_step"),
+    flags, meta = _read_json(run_dir / "flags.json"), _read_json(run_dir / "meta.json")  # {} where cut short
+    return {"xpid": run_dir.name, "env": flags.get("env"), "games": len(returns), "final_step": meta.get("final_step"),
             "last_episode_step": int(steps[-1]) if len(steps) else None, "wall_s": float(walls[-1]) if len(walls) else None,
             f"mean_last_{LAST_GAMES}": float(returns[-LAST_GAMES:].mean()) if len(returns) else None,
             "command": meta.get("command")}
@@ -281,15 +288,14 @@ def last_games_mean(run_dir: Path) -> tuple[float | None, int]:
 
 def csv_means(run_dir: Path) -> tuple[np.ndarray, np.ndarray]:
     """logs.csv's rows that have a `charts/mean_return_100`: their agent steps and that mean (empty arrays if
-    the run has no logs.csv or no game finished)."""
-    rows = []
-    if (run_dir / "logs.csv").is_file():
-        import csv
-
-        with open(run_dir / "logs.csv", newline="") as f:
-            rows = [(int(r["step"]), float(r[CSV_RETURN_COLUMN])) for r in csv.DictReader(f)
-                    if r.get(CSV_RETURN_COLUMN) and np.isfinite(float(r[CSV_RETURN_COLUMN]))]
-    return np.array([r[0] for r in rows], np.int64), np.array([r[1] for r in rows], np.float64)
+    the run has no logs.csv or no game finished), in the order written; damaged rows left out, saying so, as
+    plot mode does."""
+    series, damaged = series_from_csv(run_dir / "logs.csv", (CSV_RETURN_COLUMN,))
+    if damaged:
+        print(damaged_rows_line(run_dir.name, damaged))
+    means = series[CSV_RETURN_COLUMN]
+    finite = np.isfinite(means.values)
+    return means.steps[finite], means.values[finite]
 
 
 def atari5_row(run_dir: Path, env_id: str, seed: int, kept: dict | None = None) -> dict:
@@ -580,11 +586,16 @@ def _main() -> int:
         row = summary(args.savedir / xpid)
         if not args.plot_only:
             row["process_wall_s"] = round(time.monotonic() - start, 1)
-        row["greedy_test_mean"], row["greedy_test_lengths"] = greedy_test(env, args.savedir, xpid, args.test_episodes)
+        if args.plot_only and not (args.savedir / xpid / "model.tar").is_file():  # still before its first one
+            print(f"results: run {xpid} has no checkpoint yet: no greedy test", file=sys.stderr)
+            row["greedy_test_mean"] = row["greedy_test_lengths"] = None
+        else:
+            row["greedy_test_mean"], row["greedy_test_lengths"] = greedy_test(env, args.savedir, xpid,
+                                                                              args.test_episodes)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    if len(rows) > 1:
-        finals = np.array([r[f"mean_last_{LAST_GAMES}"] for r in rows])
+    finals = np.array([r[f"mean_last_{LAST_GAMES}"] for r in rows if r[f"mean_last_{LAST_GAMES}"] is not None])
+    if len(finals) > 1:
         print(f"{args.experiment}: mean of the last {LAST_GAMES} games per seed "
               f"{', '.join(f'{v:.1f}' for v in finals)}; min {finals.min():.1f}, max {finals.max():.1f}, "
               f"mean {finals.mean():.1f} +- {finals.std():.1f}")

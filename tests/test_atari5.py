@@ -193,6 +193,15 @@ def test_plot_only_prints_and_writes_the_table_for_the_games_that_exist(tmp_path
     assert (tmp_path / "atari5.png").read_bytes().startswith(b"\x89PNG")  # the five panels, beside the table
 
 
+def test_a_damaged_row_of_logs_csv_is_left_out_of_a_games_means_saying_so(tmp_path: Path, capsys) -> None:
+    run_dir = tmp_path / "atari5-Qbert"
+    run_dir.mkdir()
+    (run_dir / "logs.csv").write_bytes(b"step,charts/mean_return_100\n100,\n200,5.5\n30\xff0,7.\x00\n400,nan\n500,9.0\n")
+    steps, means = results.csv_means(run_dir)
+    assert steps.tolist() == [200, 500] and means.tolist() == [5.5, 9.0]
+    assert capsys.readouterr().out.startswith("Run atari5-Qbert: left out 1 damaged row(s) of its logs.csv (line(s) 4)")
+
+
 def test_the_figure_has_a_panel_per_game_with_cleanrls_score(tmp_path: Path) -> None:
     run_dir = tmp_path / "atari5-Qbert"
     run_dir.mkdir()

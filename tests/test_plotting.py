@@ -297,6 +297,23 @@ def test_results_script_without_a_run_to_read_says_so_in_a_line_and_exits_2(tmp_
     assert sorted(path.name for path in tmp_path.iterdir()) == ["empty"]  # nothing written
 
 
+def test_results_script_redraws_a_run_still_before_its_first_checkpoint_and_without_its_flags(tmp_path: Path) -> None:
+    """--plot-only of a run killed (or still training) before its first checkpoint: the summary and the figure,
+    no greedy test (there is nothing to play); a flags.json a kill left out is no traceback either."""
+    _event_run(tmp_path, "early", [1.0, 2.0, 3.0], [100, 200, 300], env="PongNoFrameskip-v4")
+    (tmp_path / "early" / "flags.json").unlink()
+    (tmp_path / "early" / "meta.json").write_text(json.dumps({"command": "run.py"}))
+    out = tmp_path / "early.png"
+    done = subprocess.run([sys.executable, "scripts/results.py", "pong", "--plot-only", "--savedir", str(tmp_path),
+                           "--xpid", "early", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "results: run early has no checkpoint yet: no greedy test\n"
+    row = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("{")))
+    assert (row["games"], row["mean_last_100"], row["env"], row["greedy_test_mean"]) == (3, 2.0, None, None)
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_results_script_passes_unknown_flags_to_the_training_run(tmp_path: Path) -> None:
     """`scripts/results.py cartpole --total_steps N`: the run it starts trains to N and records the flag."""
     done = subprocess.run([sys.executable, "scripts/results.py", "cartpole", "--total_steps", "3000", "--savedir",
