@@ -30,10 +30,11 @@ RETURN = "charts/mean_return_100"
 
 
 def samples_per_entropy_term(flags: dict) -> float:
-    """How many steps' pi log pi one logged entropy loss sums: 1 for PPO (a mean), else a gradient step's."""
+    """How many steps' pi log pi one logged entropy loss sums: 1 for PPO (a mean), else a gradient step's (of whole
+    unrolls: at most one minibatch per unroll, as `learner.gradient_steps` counts them)."""
     if flags.get("policy_loss", "ppo") == "ppo":
         return 1.0
-    return flags["unroll_length"] * flags["batch_size"] / max(1, flags.get("minibatches", 1))
+    return flags["unroll_length"] * flags["batch_size"] / max(1, min(flags.get("minibatches", 1), flags["batch_size"]))
 
 
 class DamagedRun(Exception):

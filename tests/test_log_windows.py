@@ -60,6 +60,16 @@ def test_the_impala_loss_sums_a_gradient_steps_entropy_so_it_is_divided_by_its_s
     assert "| 0-0.5M | 9.0 | 0.500 | nan | 10.000 | 1.000 | 0.000 |" in log_windows.format_table(run_dir, [line])
 
 
+
+def test_more_minibatches_than_unrolls_cut_a_batch_into_its_unrolls(tmp_path: Path) -> None:
+    # --minibatches 8 of B = 4 unrolls: 4 gradient steps of one unroll, T = 5 steps each
+    rows = [[40, 100, -0.0006 * 5 * 0.5, "", 10.0, 1.0, 0, 9.0]]
+    run_dir = _run(tmp_path, {"policy_loss": "impala", "entropy_cost": 0.0006, "unroll_length": 5,
+                              "batch_size": 4, "minibatches": 8}, rows)
+    (line,) = log_windows.windows(run_dir, 500_000)
+    assert math.isclose(line["entropy"], 0.5)
+
+
 def test_a_directory_that_is_not_a_run_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "log_windows.py"), str(tmp_path)],
                           check=False, capture_output=True, text=True, timeout=60)
