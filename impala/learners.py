@@ -198,7 +198,12 @@ class Learners:
         stop = stop or self.state.step >= self.config.total_steps or self.stop_event.is_set()
         if self.coordinator is None:
             return 0 if stop else self.config.steps_per_update
+        # Waiting for the other ranks (their actors may be slow) is not this learner hanging: --learner_timeout_s does
+        # not count it; a rank that never votes ends the collective after COLLECTIVE_TIMEOUT_S.
+        this_thread = threading.current_thread()
+        self.busy_since.pop(this_thread, None)
         steps = self.coordinator.vote(stop, self.config.steps_per_update)
+        self.busy_since[this_thread] = time.monotonic()
         if not steps:
             self.stop_event.set()  # this rank's other learner threads, waiting for slots, stop too
         return steps

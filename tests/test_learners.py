@@ -72,3 +72,40 @@ def test_policy_lag_counts_the_updates_between_acting_and_learning() -> None:
     learners._learn()
     assert learners.lags == [0.0, 1.0, 1.0]
     assert pool.published == [1, 2, 3] and state.updates == 3 and state.step == 3 * T * B
+
+
+class _SlowVote:
+    """A coordinator whose votes wait for the other ranks (their actors slow), watched for the learner's busy time."""
+
+    step_reducer = None
+
+    def __init__(self, learners: Learners) -> None:
+        self.learners = learners
+        self.busy_while_voting: list[bool] = []
+
+    def vote(self, stop: bool, steps: int) -> int:
+        self.busy_while_voting.append(threading.current_thread() in self.learners.busy_since)
+        return 0 if stop else steps
+
+
+def test_waiting_in_the_vote_for_other_ranks_is_not_the_learners_busy_time() -> None:
+    """--learner_timeout_s takes a thread busy past it for hung; a rank whose actors are slow keeps the others in
+    the vote, and that wait must not end the run (it did, without a final checkpoint, at a timeout under 300 s)."""
+    config = Config(env="CartPole-v1", unroll_length=T, batch_size=B, num_learner_threads=1, total_steps=10**6,
+                    policy_loss="impala", optimizer="rmsprop", epsilon=0.01, epochs=1, minibatches=1)
+    torch.manual_seed(0)
+    model = Net((4,), 2, "mlp", False, 8)
+    buffers = create_buffers(BufferSpec(2 * B, T, (4,), torch.float32, 2))
+    for key in ("obs", "done", "reward", "truncated", "truncation_value", "action", "policy_logits", "policy_version"):
+        buffers[key].fill_(0)
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    state = LearnerState(model, optimizer, scheduler, ActorLives(0, 0))
+    stop = threading.Event()
+    pool = _Pool(_Slots([0, 1, 2, 3], stop))
+    learners = _RecordingLearners(config, state, buffers, pool, torch.device("cpu"), False, None, threading.Lock())
+    learners.stop_event, learners.lags = stop, []
+    coordinator = _SlowVote(learners)
+    learners.coordinator = coordinator  # type: ignore[assignment]
+    learners._learn()
+    assert coordinator.busy_while_voting == [False, False, False]  # two updates, then the vote to stop
+    assert state.updates == 2
