@@ -193,6 +193,7 @@ class GradientReducer:
             parameter.grad = flat[offset:offset + grad.numel()].view_as(grad)
             offset += grad.numel()
 
+    @torch.compiler.disable  # run as written under --compile: traced, its collectives bypassed the except below
     def moments(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Mean and (unbiased) standard deviation of `values` over every rank's values, as `Tensor.mean()` and
         `Tensor.std()` of them all: PPO normalises its advantages with these over the whole minibatch."""

@@ -166,6 +166,46 @@ def _reference(name: str) -> dict[str, torch.Tensor]:
     return parameters
 
 
+def _compiled_rank_process(rank: int, init_file: str, out_dir: str) -> None:
+    """One of two gloo ranks updating with --compile's loss (PPO, advantages normalised over both ranks); rank 1
+    is lost after the first update, and rank 0 records what its second one raises."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD_SIZE,
+                            timeout=timedelta(seconds=60))
+    config = Config(env="CartPole-v1", unroll_length=T, batch_size=B, policy_loss="ppo", epochs=1, minibatches=1,
+                    model="mlp", compile=True, disable_cuda=True)
+    torch.manual_seed(1)
+    model = Net((4,), 2, "mlp", False, config.hidden_size)
+    optimizer, scheduler = learner.make_optimizer(model, config, WORLD_SIZE)
+    loss_fn = learner.loss_function(config, torch.device("cpu"), WORLD_SIZE)
+    reducer = GradientReducer(WORLD_SIZE, summed_loss=False)
+    generator = torch.Generator().manual_seed(rank)
+    batch = {"obs": torch.randn(T + 1, B, 4, generator=generator), "done": torch.zeros(T + 1, B, dtype=torch.bool),
+             "reward": torch.randn(T + 1, B, generator=generator), "action": torch.randint(0, 2, (T + 1, B)),
+             "policy_logits": torch.randn(T + 1, B, 2, generator=generator),
+             "truncated": torch.zeros(T + 1, B, dtype=torch.bool), "truncation_value": torch.zeros(T + 1, B)}
+    learner.update(model, optimizer, scheduler, batch, (), config, reducer=reducer, loss_fn=loss_fn)
+    if rank == 1:
+        os._exit(0)  # lost between two updates, as a killed rank is
+    time.sleep(1.0)
+    try:
+        learner.update(model, optimizer, scheduler, batch, (), config, reducer=reducer, loss_fn=loss_fn)
+        raised = "nothing"
+    except Exception as exc:  # noqa: BLE001 (what it raises is the result)
+        raised = f"{type(exc).__name__}: {exc}"
+    (Path(out_dir) / "raised").write_text(f"{raised}\nfailed={reducer.failed}")
+    os._exit(0)  # the group is broken: no orderly teardown
+
+
+def test_a_rank_lost_under_compile_is_the_one_line_of_a_lost_rank(tmp_path: Path) -> None:
+    """--compile traces the loss; the advantages' all-reduce inside it must still end in the one line (it was a
+    raw gloo error with a traceback, the reducer not marked failed)."""
+    mp.spawn(_compiled_rank_process, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=WORLD_SIZE, join=True)
+    raised, failed = (tmp_path / "raised").read_text().splitlines()
+    assert raised.startswith("TrainingError: another learner process stopped answering (advantage normalisation: ")
+    assert failed == "failed=True"
+
+
 @pytest.mark.parametrize(("variables", "flags", "message"), [
     ({"TORCHELASTIC_RUN_ID": "none"}, {}, "under torchrun without --standalone or --rdzv-id, pass --xpid NAME"),
     ({"TORCHELASTIC_RUN_ID": "abc"}, {"ray": "local"}, "--ray local starts a private Ray in every learner process"),
