@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -33,7 +34,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from impala.config import Config, TrainingError, UserError, env_int, first_line, plain_name, run_path
+from impala.config import (
+    LATEST_NAME,
+    Config,
+    TrainingError,
+    UserError,
+    env_int,
+    first_line,
+    plain_name,
+    run_path,
+)
 from impala.learner import LearnerState
 from impala.metrics import ConsoleHandler, RunLog
 from impala.model import Net
@@ -116,21 +126,76 @@ def join(config: Config) -> tuple[Config, Coordinator | None]:
     local_rank = env_int("LOCAL_RANK")
     local_world_size = env_int("LOCAL_WORLD_SIZE", world_size)
     check_launch(rank, world_size, local_rank, local_world_size)
+    backend = "nccl" if not config.disable_cuda and torch.cuda.is_available() else "gloo"
+    device = torch.device("cuda", local_rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-    store = _attempt_store(rank, world_size, timeout)
-    if not config.disable_cuda and torch.cuda.is_available():
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=device)
-        control = dist.new_group(backend="gloo", timeout=timeout)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        control = dist.group.WORLD
+    try:
+        store = _attempt_store(rank, world_size, timeout)
+        gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+        xpid = _agree(store, rank, world_size, config, xpid, gpu)
+        if backend == "nccl":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=device)
+            control = dist.new_group(backend="gloo", timeout=timeout)
+        else:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+            control = dist.group.WORLD
+    except RuntimeError as exc:  # torch.distributed's errors: an address that cannot be bound or reached, a timeout
+        raise TrainingError(f"the learner processes could not join each other ({first_line(exc)[:200]}); where "
+                            "a machine's name does not resolve to the address the others reach it at, give torchrun "
+                            "--local-addr ADDRESS (gloo: GLOO_SOCKET_IFNAME names the interface)") from exc
     ranks = Ranks(rank, world_size, local_rank, local_world_size, device, control)
     config = dataclasses.replace(config, xpid=xpid, seed=rank_seed(config.seed, rank))
     return config, Coordinator(ranks, summed_loss=config.policy_loss == "impala")
+
+
+# Flags a rank may set for itself: its machine's actors, devices and patience, and what rank 0 alone uses (logs,
+# checkpoints, evaluations). Every other flag shapes the shared update or the run, and must be the same on every rank.
+RANK_OWN_FLAGS = frozenset({
+    "savedir", "num_actors", "envs_per_actor", "env_splits", "num_buffers", "inference", "inference_wait_ms",
+    "inference_threads", "ray", "ray_actors", "ray_envs_per_actor", "ray_steps_per_request", "ray_actor_resource",
+    "ray_publish_every", "ray_max_policy_lag", "num_learner_threads", "disable_cuda", "amp", "compile", "cuda_graph",
+    "pin_slots", "max_actor_restarts", "actor_timeout_s", "max_bad_updates", "learner_timeout_s", "log_interval_s",
+    "checkpoint_interval_s", "keep_checkpoints", "eval_interval_s", "eval_episodes", "eval_actions", "eval_max_steps",
+    "test_episodes", "video", "plot_out", "plot_xpids", "plot_x"})
+MAX_FLAGS_NAMED = 4  # of the flags the ranks disagree on, the message names this many
+
+
+def _agree(store: dist.Store, rank: int, world_size: int, config: Config, xpid: str, gpu: str | None) -> str:
+    """Every rank's flags and learner GPU (its UUID; None: the CPU) through torchrun's store, before any process
+    group: returns the run's name, rank 0's (`--xpid latest` read there: the other machines need no copy of the run directory). Raises
+    UserError on every rank where rank 0 cannot name the run, where the ranks were started with different flags
+    (other than RANK_OWN_FLAGS: their updates would drift apart, or fail), where some learn on a GPU and others
+    on the CPU (NCCL and gloo do not meet), or where two would share a GPU (NCCL refuses)."""
+    mine: dict[str, Any] = {"flags": config.to_dict(), "gpu": gpu, "xpid": xpid}
+    if rank == 0 and xpid == LATEST_NAME:
+        try:
+            mine["xpid"] = run_path(config.savedir, xpid).name
+        except UserError as exc:
+            mine["problem"] = str(exc)
+    store.set(f"flags/{rank}", json.dumps(mine))
+    hands = [mine if other == rank else json.loads(store.get(f"flags/{other}")) for other in range(world_size)]
+    first = hands[0]
+    if "problem" in first:
+        raise UserError(first["problem"] if rank == 0 else f"rank 0 cannot name the run: {first['problem']}")
+    differ = [(other, name, value) for other, hand in enumerate(hands) for name, value in hand["flags"].items()
+              if name not in RANK_OWN_FLAGS and value != first["flags"].get(name)]
+    if differ:
+        named = "; ".join(f"--{name} {first['flags'].get(name)!r} on rank 0, {value!r} on rank {other}"
+                          for other, name, value in differ[:MAX_FLAGS_NAMED])
+        more = f" and {len(differ) - MAX_FLAGS_NAMED} more" if len(differ) > MAX_FLAGS_NAMED else ""
+        raise UserError(f"the learner processes were started with different flags: {named}{more}; give every rank "
+                        "the same command line")
+    on_gpus = [other for other, hand in enumerate(hands) if hand["gpu"] is not None]
+    if 0 < len(on_gpus) < world_size:
+        raise UserError(f"rank(s) {', '.join(map(str, on_gpus))} learn on a GPU and the others on the CPU: give every "
+                        "rank a GPU, or pass --disable_cuda to every rank")
+    sharing = [other for other in on_gpus if [hand["gpu"] for hand in hands].count(hands[other]["gpu"]) > 1]
+    if sharing:
+        raise UserError(f"ranks {', '.join(map(str, sharing))} would share a GPU, which NCCL refuses: start as many "
+                        "learner processes on a machine as it has GPUs (--nproc_per_node), or pass --disable_cuda")
+    return str(first["xpid"])
 
 
 def _attempt_store(rank: int, world_size: int, timeout: timedelta) -> dist.Store:

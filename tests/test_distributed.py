@@ -34,7 +34,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from impala import distributed, learner
-from impala.config import Config, UserError
+from impala.config import Config, TrainingError, UserError
 from impala.distributed import MAX_GAMES_PER_VOTE, Coordinator, GradientReducer, Ranks
 from impala.model import Net
 from impala.seeding import ActorLives
@@ -217,6 +217,78 @@ def test_join_refuses_before_joining(monkeypatch: pytest.MonkeyPatch, variables:
         monkeypatch.setenv(name, value)
     with pytest.raises(UserError, match=re.escape(message)):
         distributed.join(Config(env="CartPole-v1", **flags))
+
+
+def _agreed(configs: list[Config], xpid: str = "run", gpus: tuple[str | None, ...] = (None, None)) -> list[Any]:
+    """What `_agree` returns (or raises) on each rank of a job, the other ranks' hands already in the store."""
+    outcomes: list[Any] = []
+    for rank in range(len(configs)):
+        store = dist.HashStore()
+        for other, config in enumerate(configs):
+            if other != rank:
+                hand = {"flags": config.to_dict(), "gpu": gpus[other], "xpid": xpid}
+                if other == 0 and xpid == "latest":  # rank 0's hand, as rank 0 made it
+                    try:
+                        hand["xpid"] = distributed.run_path(config.savedir, xpid).name
+                    except UserError as exc:
+                        hand["problem"] = str(exc)
+                store.set(f"flags/{other}", json.dumps(hand))
+        try:
+            outcomes.append(distributed._agree(store, rank, len(configs), configs[rank], xpid, gpus[rank]))
+        except UserError as exc:
+            outcomes.append(str(exc))
+    return outcomes
+
+
+def test_ranks_started_with_flags_that_shape_the_update_differently_are_refused_on_every_rank() -> None:
+    """Replicas of different learning rates drift apart silently; of different optimisers, one fails mid-run."""
+    base = Config(env="CartPole-v1", xpid="run")
+    line = ("the learner processes were started with different flags: --optimizer 'adam' on rank 0, 'rmsprop' on "
+            "rank 1; --learning_rate 0.00025 on rank 0, 0.01 on rank 1; give every rank the same command line")
+    assert _agreed([base, dataclasses.replace(base, learning_rate=0.01, optimizer="rmsprop")]) == [line, line]
+    # A rank's own machine: its actors, its devices, its patience; and what rank 0 alone does
+    own = dataclasses.replace(base, num_actors=3, envs_per_actor=2, inference="central", disable_cuda=True,
+                              actor_timeout_s=60.0, eval_interval_s=30.0, savedir="/elsewhere")
+    assert _agreed([base, own]) == ["run", "run"]
+    assert distributed.RANK_OWN_FLAGS <= {field.name for field in dataclasses.fields(Config)}
+
+
+def test_xpid_latest_is_read_on_rank_0_alone(tmp_path: Path) -> None:
+    """The other machines need no copy of the run directory: their rank takes the run rank 0 reads in `latest`."""
+    (tmp_path / "latest").write_text("cartpole-7\n")
+    on_rank_0 = Config(env="CartPole-v1", xpid="latest", savedir=str(tmp_path))
+    elsewhere = dataclasses.replace(on_rank_0, savedir=str(tmp_path / "not-here"))
+    assert _agreed([on_rank_0, elsewhere], xpid="latest") == ["cartpole-7", "cartpole-7"]
+    refused = _agreed([elsewhere, on_rank_0], xpid="latest")
+    assert refused[0].startswith(f"--xpid latest: no run in {tmp_path / 'not-here'} yet")
+    assert refused[1] == f"rank 0 cannot name the run: {refused[0]}"
+
+
+def test_ranks_on_a_gpu_and_on_the_cpu_or_sharing_a_gpu_are_refused() -> None:
+    configs = [Config(env="CartPole-v1", xpid="run")] * 3
+    mixed = _agreed(configs, gpus=("GPU-a", None, "GPU-b"))
+    assert mixed == [("rank(s) 0, 2 learn on a GPU and the others on the CPU: give every rank a GPU, or pass "
+                      "--disable_cuda to every rank")] * 3
+    sharing = _agreed(configs, gpus=("GPU-a", "GPU-b", "GPU-a"))
+    assert all(line.startswith("ranks 0, 2 would share a GPU, which NCCL refuses") for line in sharing)
+    assert _agreed(configs, gpus=("GPU-a", "GPU-b", "GPU-c")) == ["run"] * 3
+
+
+def test_a_rank_that_cannot_join_the_others_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLOO_SOCKET_IFNAME naming no interface, an address that cannot be bound: torch.distributed's RuntimeError
+    from deep in the rendezvous or the process group becomes the run's one line (it was a traceback)."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "TORCHELASTIC_RUN_ID": "abc",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+
+    def unreachable(*args: object) -> None:
+        raise dist.DistNetworkError("[enforce fail at device.cc:84] ifa != nullptr. Unable to find address for: bogus0")
+
+    monkeypatch.setattr(distributed, "_attempt_store", unreachable)
+    with pytest.raises(TrainingError, match=re.escape(
+            "the learner processes could not join each other ([enforce fail at device.cc:84] ifa != nullptr. Unable "
+            "to find address for: bogus0); where a machine's name does not resolve")):
+        distributed.join(Config(env="CartPole-v1", disable_cuda=True))
 
 
 def test_join_names_the_run_after_the_rendezvous_id(monkeypatch: pytest.MonkeyPatch) -> None:
