@@ -291,6 +291,30 @@ def test_a_rank_that_cannot_join_the_others_says_so_in_one_line(monkeypatch: pyt
         distributed.join(Config(env="CartPole-v1", disable_cuda=True))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_a_job_of_one_rank_joins_through_torchruns_store_with_its_run_named(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, device: str) -> None:
+    """The whole of `join` as torchrun starts it: the store, the flags agreed (`--xpid latest` read), the group."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "TORCHELASTIC_RUN_ID": "abc", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(name, value)
+    (tmp_path / "latest").write_text("cartpole-3\n")
+    config, coordinator = distributed.join(Config(env="CartPole-v1", xpid="latest", savedir=str(tmp_path), seed=5,
+                                                  disable_cuda=device == "cpu"))
+    try:
+        assert coordinator is not None and coordinator.ranks.device.type == device
+        assert (config.xpid, config.seed) == ("cartpole-3", 5)  # rank 0 keeps the run's seed
+        assert dist.get_backend() == ("nccl" if device == "cuda" else "gloo")
+    finally:
+        distributed.leave(coordinator)
+
+
 def test_join_names_the_run_after_the_rendezvous_id(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a/b c")
     assert distributed.default_xpid(Config(env="ALE/Pong-v5")) == "ALE_Pong-v5-a_b_c"
