@@ -375,7 +375,7 @@ class RayActorPool:
                 ready, _ = self.ray.wait(list(in_flight), num_returns=1, timeout=WAIT_S)
                 for ref in ready:
                     self._take(ref, in_flight.pop(ref))
-                self._watch_silence()
+                self._watch_silence(in_flight)
         except BaseException as exc:  # the monitor raises it (`check`)
             log.exception("The Ray receiver thread failed")
             self.error = exc
@@ -406,11 +406,13 @@ class RayActorPool:
                      remote.life)
         remote.last_result = time.monotonic()
         self.games.extend(result["games"])
-        self._write(result["fields"])
-        self.stats.receive_s += time.perf_counter() - start
+        waited_s = self._write(result["fields"])
+        self.stats.receive_s += time.perf_counter() - start - waited_s  # the learners' holding every slot is theirs
 
-    def _write(self, fields: dict[str, np.ndarray]) -> None:
-        """Each unroll into a free slot of the receiver's and onto the full queue; stale ones are dropped."""
+    def _write(self, fields: dict[str, np.ndarray]) -> float:
+        """Each unroll into a free slot of the receiver's and onto the full queue; stale ones are dropped. Returns
+        the seconds it waited for free slots."""
+        waited_s = 0.0
         count = len(fields["policy_version"])
         self.stats.bytes += sum(array.nbytes for array in fields.values())
         self.stats.steps += count * self.config.unroll_length
@@ -419,38 +421,41 @@ class RayActorPool:
                     self.version - int(fields["policy_version"][i]) > self.config.ray_max_policy_lag:
                 self.stats.dropped += 1
                 continue
+            wait_start = time.perf_counter()
             slot = self._free_slot()
+            waited_s += time.perf_counter() - wait_start
             if slot is None:
-                return
+                return waited_s
             write_unroll(self.buffers, self.keys, fields, i, slot)
             self.slots.full_queue.put(slot)
             self.stats.unrolls += 1
+        return waited_s
 
     def _free_slot(self) -> int | None:
-        """A slot of the receiver's, waiting while the learners hold them all; None when stopping."""
-        waited = False
+        """A slot of the receiver's, waiting while the learners hold them all; None when stopping. Meanwhile the
+        actors' results wait unread: `_watch_silence` does not take that for their silence."""
         while not self.stop_event.is_set():
             try:
                 slot: int = self.slots.free_queue(self.writer).get(timeout=WAIT_S)
             except queue.Empty:
-                waited = True
                 continue
-            if waited:  # the learners were behind: the remote actors' silence meanwhile is not theirs
-                self._new_grace_period(time.monotonic())
             return slot
         return None
 
-    def _new_grace_period(self, now: float) -> None:
-        """Start the silence of every placed actor afresh (results waiting unread are not its silence)."""
-        for remote in self.remotes:
+    def _new_grace_period(self, now: float, remotes: list[RemoteLife] | None = None) -> None:
+        """Start the silence of every placed actor (of `remotes`) afresh (results waiting unread are not its
+        silence)."""
+        for remote in self.remotes if remotes is None else remotes:
             if remote.last_result is not None:
                 remote.last_result = now
             elif remote.placed is not None:
                 remote.placed = now
 
-    def _watch_silence(self) -> None:
+    def _watch_silence(self, in_flight: dict[Any, RemoteLife]) -> None:
         """Report an actor that stopped sending, or that was placed and never sent (--actor_timeout_s: a hung env),
-        and warn of one not placed yet (no resources: it may yet be, so it is not a death)."""
+        and warn of one not placed yet (no resources: it may yet be, so it is not a death). An actor with a result
+        done but not yet read (`in_flight`: the receiver was behind, waiting for the learners to free a slot) is
+        not silent, however long ago its last one was read."""
         now = time.monotonic()
         timeout_s = self.config.actor_timeout_s
         watch_gap_s, self._last_watch = now - self._last_watch, now
@@ -477,7 +482,14 @@ class RayActorPool:
                                 f" and {self.config.ray_actor_resource}" if self.config.ray_actor_resource else "")
                 continue
             if timeout_s and silent_s > timeout_s:
+                if self._has_unread_result(remote, in_flight):
+                    self._new_grace_period(now, [remote])
+                    continue
                 self._report_dead(remote, f"no unroll for {silent_s:.0f} s{since} (--actor_timeout_s {timeout_s:g})")
+
+    def _has_unread_result(self, remote: RemoteLife, in_flight: dict[Any, RemoteLife]) -> bool:
+        refs = [ref for ref, owner in in_flight.items() if owner is remote]
+        return bool(refs) and bool(self.ray.wait(refs, num_returns=1, timeout=0)[0])
 
     def _report_dead(self, remote: RemoteLife, detail: str) -> None:
         if not remote.dead:

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import unittest.mock
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from impala.buffers import BufferSpec, create_buffers
 from impala.channels import RecordQueue
 from impala.config import Config, UserError, parse_config
 from impala.environment import EnvBatch
-from impala.ray_pool import RemoteActor, pack_frames, shipped_keys, write_unroll
+from impala.ray_pool import RayStats, RemoteActor, pack_frames, shipped_keys, write_unroll
 from impala.seeding import first_life
 from tests.process_helpers import (
     IMPALA_RULE,
@@ -639,13 +640,55 @@ def test_remote_actors_silent_while_this_process_was_paused_get_a_new_grace_peri
                                      placed=now - 500, made=None) for i in range(3)]
     pool.remotes = remotes
     pool._last_watch = now - 400  # the receiver's last look was before the pause
-    pool._watch_silence()
+    pool._watch_silence({})
     assert pool.death_reports.empty() and all(now <= r.last_result <= time.monotonic() for r in remotes)
     remotes[1].last_result = time.monotonic() - 400  # silent while this process ran
-    pool._watch_silence()
+    pool._watch_silence({})
     remote, detail = pool.death_reports.get_nowait()
     assert remote is remotes[1] and detail.startswith("no unroll for 400 s (--actor_timeout_s 300)")
     assert pool.death_reports.empty()
+
+
+def test_a_hung_remote_actor_is_found_while_the_learners_hold_every_slot_and_the_others_results_wait_unread(
+) -> None:
+    """Learner-bound, the receiver waits for free slots and the healthy actors' results wait unread: they are not
+    silent. One whose env hangs has no result done, and is reported (it was never, every wait renewed them all)."""
+    import queue
+    import threading
+    import types
+
+    from impala.ray_pool import RayActorPool
+
+    pool = object.__new__(RayActorPool)
+    pool.config = Config(actor_timeout_s=300, unroll_length=2)
+    pool.death_reports, pool.stop_event, pool.writer = queue.Queue(), threading.Event(), 0
+    done = {"healthy-result"}  # the refs whose result is done
+    pool.ray = types.SimpleNamespace(wait=lambda refs, num_returns, timeout: ([r for r in refs if r in done], []))
+    free: queue.Queue[int] = queue.Queue()
+    pool.slots = types.SimpleNamespace(free_queue=lambda writer: free, full_queue=queue.Queue())
+    pool.buffers, pool.keys, pool.version, pool.games = {}, (), 0, []
+    pool.stats = RayStats()
+    now = time.monotonic()
+    healthy, hung = (types.SimpleNamespace(index=i, dead=False, last_result=now - 400, placed=now - 500, made=None,
+                                           started=now - 500, warned=False) for i in range(2))
+    pool.remotes, pool._last_watch = [healthy, hung], now
+    threading.Timer(0.5, free.put, (7,)).start()  # the learners free a slot half a second later
+    with unittest.mock.patch("impala.ray_pool.write_unroll"):
+        waited_s = pool._write({"policy_version": np.zeros(1, np.int64)})
+    assert 0.4 < waited_s < 5 and pool.stats.unrolls == 1
+    pool._watch_silence({"healthy-result": healthy, "hung-request": hung})
+    remote, detail = pool.death_reports.get_nowait()
+    assert remote is hung and re.match(r"no unroll for 40[01] s \(--actor_timeout_s 300\)", detail), detail
+    assert pool.death_reports.empty() and healthy.last_result >= now  # a new grace period for the healthy one
+
+    # The receiver's own time per unroll leaves out the wait for the learners: that is theirs, not Ray's.
+    pool.ray.get = lambda ref, timeout: {"pid": 1, "node": "n", "games": [], "fields": {
+        "policy_version": np.zeros(1, np.int64)}}
+    healthy.in_flight = 1
+    threading.Timer(0.5, free.put, (8,)).start()
+    with unittest.mock.patch("impala.ray_pool.write_unroll"):
+        pool._take("healthy-result", healthy)
+    assert pool.stats.unrolls == 2 and pool.stats.receive_s < 0.25
 
 
 def test_a_remote_actor_made_that_never_sends_is_replaced_and_one_waiting_for_a_node_is_only_warned_of(
@@ -666,12 +709,12 @@ def test_a_remote_actor_made_that_never_sends_is_replaced_and_one_waiting_for_a_
     remotes = [types.SimpleNamespace(index=i, dead=False, last_result=None, placed=None, made=f"made-{i}",
                                      started=now - 1000, warned=False) for i in range(2)]
     pool.remotes, pool._last_watch = remotes, now
-    pool._watch_silence()
+    pool._watch_silence({})
     assert remotes[0].placed is not None and remotes[1].placed is None and pool.death_reports.empty()
     assert remotes[1].warned and "Remote actor 1 has not acted for 1000 s" in caplog.text
     assert PLACEMENT_WARNING_S < 1000 and "Remote actor 0 has not acted" not in caplog.text
     remotes[0].placed = time.monotonic() - 301  # made, and silent since while this process ran
-    pool._watch_silence()
+    pool._watch_silence({})
     remote, detail = pool.death_reports.get_nowait()
     assert remote is remotes[0] and detail.startswith("no unroll for 301 s since it was made (--actor_timeout_s 300)")
     assert pool.death_reports.empty()  # the one waiting for a node is not a death, however long it waits
