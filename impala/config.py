@@ -417,6 +417,13 @@ class Config:
             if not host or not port.isdigit() or not 0 < int(port) < 65536:
                 problems.append(f"--ray needs auto, local or HOST:PORT (a head node's, e.g. 10.0.0.1:6379), "
                                 f"got {self.ray!r}")
+        # Between two puts of the weights the remote actors' age past the lag allowed: the run would stall.
+        if self.ray and 0 < self.ray_max_policy_lag < self.ray_publish_every:
+            problems.append(f"--ray_max_policy_lag {self.ray_max_policy_lag} drops remote unrolls of weights more "
+                            f"than {self.ray_max_policy_lag} versions old, but --ray_publish_every "
+                            f"{self.ray_publish_every} sends the remote actors new weights only every "
+                            f"{self.ray_publish_every}: most of their unrolls would be dropped; set --ray_publish_every "
+                            f"at most {self.ray_max_policy_lag}")
         if self.ray == "local" and self.ray_actor_resource:
             problems.append(f"--ray_actor_resource {self.ray_actor_resource}: --ray local starts a cluster without "
                             "custom resources, so no remote actor could start; drop it, or use --ray auto|HOST:PORT")

@@ -95,6 +95,13 @@ def test_ray_flags_are_validated_with_their_numbers() -> None:
     assert "--ray_actors must be >= 1, got 0" in text
     assert "--ray_envs_per_actor 3 must be a multiple of --env_splits 2" in text
     assert "--ray_max_policy_lag must be >= 0, got -1" in text
+    # Weights put every 10 versions, unrolls dropped past 2 versions: the remote actors' would be, nearly all
+    assert Config(ray="local", ray_publish_every=10, ray_max_policy_lag=2).validate() == [
+        ("--ray_max_policy_lag 2 drops remote unrolls of weights more than 2 versions old, but --ray_publish_every 10 "
+         "sends the remote actors new weights only every 10: most of their unrolls would be dropped; set "
+         "--ray_publish_every at most 2")]
+    assert Config(ray="local", ray_publish_every=2, ray_max_policy_lag=2).validate() == []
+    assert Config(ray="local", ray_publish_every=10).validate() == []  # nothing dropped
 
 
 def test_the_receivers_slots_come_after_the_local_actors_and_return_to_it() -> None:
