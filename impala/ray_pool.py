@@ -48,7 +48,7 @@ from impala.environment import is_atari
 from impala.learner import BATCH_KEYS
 from impala.model import Net
 from impala.seeding import ActorLives, LifeSeeds
-from impala.stopping import Stopped
+from impala.stopping import Stopped, StopRequests
 
 log = logging.getLogger("impala")
 
@@ -56,6 +56,7 @@ REQUESTS_IN_FLIGHT = 1  # per remote actor: its acting thread fills free slots m
 WAIT_S = 0.2  # every wait of the receiver is bounded: it sees the stop flag and dead actors this often
 STOP_TIMEOUT_S = 5.0  # remote actors asked to stop get this long, then they are killed
 REACH_TIMEOUT_S = 10.0  # a head node's address that accepts no connection in this long is refused
+CONNECT_TIMEOUT_S = 60.0  # a cluster that has not answered ray.init in this long is refused
 NAMES_GRACE_S = 10.0  # how long a start waits for a remote actor of its run to go before refusing to run
 PLACEMENT_WARNING_S = 60.0  # a remote actor not acting after this long is reported (no resources for it?)
 NAMESPACE = "impala"  # Ray namespace of the run's named actors
@@ -578,10 +579,11 @@ def _describe(exc: BaseException) -> str:
 # ----------------------------------------------------------------------------------------- connecting
 
 
-def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
+def connect(config: Config, unroll_bytes: int, stop: StopRequests | None = None) -> tuple[Any, bool | None]:
     """Connect this process to Ray as --ray says; returns (the ray module, whether to shut Ray down at the
     end: True when this run started it, False when it only connected, None when it was already connected
-    by the caller, who keeps it). Bad addresses are UserErrors. `disconnect` undoes it."""
+    by the caller, who keeps it). Bad addresses are UserErrors, and so is a cluster that has not answered within
+    CONNECT_TIMEOUT_S; a stop asked for (`stop`) while it is waited for raises Stopped. `disconnect` undoes it."""
     ray = require_ray()
     if ray.is_initialized():
         return ray, None
@@ -597,6 +599,13 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
                        object_store_memory=local_object_store_bytes(config, unroll_bytes))
     else:
         options["address"] = config.ray
+    if config.ray != "local":
+        try:
+            _init_within(ray, options, config.ray or "auto", stop)
+        except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:  # RayError: no auth token
+            raise UserError(f"--ray {config.ray}: could not connect to Ray: {first_line(exc)} (start a cluster with "
+                            "`ray start --head`, or use --ray local)") from None
+        return ray, False
     previous = signal.getsignal(signal.SIGTERM)
     # The stop signals blocked while Ray starts: the processes of --ray local (its GCS, its raylet and, through
     # that, its workers) keep them blocked, as Ray itself blocks Ctrl-C there. Else SIGTERM or SIGHUP to the process
@@ -623,6 +632,48 @@ def connect(config: Config, unroll_bytes: int) -> tuple[Any, bool | None]:
         raise UserError(f"--ray {config.ray}: could not connect to Ray: {reason} (start a cluster with "
                         "`ray start --head`, or use --ray local)") from None
     return ray, config.ray == "local"
+
+
+def _init_within(ray: Any, options: dict[str, Any], address: str, stop: StopRequests | None) -> None:
+    """`ray.init` to a running cluster, in a thread of its own, waited for CONNECT_TIMEOUT_S at most and while no
+    stop comes: at an address that takes connections but is not a cluster's (another port of the head, a stale
+    RAY_ADDRESS) it retries for good, and Ctrl-C does not reach it. Left behind, the thread ends with the process."""
+    outcome: list[BaseException | None] = []
+
+    def init() -> None:
+        try:
+            ray.init(**options)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 (raised again in the caller's thread)
+            outcome.append(exc)
+
+    # Ray says so when it is not in the main thread: this run's own handler stops it in order (`disconnect`).
+    no_sigterm_warning = _DropMessage("SIGTERM handler is not set")
+    logging.getLogger("ray._private.worker").addFilter(no_sigterm_warning)
+    thread = threading.Thread(target=init, name="ray-connect", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    try:
+        while thread.is_alive() and time.monotonic() < deadline:
+            if stop is not None:
+                stop.check()
+            thread.join(timeout=0.2)
+    finally:
+        logging.getLogger("ray._private.worker").removeFilter(no_sigterm_warning)
+    if thread.is_alive():
+        raise UserError(f"--ray {address}: no Ray cluster answered within {CONNECT_TIMEOUT_S:g} s (is it the address "
+                        "of a head node's GCS, port 6379 by default, as `ray start --head` prints it?)")
+    if outcome and outcome[0] is not None:
+        raise outcome[0]
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 def _put_back_sigterm(handler: Any) -> None:

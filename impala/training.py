@@ -176,7 +176,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     pool_name = run_dir.name if coordinator is None else f"{run_dir.name}.rank-{coordinator.rank}"
     # Connected before anything is written: a bad or unreachable address, or another training of this --xpid on the
     # cluster, leaves the run directory as it was.
-    ray_connection = ray_pool.connect(config, ray_pool.unroll_bytes(buffers)) if config.ray else None
+    ray_connection = ray_pool.connect(config, ray_pool.unroll_bytes(buffers), stop) if config.ray else None
     runlog: RunLog = distributed.NoRunLog()  # rank > 0 under torchrun: it writes nothing
     session, started_session, made_run_dir = 0, False, False
     try:

@@ -698,6 +698,35 @@ def test_a_hung_remote_actor_is_found_while_the_learners_hold_every_slot_and_the
     assert pool.stats.unrolls == 2 and pool.stats.receive_s < 0.25
 
 
+def test_an_address_where_no_cluster_answers_is_refused_after_a_while_and_a_stop_is_heard_meanwhile(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ray.init retries for good at an address that takes connections but is no cluster's (another port of the head,
+    a stale RAY_ADDRESS), deaf to Ctrl-C: the run waits CONNECT_TIMEOUT_S at most, and stops at once on a signal."""
+    import threading
+    import types
+
+    from impala import ray_pool
+    from impala.stopping import Stopped, StopRequests
+
+    never = threading.Event()
+    fake = types.SimpleNamespace(is_initialized=lambda: False, init=lambda **options: never.wait(),
+                                 exceptions=types.SimpleNamespace(RayError=RuntimeError))
+    monkeypatch.setattr(ray_pool, "require_ray", lambda: fake)
+    monkeypatch.setattr(ray_pool, "check_reachable", lambda address: None)  # it takes connections
+    monkeypatch.setattr(ray_pool, "CONNECT_TIMEOUT_S", 0.5)
+    with pytest.raises(UserError, match=re.escape("--ray 10.0.0.1:8265: no Ray cluster answered within 0.5 s (is it "
+                                                  "the address of a head node's GCS, port 6379 by default")):
+        ray_pool.connect(Config(ray="10.0.0.1:8265"), 0)
+    stop = StopRequests()
+    threading.Timer(0.2, stop.record, (signal.SIGINT, None)).start()
+    monkeypatch.setattr(ray_pool, "CONNECT_TIMEOUT_S", 60.0)
+    started = time.monotonic()
+    with pytest.raises(Stopped):
+        ray_pool.connect(Config(ray="auto"), 0, stop)
+    assert time.monotonic() - started < 5
+    never.set()
+
+
 def test_a_remote_actor_made_that_never_sends_is_replaced_and_one_waiting_for_a_node_is_only_warned_of(
         caplog: pytest.LogCaptureFixture) -> None:
     """A hung env before the first unroll: the actor is made (its pid answered) but sends nothing. Its silence counts
