@@ -160,7 +160,7 @@ class RemoteActor:
                                       error_queue=self.errors, stop_event=threading.Event(),
                                       policy_version=_Version())
         self.thread: threading.Thread | None = None  # started by the first `unrolls`, once weights are in
-        self.node = _node_address()
+        self.node, self.node_id = _node_address(), _node_id()
 
     def unrolls(self, version: int, weights: list[Any]) -> dict[str, Any]:
         """`ray_unrolls_per_env` unrolls of every env (at least --ray_steps_per_request agent steps), acted with
@@ -195,7 +195,8 @@ class RemoteActor:
         while not self.games.empty():
             _, episode_return, length = self.games.get_nowait()
             games.append((episode_return, length))
-        return {"fields": fields, "games": games, "pid": os.getpid(), "node": self.node, "waited_s": acting_s,
+        return {"fields": fields, "games": games, "pid": os.getpid(), "node": self.node, "node_id": self.node_id,
+                "waited_s": acting_s,
                 "pack_s": time.perf_counter() - start - acting_s}
 
     def _next_full_slot(self) -> int:
@@ -217,6 +218,16 @@ class RemoteActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _node_id() -> str | None:
+    """The id of the Ray node this process runs on (None outside Ray)."""
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # noqa: BLE001 - only to count a lost node's actors once
+        return None
 
 
 def _node_address() -> str:
@@ -244,6 +255,7 @@ class RemoteLife:
     placed: float | None = None  # monotonic time `made` was seen answered; None while it waits for a node
     last_result: float | None = None  # monotonic time of its last unrolls; None until it acts
     pid: int | None = None  # its process, once it reported it
+    node_id: str | None = None  # the Ray node it runs on, once it reported it
     in_flight: int = 0  # requests submitted and not yet received
     dead: bool = False  # reported to the main thread, which replaces it
     warned: bool = False  # reported as not placed yet
@@ -289,6 +301,7 @@ class RayActorPool:
         self.version = policy_version
         self._put_weights(model, policy_version)
         self.deaths = RecentDeaths()
+        self._lost_nodes: set[str] = set()  # Ray nodes whose loss was counted as one restart
         self.stop_event = threading.Event()
         self.receiver = threading.Thread(target=self._receive, name="ray-receiver", daemon=True)
         self.error: BaseException | None = None  # why the receiver thread died
@@ -402,7 +415,7 @@ class RayActorPool:
         if remote.dead or result.get("stopped"):
             return  # a result that arrived after its actor was reported (it is being replaced), or stopped
         if remote.last_result is None:
-            remote.pid = result["pid"]
+            remote.pid, remote.node_id = result["pid"], result.get("node_id")
             log.info("Remote actor %d acting (pid %d on %s, life %d)", remote.index, remote.pid, result["node"],
                      remote.life)
         remote.last_result = time.monotonic()
@@ -513,10 +526,29 @@ class RayActorPool:
                 return
             self._replace(remote, detail)
 
+    def _first_loss_of_node(self, remote: RemoteLife) -> bool:
+        """Whether `remote` died as any other actor does, or is the first seen lost with its node, which Ray now
+        counts dead: False for the other actors of a node counted already."""
+        if remote.node_id is None:  # it never acted: no node known
+            return True
+        if remote.node_id in self._lost_nodes:
+            return False
+        try:
+            alive = {node["NodeID"]: node["Alive"] for node in self.ray.nodes()}
+        except self.ray.exceptions.RayError:
+            return True
+        if alive.get(remote.node_id, True):
+            return True
+        self._lost_nodes.add(remote.node_id)
+        return True
+
     def _replace(self, remote: RemoteLife, detail: str) -> None:
         pid = f"pid {remote.pid}" if remote.pid is not None else "never acted"
         log.error("Remote actor %d (%s, life %d) died: %s", remote.index, pid, remote.life, detail)
-        deaths, limit = self.deaths.add(self.version), self.config.max_actor_restarts
+        # A lost node costs every actor on it at once (16 on a machine of 16 cores): one restart counted for them all.
+        counted = self._first_loss_of_node(remote)
+        deaths = self.deaths.add(self.version) if counted else self.deaths.recent()
+        limit = self.config.max_actor_restarts
         if deaths > limit:
             raise TrainingError(f"actors died {deaths} times {self.deaths.span()} "
                                 f"(--max_actor_restarts {limit}); last: remote actor {remote.index}: {detail}")

@@ -727,6 +727,39 @@ def test_an_address_where_no_cluster_answers_is_refused_after_a_while_and_a_stop
     never.set()
 
 
+def test_a_lost_node_costs_one_restart_for_all_its_remote_actors() -> None:
+    """16 actors on one machine that is lost: one restart against --max_actor_restarts (10), not 16 (the run ended);
+    a death on a node that lives counts as before."""
+    import types
+
+    from impala.actor_pool import RecentDeaths
+    from impala.config import TrainingError
+    from impala.ray_pool import RayActorPool, RemoteLife
+
+    pool = object.__new__(RayActorPool)
+    pool.config = Config(max_actor_restarts=10)
+    nodes = [{"NodeID": "lost", "Alive": False}, {"NodeID": "alive", "Alive": True}]
+    pool.ray = types.SimpleNamespace(nodes=lambda: nodes, kill=lambda handle, no_restart: None,
+                                     exceptions=types.SimpleNamespace(RayError=RuntimeError))
+    pool.deaths, pool._lost_nodes, pool.version = RecentDeaths(), set(), 7
+    pool.stats = RayStats()
+    pool._start_remote = lambda index: RemoteLife(index, 100 + index, None)  # type: ignore[method-assign]
+    pool.remotes = [RemoteLife(i, i, None, node_id="lost", pid=1000 + i) for i in range(16)]
+    for remote in list(pool.remotes):
+        pool._replace(remote, "ActorDiedError: the node was lost")
+    assert pool.deaths.recent() == 1 and pool.stats.restarts == 16
+    assert [remote.life for remote in pool.remotes] == list(range(100, 116))
+    on_a_live_node = RemoteLife(0, 200, None, node_id="alive", pid=2000)
+    never_acted = RemoteLife(1, 201, None)
+    pool._replace(on_a_live_node, "ActorDiedError: killed")
+    pool._replace(never_acted, "ActorDiedError: killed")
+    assert pool.deaths.recent() == 3
+    for _ in range(7):  # ten in all: the limit
+        pool._replace(on_a_live_node, "ActorDiedError: killed")
+    with pytest.raises(TrainingError, match="actors died 11 times"):
+        pool._replace(on_a_live_node, "ActorDiedError: killed")
+
+
 def test_a_remote_actor_made_that_never_sends_is_replaced_and_one_waiting_for_a_node_is_only_warned_of(
         caplog: pytest.LogCaptureFixture) -> None:
     """A hung env before the first unroll: the actor is made (its pid answered) but sends nothing. Its silence counts
