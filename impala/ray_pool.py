@@ -225,6 +225,8 @@ def _node_id() -> str | None:
     try:
         import ray
 
+        if not ray.is_initialized():  # get_runtime_context would start a Ray of its own
+            return None
         return str(ray.get_runtime_context().get_node_id())
     except Exception:  # noqa: BLE001 - only to count a lost node's actors once
         return None

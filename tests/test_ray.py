@@ -276,7 +276,11 @@ def test_a_remote_actor_ships_whole_unrolls_that_continue_each_other() -> None:
     continued = [i for i in range(len(obs)) if any(np.array_equal(obs[i, 0], obs[j, -1]) for j in range(len(obs)))]
     assert len(continued) == len(obs) - 3  # all but the first unroll of each env follow another
     assert (first["fields"]["policy_version"] == -1).all()
-    assert first["pid"] == os.getpid()
+    assert first["pid"] == os.getpid() and first["node_id"] is None  # outside Ray: no node, and no Ray started
+    with contextlib.suppress(ImportError):
+        import ray
+
+        assert not ray.is_initialized()
 
 
 def test_a_remote_actor_asked_to_stop_answers_a_waiting_request_instead_of_raising() -> None:
