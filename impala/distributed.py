@@ -164,10 +164,10 @@ MAX_FLAGS_NAMED = 4  # of the flags the ranks disagree on, the message names thi
 
 def _agree(store: dist.Store, rank: int, world_size: int, config: Config, xpid: str, gpu: str | None) -> str:
     """Every rank's flags and learner GPU (its UUID; None: the CPU) through torchrun's store, before any process
-    group: returns the run's name, rank 0's (`--xpid latest` read there: the other machines need no copy of the run directory). Raises
-    UserError on every rank where rank 0 cannot name the run, where the ranks were started with different flags
-    (other than RANK_OWN_FLAGS: their updates would drift apart, or fail), where some learn on a GPU and others
-    on the CPU (NCCL and gloo do not meet), or where two would share a GPU (NCCL refuses)."""
+    group: returns the run's name, rank 0's (`--xpid latest` read there: the other machines need no copy of the
+    run directory). Raises UserError on every rank where rank 0 cannot name the run, where the ranks were started
+    with different flags (other than RANK_OWN_FLAGS: their updates would drift apart, or fail), where some learn on
+    a GPU and others on the CPU (NCCL and gloo do not meet), or where two would share a GPU (NCCL refuses)."""
     mine: dict[str, Any] = {"flags": config.to_dict(), "gpu": gpu, "xpid": xpid}
     if rank == 0 and xpid == LATEST_NAME:
         try:
@@ -361,6 +361,14 @@ class Coordinator:
         reported: every rank resumes from rank 0's, and none may hand out again a life or env seed it used
         (each rank counts from a seed of its own, `rank_seed`)."""
         return {**counters, **{key: max(int(counters[key]), value) for key, value in self.peak_lives.items()}}
+
+    def ready(self) -> None:
+        """Wait until every rank has built what it can refuse (its env, its memory, its Ray cluster): rank 0 writes
+        the run's files only then, so a rank that refused (and exited, saying why) leaves them as they were."""
+        try:
+            dist.barrier(group=self.ranks.control)
+        except RuntimeError as exc:
+            raise _lost("the ranks' build, before the run's files are written", exc) from exc
 
     def share_state(self, state: LearnerState, session: int, config: Config) -> int:
         """Rank 0 sends its learner state (weights, optimiser, counters: a checkpoint's content) and its

@@ -183,6 +183,8 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         if ray_connection is not None:
             ray_pool.check_names_free(config, ray_connection[0], run_dir.name)
         stop.check()  # the last moment at which stopping changes nothing
+        if coordinator is not None:
+            coordinator.ready()  # another rank's refusal ends the job here, before rank 0 writes anything
         if writes_files:
             made_run_dir = prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # nothing changed before
             rewinds = replaces_own_checkpoint(run_dir, checkpoint_path)

@@ -12,6 +12,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -441,6 +443,25 @@ def _impala_tracebacks(text: str) -> list[str]:
     """Traceback lines through this package's files: a fault of ours, not a line a user can read."""
     ours = (f'File "{REPO_ROOT / "impala"}', f'File "{REPO_ROOT / "run.py"}')  # not a venv inside the repository
     return [line for line in text.splitlines() if line.strip().startswith(ours)]
+
+
+def test_a_rank_that_refuses_the_run_in_its_build_leaves_the_run_directory_as_it_was(tmp_path: Path) -> None:
+    """Rank 1 refuses (here its Ray cluster cannot be reached; on another machine, its shared memory, say) after rank
+    0 has read the run: rank 0 writes nothing (it added a start and an error to meta.json, and an event file)."""
+    first = run_py(*SMALL_RANKS, "--savedir", str(tmp_path), "--xpid", "kept", "--total_steps", "400")
+    assert first.returncode == 0, first.stderr
+    run_dir = tmp_path / "kept"
+    before = {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()}
+    command = " ".join([sys.executable, "run.py", *SMALL_RANKS, "--savedir", str(tmp_path), "--xpid", "kept",
+                        "--total_steps", "800"]) + ' $([ "$RANK" = 1 ] && echo --ray 127.0.0.1:1)'
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "--no-python", "bash", "-c", command], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=240, check=False)
+    assert done.returncode != 0
+    assert "run.py: error (rank 1): --ray " in done.stderr, done.stderr
+    assert "another learner process stopped answering (the ranks' build, before the run's files are written" \
+        in done.stderr, done.stderr
+    assert {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()} == before
 
 
 def test_sigterm_to_torchrun_stops_every_rank_in_order_with_a_checkpoint(tmp_path: Path) -> None:
