@@ -128,10 +128,10 @@ def join(config: Config) -> tuple[Config, Coordinator | None]:
     check_launch(rank, world_size, local_rank, local_world_size)
     backend = "nccl" if not config.disable_cuda and torch.cuda.is_available() else "gloo"
     device = torch.device("cuda", local_rank % torch.cuda.device_count()) if backend == "nccl" else torch.device("cpu")
+    gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
     timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     try:
         store = _attempt_store(rank, world_size, timeout)
-        gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
         xpid = _agree(store, rank, world_size, config, xpid, gpu)
         if backend == "nccl":
             torch.cuda.set_device(device)

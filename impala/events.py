@@ -89,6 +89,9 @@ def _events(path: Path, damaged: list[tuple[Path, int]], newest: bool) -> Iterat
                 if size - offset < _HEADER.size:
                     break
                 length, _ = _HEADER.unpack_from(data, offset)
+                if length == 0:  # no event is empty: zeros, as a power cut leaves at a file's end
+                    damaged.append((path, offset))
+                    return
                 end = offset + _HEADER.size + length + _FOOTER_BYTES
                 if end > size:
                     break

@@ -168,7 +168,9 @@ class Learners:
                 for slot in slots:  # nothing reads them any more
                     self.pool.slots.give_back(slot)
             copy_end = time.perf_counter()
+            self.busy_since.pop(this_thread, None)  # another thread's update (or vote, under torchrun) is not ours
             with self.update_lock:
+                self.busy_since[this_thread] = time.monotonic()
                 locked = time.perf_counter()
                 steps = self._steps_of_update(stop=slots is None)
                 if not steps:

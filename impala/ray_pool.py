@@ -424,6 +424,7 @@ class RayActorPool:
         self.games.extend(result["games"])
         waited_s = self._write(result["fields"])
         self.stats.receive_s += time.perf_counter() - start - waited_s  # the learners' holding every slot is theirs
+        self._last_watch += waited_s  # not a pause of this process: `_watch_silence` renews no actor for it
 
     def _write(self, fields: dict[str, np.ndarray]) -> float:
         """Each unroll into a free slot of the receiver's and onto the full queue; stale ones are dropped. Returns
@@ -637,8 +638,7 @@ def connect(config: Config, unroll_bytes: int, stop: StopRequests | None = None)
         try:
             _init_within(ray, options, config.ray or "auto", stop)
         except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:  # RayError: no auth token
-            raise UserError(f"--ray {config.ray}: could not connect to Ray: {first_line(exc)} (start a cluster with "
-                            "`ray start --head`, or use --ray local)") from None
+            raise _cannot_connect(config, exc) from None
         return ray, False
     previous = signal.getsignal(signal.SIGTERM)
     # The stop signals blocked while Ray starts: the processes of --ray local (its GCS, its raylet and, through
@@ -662,10 +662,13 @@ def connect(config: Config, unroll_bytes: int, stop: StopRequests | None = None)
         signal.raise_signal(signal.SIGTERM)
         raise Stopped("terminated", signal.SIGTERM) from None
     except (ConnectionError, ValueError, RuntimeError, ray.exceptions.RayError) as exc:  # RayError: no auth token
-        reason = first_line(exc)
-        raise UserError(f"--ray {config.ray}: could not connect to Ray: {reason} (start a cluster with "
-                        "`ray start --head`, or use --ray local)") from None
+        raise _cannot_connect(config, exc) from None
     return ray, config.ray == "local"
+
+
+def _cannot_connect(config: Config, exc: BaseException) -> UserError:
+    return UserError(f"--ray {config.ray}: could not connect to Ray: {first_line(exc)} (start a cluster with "
+                     "`ray start --head`, or use --ray local)")
 
 
 def _init_within(ray: Any, options: dict[str, Any], address: str, stop: StopRequests | None) -> None:

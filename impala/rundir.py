@@ -17,6 +17,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Self
@@ -328,14 +329,17 @@ def write_latest(run_dir: Path) -> None:
 LATEST_TMP_PREFIX = ".latest-"  # + the writer's pid: SAVEDIR/latest's temporary file
 
 
+STALE_LATEST_S = 60.0  # a temporary `latest` file this old is no writer's between its write and its rename
+
+
 def _remove_stale_latest_files(savedir: Path) -> None:
-    """Remove the temporary `latest` files of writers no longer running (killed between write and rename)."""
+    """Remove the temporary `latest` files of writers no longer running (killed between write and rename): of no
+    process here, and a minute old (a SAVEDIR shared between machines holds other machines' writers' too)."""
     for path in savedir.glob(f"{LATEST_TMP_PREFIX}*"):
         pid = path.name.removeprefix(LATEST_TMP_PREFIX)
-        if not pid.isdigit() or _running(int(pid)):
-            continue
         with contextlib.suppress(OSError):
-            path.unlink()
+            if pid.isdigit() and not _running(int(pid)) and time.time() - path.stat().st_mtime > STALE_LATEST_S:
+                path.unlink()
 
 
 def _running(pid: int) -> bool:

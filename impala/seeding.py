@@ -10,7 +10,8 @@ sessions by the run's starts (meta.json). So every seed follows from --seed and 
   killed before its last checkpoint does not replay its sampling streams after a resume;
 - evaluations and test mode play games seeded from ranges of their own, EVAL_SEED_OFFSET and TEST_SEED_OFFSET
   after --seed: the actors' range meets the evaluations' only after 2^30 seeds, theirs the test mode's after
-  2^29, so no evaluated or tested game is one the actors trained on.
+  2^29, so no evaluated or tested game is one the actors trained on (of a run of one process: under torchrun the
+  other ranks' actors count from seeds drawn anywhere below SEED_LIMIT, `distributed.rank_seed`).
 """
 
 from __future__ import annotations

@@ -222,23 +222,22 @@ def test_join_refuses_before_joining(monkeypatch: pytest.MonkeyPatch, variables:
 
 
 def _agreed(configs: list[Config], xpid: str = "run", gpus: tuple[str | None, ...] = (None, None)) -> list[Any]:
-    """What `_agree` returns (or raises) on each rank of a job, the other ranks' hands already in the store."""
-    outcomes: list[Any] = []
-    for rank in range(len(configs)):
-        store = dist.HashStore()
-        for other, config in enumerate(configs):
-            if other != rank:
-                hand = {"flags": config.to_dict(), "gpu": gpus[other], "xpid": xpid}
-                if other == 0 and xpid == "latest":  # rank 0's hand, as rank 0 made it
-                    try:
-                        hand["xpid"] = distributed.run_path(config.savedir, xpid).name
-                    except UserError as exc:
-                        hand["problem"] = str(exc)
-                store.set(f"flags/{other}", json.dumps(hand))
+    """What `_agree` returns (or raises) on each rank of a job, every rank in a thread of its own, one store."""
+    import threading
+
+    store, outcomes = dist.HashStore(), [None] * len(configs)
+
+    def rank(index: int) -> None:
         try:
-            outcomes.append(distributed._agree(store, rank, len(configs), configs[rank], xpid, gpus[rank]))
+            outcomes[index] = distributed._agree(store, index, len(configs), configs[index], xpid, gpus[index])
         except UserError as exc:
-            outcomes.append(str(exc))
+            outcomes[index] = str(exc)
+
+    threads = [threading.Thread(target=rank, args=(index,)) for index in range(len(configs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
     return outcomes
 
 

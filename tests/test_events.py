@@ -72,6 +72,16 @@ def test_a_record_that_cannot_be_read_ends_its_file_and_is_reported_but_the_newe
     assert scalars.points[A] == whole
     assert scalars.damaged == [(older, older_size)]
 
+    with open(older, "ab") as f:  # zeros after the record cut short, as a power cut leaves them: still its end
+        f.write(bytes(32))
+    assert read_scalars(tmp_path, (A,)).damaged == [(older, older_size)]
+    zeros = tmp_path / "events.out.tfevents.0.zeros"  # read first: zeros where its first record should be
+    zeros.write_bytes(bytes(64))
+    scalars = read_scalars(tmp_path, (A,))
+    assert scalars.damaged[0] == (zeros, 0) and scalars.first_wall is not None and scalars.first_wall > 1e9
+    assert scalars.resumes[0][1] < 60  # the pause before the resumed session is not counted from time 0
+    zeros.unlink()
+
     garbled = tmp_path / "events.out.tfevents.0.garbled"  # read first: its name sorts first
     event = Event(step=7, wall_time=1.0, summary=Summary(value=[Summary.Value(tag=A, simple_value=7.0)]))
     good = _framed(event.SerializeToString())

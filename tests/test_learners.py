@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -81,10 +82,12 @@ class _SlowVote:
 
     def __init__(self, learners: Learners) -> None:
         self.learners = learners
-        self.busy_while_voting: list[bool] = []
+        self.busy_while_voting: list[float] = []  # the longest any learner thread had been busy, at each vote's end
 
     def vote(self, stop: bool, steps: int) -> int:
-        self.busy_while_voting.append(threading.current_thread() in self.learners.busy_since)
+        time.sleep(0.5)  # the other ranks are slow: another learner thread of this rank waits for the lock meanwhile
+        now = time.monotonic()
+        self.busy_while_voting.append(max((now - since for since in self.learners.busy_since.values()), default=0.0))
         return 0 if stop else steps
 
 
@@ -101,11 +104,16 @@ def test_waiting_in_the_vote_for_other_ranks_is_not_the_learners_busy_time() -> 
     optimizer, scheduler = learner.make_optimizer(model, config)
     state = LearnerState(model, optimizer, scheduler, ActorLives(0, 0))
     stop = threading.Event()
-    pool = _Pool(_Slots([0, 1, 2, 3], stop))
+    pool = _Pool(_Slots([0, 1, 2, 3, 0, 1, 2, 3], stop))
     learners = _RecordingLearners(config, state, buffers, pool, torch.device("cpu"), False, None, threading.Lock())
     learners.stop_event, learners.lags = stop, []
     coordinator = _SlowVote(learners)
     learners.coordinator = coordinator  # type: ignore[assignment]
-    learners._learn()
-    assert coordinator.busy_while_voting == [False, False, False]  # two updates, then the vote to stop
-    assert state.updates == 2
+    threads = [threading.Thread(target=learners._thread) for _ in range(2)]  # --num_learner_threads 2
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    # No thread counted the votes as its own time: not the voter, nor the thread waiting for the lock meanwhile.
+    assert len(coordinator.busy_while_voting) >= 3 and max(coordinator.busy_while_voting) < 0.4
+    assert state.updates >= 2

@@ -700,6 +700,15 @@ def test_a_hung_remote_actor_is_found_while_the_learners_hold_every_slot_and_the
     with unittest.mock.patch("impala.ray_pool.write_unroll"):
         pool._take("healthy-result", healthy)
     assert pool.stats.unrolls == 2 and pool.stats.receive_s < 0.25
+    # Nor is that wait a pause of this process, after which every actor would get a new grace period: a hung one too.
+    pool.config = Config(actor_timeout_s=0.8, unroll_length=2)
+    hung.dead, hung.last_result, pool._last_watch = False, time.monotonic() - 10, time.monotonic()
+    healthy.in_flight = 1
+    threading.Timer(0.5, free.put, (9,)).start()  # longer than half of --actor_timeout_s
+    with unittest.mock.patch("impala.ray_pool.write_unroll"):
+        pool._take("healthy-result", healthy)
+    pool._watch_silence({})
+    assert pool.death_reports.get_nowait()[0] is hung
 
 
 def test_an_address_where_no_cluster_answers_is_refused_after_a_while_and_a_stop_is_heard_meanwhile(

@@ -6,9 +6,11 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -86,10 +88,13 @@ def test_a_temporary_latest_file_of_a_start_killed_mid_write_is_removed_by_the_n
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
                           capture_output=True, text=True)
     stale, running = tmp_path / f".latest-{int(dead.stdout)}", tmp_path / ".latest-1"  # pid 1: always running
-    stale.write_text("old\n")
-    running.write_text("other\n")
+    elsewhere = tmp_path / ".latest-999999999"  # no such pid here: another machine's writer, on a shared SAVEDIR
+    for path in (stale, running, elsewhere):
+        path.write_text("old\n")
+    two_minutes_ago = time.time() - 120
+    os.utime(stale, (two_minutes_ago, two_minutes_ago))
     write_latest(tmp_path / "run")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".latest-1", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".latest-1", ".latest-999999999", "latest"]
     assert (tmp_path / "latest").read_text() == "run\n"
 
 
