@@ -1,11 +1,11 @@
 """Reading a run's scalars back from its TensorBoard event files, for plot mode and scripts/results.py.
 
 TensorBoard's own reader (EventAccumulator) checks each record's CRC-32C in pure Python and keeps every tag:
-a run of a day (794,880 scalars, 42 MB of events) took it 14.5 s and 258 MB of memory to plot, a run of five
-days over a minute and about a gigabyte. `read_scalars` reads the records' framing itself, parses them with
-TensorBoard's own protobuf classes and keeps the tags asked for (the same run: 1.4 s, 71 MB), and shows what
-TensorBoard shows: the files in name order, and a resumed session's start (the event its `purge_step` writes)
-dropping the points of earlier sessions at and after its step.
+plot mode took 17 s and 258 MB on a run of a day (794,880 scalars, 43.7 MB of events; BENCHMARKS.md, "Reading a
+long run back"). `read_scalars` reads the records' framing itself, parses them with TensorBoard's own protobuf
+classes and keeps the tags asked for (plot mode on the same run: 2.5 s, 125 MB), and shows what TensorBoard
+shows: the files in name order, and a resumed session's start (the event its `purge_step` writes) dropping the
+points of earlier sessions at and after its step.
 """
 
 from __future__ import annotations

@@ -536,13 +536,9 @@ class RayActorPool:
             return True
         if remote.node_id in self._lost_nodes:
             return False
-        try:
-            alive = {node["NodeID"]: node["Alive"] for node in self.ray.nodes()}
-        except self.ray.exceptions.RayError:
-            return True
-        if alive.get(remote.node_id, True):
-            return True
-        self._lost_nodes.add(remote.node_id)
+        with contextlib.suppress(self.ray.exceptions.RayError):
+            if not {node["NodeID"]: node["Alive"] for node in self.ray.nodes()}.get(remote.node_id, True):
+                self._lost_nodes.add(remote.node_id)
         return True
 
     def _replace(self, remote: RemoteLife, detail: str) -> None:
