@@ -60,6 +60,11 @@ CONNECT_TIMEOUT_S = 60.0  # a cluster that has not answered ray.init in this lon
 NAMES_GRACE_S = 10.0  # how long a start waits for a remote actor of its run to go before refusing to run
 PLACEMENT_WARNING_S = 60.0  # a remote actor not acting after this long is reported (no resources for it?)
 NAMESPACE = "impala"  # Ray namespace of the run's named actors
+HEAD_PROBE_S = 5.0  # how often the learner's side asks Ray's head (its GCS) whether it is there, and how long it waits
+HEAD_LOST_S = 20.0  # a head that answered none of the asks of this long is lost: the run ends, with its final checkpoint
+# Ray ends a process whose GCS has been silent for 60 s (its gcs_rpc_server_reconnect_timeout_s), however far its final
+# checkpoint has come; the run's own rule (HEAD_LOST_S) ends it first, and this leaves it time to save.
+RAY_GCS_RECONNECT_TIMEOUT_S = 600
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -275,6 +280,47 @@ class RayStats:
     restarts: int = 0  # remote actor lives replaced
 
 
+class HeadWatch:
+    """Whether Ray's head (its GCS) still answers, asked every HEAD_PROBE_S in a thread of its own: without it no
+    remote actor can be made, killed or found dead, and Ray ends the process before long (RAY_GCS_RECONNECT_TIMEOUT_S).
+    Only asks that went unanswered count, so a process paused meanwhile (Ctrl-Z) does not read as a lost head."""
+
+    def __init__(self, ray: Any) -> None:
+        # Ray's client of the GCS, which takes a timeout (ray.nodes() would wait out Ray's own 60 s); None where
+        # this Ray has none (then Ray's own rule stands).
+        self.client = getattr(getattr(getattr(ray, "_private", None), "worker", None), "global_worker", None)
+        self.client = getattr(self.client, "gcs_client", None)
+        self.address = ""
+        with contextlib.suppress(Exception):
+            self.address = str(ray.get_runtime_context().gcs_address)
+        self.unanswered = 0  # asks in a row that went unanswered
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="ray-head-watch", daemon=True)
+
+    def start(self) -> None:
+        if self.client is not None:
+            self.thread.start()
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def _watch(self) -> None:
+        assert self.client is not None  # started only with one
+        wait_s = HEAD_PROBE_S
+        while not self.stop_event.wait(wait_s):
+            asked = time.monotonic()
+            try:
+                self.client.internal_kv_get(b"impala-head-watch", NAMESPACE.encode(), timeout=HEAD_PROBE_S)
+            except Exception:  # noqa: BLE001 - Ray's RpcError: no answer within the timeout, or none to be had
+                self.unanswered += 1
+                wait_s = max(0.0, HEAD_PROBE_S - (time.monotonic() - asked))  # the next ask HEAD_PROBE_S after
+            else:
+                self.unanswered, wait_s = 0, HEAD_PROBE_S
+
+    def lost(self) -> bool:
+        return self.unanswered * HEAD_PROBE_S >= HEAD_LOST_S
+
+
 class RayActorPool:
     """Local actors (a `LocalActorPool`, possibly of none) plus `config.ray_actors` remote actors on a Ray
     cluster, behind the `ActorPool` interface. Only the main thread calls it, except `publish` (a learner
@@ -307,6 +353,7 @@ class RayActorPool:
         self.stop_event = threading.Event()
         self.receiver = threading.Thread(target=self._receive, name="ray-receiver", daemon=True)
         self.error: BaseException | None = None  # why the receiver thread died
+        self.head = HeadWatch(self.ray)
 
     # The attributes training.py reaches through the pool (central inference serves the local actors only).
     @property
@@ -328,6 +375,7 @@ class RayActorPool:
         for index in range(self.config.ray_actors):  # one by one: `stop` ends those started before a failure
             self.remotes.append(self._start_remote(index))
         self.receiver.start()
+        self.head.start()
 
     def _start_remote(self, index: int) -> RemoteLife:
         """A new life of remote actor `index`: seeds no other life had, a name the run can be found by."""
@@ -522,6 +570,10 @@ class RayActorPool:
         self.local.check()
         if self.error is not None:
             raise TrainingError(f"the Ray receiver thread failed: {self.error!r}") from self.error
+        if self.head.lost():
+            raise TrainingError(f"Ray's head (its GCS at {self.head.address or '?'}) has not answered for "
+                                f"{HEAD_LOST_S:.0f} s: it was stopped, or its machine lost; no remote actor can be "
+                                "replaced without it. Run the same --xpid again once the cluster is back, to resume")
         while True:
             try:
                 remote, detail = self.death_reports.get_nowait()
@@ -567,6 +619,7 @@ class RayActorPool:
         """Local actors first (as `LocalActorPool.stop`), then the receiver, then every remote actor: asked to
         stop, given STOP_TIMEOUT_S, then killed, so none of the run's is left in the cluster."""
         self.stop_event.set()
+        self.head.stop()
         self.local.stop(drain)
         if self.receiver.ident is not None:  # started (a failed start may stop a pool before it)
             self.receiver.join(timeout=STOP_TIMEOUT_S)
@@ -619,6 +672,7 @@ def connect(config: Config, unroll_bytes: int, stop: StopRequests | None = None)
     if ray.is_initialized():
         return ray, None
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_gcs_rpc_server_reconnect_timeout_s", str(RAY_GCS_RECONNECT_TIMEOUT_S))
     # Workers import impala from where this copy lives (one image, one path on every node).
     runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT),
                                                                             os.environ.get("PYTHONPATH"))))}}

@@ -16,6 +16,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 import unittest.mock
 from collections.abc import Iterator
@@ -223,6 +224,78 @@ def test_sigterm_to_the_process_group_of_a_run_with_ray_local_stops_it_in_order(
     assert "Stopped 1 remote actors" in text and "Run ended (terminated)" in text, text
     meta = json.loads((training.run_dir / "meta.json").read_text())
     assert meta["end_reason"] == "terminated" and meta["final_step"] == meta["checkpoint_step"] > 0
+
+
+@pytest.mark.slow
+def test_a_lost_ray_head_ends_the_run_with_its_final_checkpoint_before_ray_ends_the_process(tmp_path: Path) -> None:
+    """Ray ends a process whose GCS has been silent for 60 s: the run did, at once, with no final checkpoint and no
+    end in meta.json. Now it sees the head lost within HEAD_LOST_S and ends in order."""
+    pytest.importorskip("ray")
+    training = Training(tmp_path, "headless", "--ray", "local", "--num_actors", "1", "--ray_actors", "1",
+                        "--ray_envs_per_actor", "2", env=DEFAULT_AUTH_ENV)
+    try:
+        actor_pid = int(training.wait_for(r"Remote actor 0 acting \(pid (\d+)")[1])
+        training.wait_for_steps(1)
+        gcs = [pid for pid in group_processes(training.pgid) if "gcs_server" in _command(pid)]
+        assert len(gcs) == 1, group_processes(training.pgid)
+        os.kill(gcs[0], signal.SIGKILL)
+        killed = time.monotonic()
+        assert training.wait(timeout=120) == 1, training.text()
+        ended_s = time.monotonic() - killed
+        # Ray's raylet and the remote actor too. Ray's two agents end themselves a minute after the raylet.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and ({_command(pid) for pid in group_processes(training.pgid)}
+                                               - {"ray::DashboardAgent", "ray::RuntimeEnvAgent"}
+                                               or Path(f"/proc/{actor_pid}").exists()):
+            time.sleep(0.2)
+        left = {_command(pid) for pid in group_processes(training.pgid)}
+        assert left <= {"ray::DashboardAgent", "ray::RuntimeEnvAgent"}, left
+        assert not Path(f"/proc/{actor_pid}").exists()
+    finally:
+        training.close()
+    text = training.text()
+    assert "Ray's head (its GCS at " in text and "has not answered for 20 s" in text, text
+    assert "Traceback" not in text and "Failed to connect to GCS" not in text, text
+    assert ended_s < 55, (ended_s, text)  # Ray's own rule would have ended it at 60 s
+    meta = json.loads((training.run_dir / "meta.json").read_text())
+    assert meta["end_reason"] == "error" and meta["final_step"] == meta["checkpoint_step"] > 0, meta
+
+
+def test_the_head_watch_counts_only_unanswered_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lost after HEAD_LOST_S of asks that went unanswered in a row; an answer starts the count again, and a pause of
+    the process (no ask made) counts for nothing."""
+    pytest.importorskip("ray")
+    from impala import ray_pool
+
+    monkeypatch.setattr(ray_pool, "HEAD_PROBE_S", 0.01)
+    monkeypatch.setattr(ray_pool, "HEAD_LOST_S", 0.04)  # four unanswered asks
+    answers: list[bool] = []
+    asked = threading.Event()
+
+    class Client:
+        def internal_kv_get(self, key: bytes, namespace: bytes, timeout: float) -> None:
+            answer = answers.pop(0) if answers else True
+            asked.set()
+            if not answer:
+                raise RuntimeError("Timed out while waiting for GCS to become available.")
+
+    ray = unittest.mock.Mock()
+    ray._private.worker.global_worker.gcs_client = Client()
+    ray.get_runtime_context.return_value.gcs_address = "10.0.0.1:6379"
+    watch = ray_pool.HeadWatch(ray)
+    assert watch.address == "10.0.0.1:6379"
+    watch.unanswered = 0
+    assert not watch.lost()  # made, not started: time alone (a pause) loses nothing
+    answers.extend([False, False, False, True, False, False, False, False])
+    watch.start()
+    deadline = time.monotonic() + 10
+    seen = []
+    while time.monotonic() < deadline and not watch.lost():
+        seen.append(watch.unanswered)
+        time.sleep(0.001)
+    watch.stop()
+    assert watch.lost() and not answers, (seen, answers)
+    assert 3 in seen and max(seen[:seen.index(3) + 10]) == 3, seen  # three, then the answer set it back to 0
 
 
 def _command(pid: int) -> str:
