@@ -438,7 +438,9 @@ class RayActorPool:
                     continue
                 ready, _ = self.ray.wait(list(in_flight), num_returns=1, timeout=WAIT_S)
                 for ref in ready:
-                    self._take(ref, in_flight.pop(ref))
+                    remote = in_flight.pop(ref)
+                    if not self._take(ref, remote):
+                        in_flight[ref] = remote  # done, but not here yet: waited for again
                 self._watch_silence(in_flight)
         except BaseException as exc:  # the monitor raises it (`check`)
             log.exception("The Ray receiver thread failed")
@@ -453,17 +455,22 @@ class RayActorPool:
                 in_flight[remote.handle.unrolls.remote(version, [weights])] = remote
                 remote.in_flight += 1
 
-    def _take(self, ref: Any, remote: RemoteLife) -> None:
-        """Copy the unrolls of one finished request into slots, or report its actor dead."""
-        remote.in_flight -= 1
+    def _take(self, ref: Any, remote: RemoteLife) -> bool:
+        """Copy the unrolls of one finished request into slots, or report its actor dead; False where the result
+        could not be read within WAIT_S (restored from disk where the object store spilled it, fetched again where it
+        was evicted): not a death, and still the actor's request in flight."""
         start = time.perf_counter()
         try:
             result = self.ray.get(ref, timeout=WAIT_S)
+        except self.ray.exceptions.GetTimeoutError:
+            return False
         except self.ray.exceptions.RayError as exc:  # an actor or node gone (RayActorError), it raised (RayTaskError)
+            remote.in_flight -= 1
             self._report_dead(remote, _describe(exc))
-            return
+            return True
+        remote.in_flight -= 1
         if remote.dead or result.get("stopped"):
-            return  # a result that arrived after its actor was reported (it is being replaced), or stopped
+            return True  # a result that arrived after its actor was reported (it is being replaced), or stopped
         if remote.last_result is None:
             remote.pid, remote.node_id = result["pid"], result.get("node_id")
             log.info("Remote actor %d acting (pid %d on %s, life %d)", remote.index, remote.pid, result["node"],
@@ -473,6 +480,7 @@ class RayActorPool:
         waited_s = self._write(result["fields"])
         self.stats.receive_s += time.perf_counter() - start - waited_s  # the learners' holding every slot is theirs
         self._last_watch += waited_s  # not a pause of this process: `_watch_silence` renews no actor for it
+        return True
 
     def _write(self, fields: dict[str, np.ndarray]) -> float:
         """Each unroll into a free slot of the receiver's and onto the full queue; stale ones are dropped. Returns

@@ -784,6 +784,47 @@ def test_a_hung_remote_actor_is_found_while_the_learners_hold_every_slot_and_the
     assert pool.death_reports.get_nowait()[0] is hung
 
 
+def test_a_result_not_readable_at_once_is_waited_for_again_and_is_no_death() -> None:
+    """ray.wait says a result is done; reading it may still take longer than WAIT_S (restored from disk where the
+    object store spilled it). That read timed out as a RayError and cost the actor a death and a restart."""
+    ray = pytest.importorskip("ray")
+    import queue
+    import types
+
+    from impala.ray_pool import RayActorPool
+
+    pool = object.__new__(RayActorPool)
+    pool.config = Config(actor_timeout_s=300, unroll_length=2)
+    pool.death_reports, pool.stop_event = queue.Queue(), threading.Event()
+    pool.stats, pool.remotes = RayStats(), []
+    remote = types.SimpleNamespace(index=0, dead=False, in_flight=1, last_result=None, life=0)
+    reads = iter([ray.exceptions.GetTimeoutError("Get timed out"), RuntimeError("stop")])
+
+    def get(ref: str, timeout: float) -> Any:
+        raise next(reads)
+
+    def wait(refs: list[str], num_returns: int, timeout: float) -> tuple[list[str], list[str]]:
+        waits.append(list(refs))
+        return list(refs), []
+
+    waits: list[list[str]] = []
+    pool.ray = types.SimpleNamespace(exceptions=ray.exceptions, get=get, wait=wait)
+    def top_up(in_flight: dict[str, Any]) -> None:
+        if not waits:
+            in_flight["result"] = remote
+        elif not in_flight:  # the result dropped: nothing more to wait for
+            pool.stop_event.set()
+
+    pool._top_up = top_up
+    pool._watch_silence = lambda in_flight: None
+    pool._receive()  # reads it twice: the second read's error ends the receiver
+    assert waits == [["result"], ["result"]] and isinstance(pool.error, RuntimeError)
+    assert pool.death_reports.empty() and remote.in_flight == 1 and not remote.dead
+    pool.ray.get = lambda ref, timeout: (_ for _ in ()).throw(ray.exceptions.RayActorError())
+    assert pool._take("result", remote) and remote.in_flight == 0 and remote.dead
+    assert pool.death_reports.get_nowait()[0] is remote
+
+
 def test_an_address_where_no_cluster_answers_is_refused_after_a_while_and_a_stop_is_heard_meanwhile(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """ray.init retries for good at an address that takes connections but is no cluster's (another port of the head,
