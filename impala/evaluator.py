@@ -85,6 +85,7 @@ class EvaluatedRun(Protocol):
     update_lock: threading.Lock
     evaluator: Evaluator | None
     coordinator: Coordinator | None
+    resumed_step: int | None
 
 
 def make_evaluator(config: Config, run_dir: Path, observation_shape: tuple[int, ...], num_actions: int,
@@ -155,7 +156,8 @@ def check_evaluator(run: EvaluatedRun) -> None:
     _kill_if_hung(run, evaluator)
     if not evaluator.process.is_alive():
         replace_evaluator(run, evaluator)
-    elif evaluator.pending is None and time.monotonic() - evaluator.last_request_s >= run.config.eval_interval_s:
+    elif (evaluator.pending is None and time.monotonic() - evaluator.last_request_s >= run.config.eval_interval_s
+          and run.state.step != run.resumed_step):  # the weights a resumed run's logs may have evaluated already
         _request_evaluation(run, evaluator)
 
 

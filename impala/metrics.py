@@ -109,10 +109,10 @@ def move_aside(path: Path) -> Path:
 class RunLog:
     """TensorBoard event files and `logs.csv` in the run directory.
 
-    `purge_step` (when resuming) drops events and CSV rows a killed run wrote after its last checkpoint, so
-    the resumed curve continues the old one instead of overlapping it: those at the checkpoint's own step too,
-    as TensorBoard does, since a session logs there again (its first evaluation plays the checkpoint's weights). Not thread-safe: one thread (the
-    monitor) writes. A storage error while training (a full disk) is logged once per file and never
+    `purge_step` (when resuming: the step after the checkpoint's) drops events and CSV rows from that step on, as
+    TensorBoard does: those a killed run wrote after its last checkpoint, so that the resumed curve continues the
+    old one instead of overlapping it. What was logged at the checkpoint's own step stays (the games that ended
+    while its session stopped, its last progress row). Not thread-safe: one thread (the monitor) writes. A storage error while training (a full disk) is logged once per file and never
     ends the run: the scalars are lost, the training is not. TensorBoard comes back by itself once there is
     space again: a writer that failed is set aside and a new one (a new event file) tried every
     TENSORBOARD_RETRY_S.
@@ -135,8 +135,8 @@ class RunLog:
             self._purge_csv(purge_step)
 
     def _purge_csv(self, purge_step: int) -> None:
-        """Drop the CSV rows at and after `purge_step` (the step of the checkpoint a resumed run starts from), as
-        TensorBoard drops its events there, and a last row that a kill cut short: after a `kill -9` or a power cut
+        """Drop the CSV rows at and after `purge_step` (the step after that of the checkpoint a resumed run starts
+        from), as TensorBoard drops its events there, and a last row that a kill cut short: after a `kill -9` or a power cut
         the previous session's rows went on past its last checkpoint, and the resumed rows would start again
         below them. Replaced atomically, and only when something is dropped; a file that cannot be read or replaced
         is reported and kept as it is."""
@@ -172,7 +172,7 @@ class RunLog:
         except OSError as exc:
             self._report(PURGE, exc)
             return
-        log.info("logs.csv: dropped %d rows from step %d on, where this run resumes (it logs that step again)",
+        log.info("logs.csv: dropped %d rows from step %d on, logged after the checkpoint this run resumes from",
                  dropped, purge_step)
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:

@@ -106,6 +106,9 @@ class Run:
     resumed_from: Path | None = None  # the checkpoint this session started from
     changed_flags: tuple[str, ...] = ()  # flags of this session other than those of the checkpoint it resumes
     saved_step: int | None = None  # the step of the newest checkpoint on disk; written by whoever saves
+    # The step a resumed run's session started from: the earlier sessions' logs at that step are kept, so this one
+    # logs no progress row and asks for no evaluation there (the same weights), only once its learner moved on.
+    resumed_step: int | None = None
     stats: IntervalStats = field(default_factory=IntervalStats)  # learners add under `update_lock`
     update_lock: threading.Lock = field(default_factory=threading.Lock)  # one update, or one copy of the weights
     coordinator: Coordinator | None = None  # under torchrun: this rank among the learner processes
@@ -193,7 +196,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
             if rewinds:  # model.tar at once the step that the logs are about to be cut back to, whatever comes next
                 assert checkpoint is not None
                 _save_start(run_dir, config, state, checkpoint.get("recent_returns", []))
-            runlog = RunLog(run_dir, purge_step=state.step if resuming else None)
+            runlog = RunLog(run_dir, purge_step=_purge_step(resuming, checkpoint, state.step))
             runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained
         if coordinator is not None:
             session = coordinator.share_state(state, session, config)  # every rank starts from rank 0's weights
@@ -204,7 +207,8 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
             stats.episode_returns.extend(float(r) for r in checkpoint.get("recent_returns", []))
         learners = Learners(config, state, buffers, pool, device, amp, stats, update_lock, coordinator)
         run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
-                  resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None, stats=stats,
+                  resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None,
+                  resumed_step=state.step if resuming and checkpoint is not None else None, stats=stats,
                   update_lock=update_lock, coordinator=coordinator, stop=stop,
                   changed_flags=tuple(changed_flags(checkpoint["flags"], config)) if checkpoint is not None else ())
         if config.inference == "central":
@@ -222,6 +226,15 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         if ray_connection is not None:
             ray_pool.disconnect(ray_connection)
         raise
+
+
+def _purge_step(resuming: bool, checkpoint: dict | None, step: int) -> int | None:
+    """Where a resumed run's logs are cut (TensorBoard's `purge_step`: that step and later ones go): after the
+    checkpoint's step, so that what its session logged there stays (the games that ended while it stopped, its last
+    progress row); all of them for a run restarted from step 0 because it saved no checkpoint; None for a new run."""
+    if not resuming:
+        return None
+    return step + 1 if checkpoint is not None else 0
 
 
 def _inference_servers(run: Run, session: int) -> InferenceServers:
@@ -441,7 +454,8 @@ def _log_progress(run: Run, interval_s: float, last_step: int, elapsed_s: float,
         scalars.update(run.inference.servers.take_stats())
     scalars.update(timing_scalars)
     scalars.update(run.pool.scalars())
-    run.runlog.scalars(step, scalars)
+    if step != run.resumed_step:  # a resumed session that has not learned yet: the last session's row stays alone
+        run.runlog.scalars(step, scalars)
     log.info(progress_line(step, run.config.total_steps, console_rate.add(elapsed_s, step), elapsed_s, mean_return,
                            episodes), extra=STATUS)
     return step

@@ -408,7 +408,8 @@ def _fake_run(tmp_path: Path, best: tuple[float, int] | None) -> types.SimpleNam
     model = _net()
     evaluator = Evaluator(_net(), best)
     return types.SimpleNamespace(config=Config(env="CartPole-v1", eval_interval_s=1, hidden_size=32), run_dir=tmp_path,
-                                 model=model, runlog=RunLog(tmp_path), evaluator=evaluator, coordinator=None)
+                                 model=model, runlog=RunLog(tmp_path), evaluator=evaluator, coordinator=None,
+                                 resumed_step=None)
 
 
 def _games(returns: list[float], lengths: tuple[int, int] = (120, 80), cut: tuple[bool, bool] = (False, False)
@@ -597,6 +598,35 @@ def test_the_wait_for_a_request_is_not_held_against_the_evaluation_it_asks_for(
         evaluator.pending, evaluator.last_request_s = None, time.monotonic() - 700
         check_evaluator(run_)
         assert process_end.recv()[0] == 6 and evaluator.pending["actor_lives"] == 11
+    finally:
+        idle.kill()
+        idle.join()
+        process_end.close()
+        run_.runlog.close()
+
+
+def test_a_resumed_run_asks_for_no_evaluation_before_its_learner_moves_past_the_checkpoints_step(
+        tmp_path: Path) -> None:
+    """The session that saved the checkpoint may have evaluated its weights and logged it at that step, which a
+    resume keeps: the same weights are not evaluated there a second time."""
+    ctx = multiprocessing.get_context("fork")
+    run_ = _fake_run(tmp_path, best=None)
+    model = _net()
+    optimizer = torch.optim.Adam(model.parameters())
+    run_.state = LearnerState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                              ActorLives(seed=0, session=1), step=900, evaluations=4)
+    run_.update_lock, run_.resumed_step = threading.Lock(), 900
+    idle = ctx.Process(target=time.sleep, args=(60,))
+    idle.start()
+    main_end, process_end = ctx.Pipe()
+    run_.evaluator.process, run_.evaluator.connection = idle, main_end
+    run_.evaluator.last_request_s = time.monotonic() - 10  # due, by --eval_interval_s 1
+    try:
+        check_evaluator(run_)
+        assert run_.evaluator.pending is None and not process_end.poll()
+        run_.state.step = 920  # the first update of the session
+        check_evaluator(run_)
+        assert process_end.recv()[:2] == (5, 920)
     finally:
         idle.kill()
         idle.join()
@@ -886,11 +916,11 @@ def test_test_modes_video_and_return_stay_apart_from_trainings_evaluations_and_s
     assert f"to TensorBoard in {test_dir} (IMAGES tab, test/video)" in out
     played = re.search(r"Mean return over 2 episodes: ([\d.]+)", out)
     assert played is not None, out
-    # A resume from the checkpoint: its purge drops the run's events from step 300 on, and it evaluates again there.
-    runlog = RunLog(run_dir, purge_step=300)
-    runlog.scalars(300, {EVAL_TAG: 14.0})
+    # A resume from the checkpoint: its purge drops the run's events after step 300, and it evaluates again later.
+    runlog = RunLog(run_dir, purge_step=301)
+    runlog.scalars(320, {EVAL_TAG: 14.0})
     runlog.close()
-    assert training_series() == [(200, 10.0), (300, 14.0)]
+    assert training_series() == [(200, 10.0), (300, 12.0), (320, 14.0)]
     test_events = _events(test_dir)  # the test's records, whole
     test_returns = [(e.step, round(e.value, 2)) for e in test_events.Scalars("test/episodic_return_mean")]
     assert test_returns == [(300, float(played.group(1)))]

@@ -124,6 +124,29 @@ def test_a_resumed_run_starts_with_the_checkpoints_weights_in_the_learner_and_th
         training.shutdown(run, save=False)
 
 
+def test_a_resume_keeps_what_the_run_logged_at_its_checkpoints_step_and_logs_nothing_there_twice(
+        tmp_path: Path) -> None:
+    """The session that saved the checkpoint logged its last progress row and its last games at that step; a resume
+    drops only what came after it, and logs no second row there while it has not learned yet."""
+    run_dir = training.train(_cartpole(tmp_path, 400))  # finished: its last row and games at step 400
+    (first_file,) = run_dir.glob("events.out.tfevents.*")
+    first_games = _scalars(first_file, "charts/episodic_return")
+    training.train(dataclasses.replace(_cartpole(tmp_path, 800), resume=True, log_interval_s=0.01))
+    with open(run_dir / "logs.csv", newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f)]
+    assert steps == sorted(steps) and steps.count(400) == 1 and steps[-1] == 800, steps
+    first_row = [point for point in _scalars(first_file, "charts/SPS") if point[0] == 400]
+    assert len(first_row) == 1 and [point for point in _scalars(run_dir, "charts/SPS") if point[0] == 400] == first_row
+    merged = _scalars(run_dir, "charts/episodic_return")  # both files, as TensorBoard shows them
+    assert merged[:len(first_games)] == first_games, "no game of the first session is lost"
+
+
+def _scalars(path: Path, tag: str) -> list[tuple[int, float]]:
+    events = EventAccumulator(str(path), size_guidance={"scalars": 0})  # every point
+    events.Reload()
+    return [(event.step, event.value) for event in events.Scalars(tag)]
+
+
 def test_a_resume_names_the_flags_that_differ_from_the_checkpoints(tmp_path: Path) -> None:
     """A resume given fewer flags than the run had takes the defaults of the others: the start says which."""
     first = dataclasses.replace(_cartpole(tmp_path, 400), policy_loss="impala", optimizer="rmsprop", epsilon=0.01)
