@@ -702,8 +702,8 @@ def path_problem(path: str) -> str | None:
 def run_path(savedir: str | Path, xpid: str) -> Path:
     """SAVEDIR/XPID, where XPID `latest` means the run named in the file SAVEDIR/latest (when it is a file; a
     directory there, a run of that name or an older version's symlink, keeps its name). UserError when
-    SAVEDIR has no latest run: training would otherwise start a run called latest, which no later run could
-    then be named in."""
+    SAVEDIR has no latest run, or the run it names is gone: training would otherwise start a run called latest,
+    which no later run could then be named in, or a new run of the name given."""
     savedir = Path(savedir).expanduser()
     if xpid != LATEST_NAME:
         return savedir / xpid
@@ -720,4 +720,7 @@ def run_path(savedir: str | Path, xpid: str) -> Path:
     if not is_plain_name(name):  # what a power cut can leave, or a hand: it must not lead out of SAVEDIR
         raise UserError(f"--xpid latest: the file {latest} is damaged (it holds {name[:60]!r}, no run's name); pass "
                         "the run's name")
+    if not os.path.lexists(savedir / name):  # training would start a new run of that name, from step 0
+        raise UserError(f"--xpid latest: the file {latest} names the run {name!r}, which is not in {savedir} (moved "
+                        "or deleted?); pass a run's name")
     return savedir / name

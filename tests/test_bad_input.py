@@ -132,15 +132,18 @@ def test_a_torchrun_variable_that_is_no_number_is_one_line(capsys: pytest.Captur
     (b"\xff\xfe\n", r"cannot read the file .*latest \('utf-8' codec can't decode"),
     (b"\0" * 8, r"the file .*latest is damaged \(it holds '\\x00.*', no run's name\); pass the run's name"),
     (b"../elsewhere\n", r"the file .*latest is damaged \(it holds '../elsewhere', no run's name\)"),
-], ids=["not text", "zeros", "outside"])
+    (b"gone\n", r"the file .*latest names the run 'gone', which is not in .*runs \(moved or deleted\?\); pass a run's"),
+], ids=["not text", "zeros", "outside", "a run moved away"])
 @pytest.mark.parametrize("mode", ["train", "test", "plot"])
 def test_a_damaged_latest_file_is_one_line(capsys: pytest.CaptureFixture, tmp_path: Path, content: bytes,
                                            pattern: str, mode: str) -> None:
-    """What a power cut can leave in SAVEDIR/latest, or a hand: never a traceback, never a run outside SAVEDIR."""
+    """What a power cut can leave in SAVEDIR/latest, or a hand, or a run moved away: never a traceback, never a run
+    outside SAVEDIR, and no new run under the name it holds."""
     _saved_run(tmp_path, "elsewhere")
     (tmp_path / "runs").mkdir()
     (tmp_path / "runs" / "latest").write_bytes(content)
     _fails_with(capsys, [*QUICK, "--mode", mode, "--savedir", str(tmp_path / "runs"), "--xpid", "latest"], pattern)
+    assert [path.name for path in (tmp_path / "runs").iterdir()] == ["latest"]  # no run made, of any name
 
 
 def test_unwritable_savedir(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:

@@ -379,6 +379,7 @@ def test_parser_has_one_flag_per_field() -> None:
 
 def test_xpid_latest_is_the_run_named_in_the_latest_file(tmp_path: Path) -> None:
     (tmp_path / "latest").write_text("pong-3\n")
+    (tmp_path / "pong-3").mkdir()
     assert run_path(tmp_path, "latest") == tmp_path / "pong-3"
     assert run_path(tmp_path, "pong-1") == tmp_path / "pong-1"
     (tmp_path / "latest").unlink()

@@ -257,6 +257,7 @@ def test_ranks_started_with_flags_that_shape_the_update_differently_are_refused_
 def test_xpid_latest_is_read_on_rank_0_alone(tmp_path: Path) -> None:
     """The other machines need no copy of the run directory: their rank takes the run rank 0 reads in `latest`."""
     (tmp_path / "latest").write_text("cartpole-7\n")
+    (tmp_path / "cartpole-7").mkdir()
     on_rank_0 = Config(env="CartPole-v1", xpid="latest", savedir=str(tmp_path))
     elsewhere = dataclasses.replace(on_rank_0, savedir=str(tmp_path / "not-here"))
     assert _agreed([on_rank_0, elsewhere], xpid="latest") == ["cartpole-7", "cartpole-7"]
@@ -306,6 +307,7 @@ def test_a_job_of_one_rank_joins_through_torchruns_store_with_its_run_named(
                         "TORCHELASTIC_RUN_ID": "abc", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
         monkeypatch.setenv(name, value)
     (tmp_path / "latest").write_text("cartpole-3\n")
+    (tmp_path / "cartpole-3").mkdir()
     config, coordinator = distributed.join(Config(env="CartPole-v1", xpid="latest", savedir=str(tmp_path), seed=5,
                                                   disable_cuda=device == "cpu"))
     try:
