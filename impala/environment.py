@@ -308,7 +308,8 @@ def _make_atari(spec: gym.envs.registration.EnvSpec, num_envs: int) -> Any:
 
 
 def _needs_fire_after_life_loss(spec: gym.envs.registration.EnvSpec) -> bool:
-    """Whether the game's action 1 is FIRE and it has lives (Breakout yes; Pong, without lives, no)."""
+    """Whether the game's action 1 is FIRE and it has lives (Breakout yes; Pong, without lives, no). The lives are
+    read after the game's first frame: Amidar shows none before it (of ale-py 0.12's ROMs, the only one)."""
     import ale_py
     from ale_py import roms
 
@@ -316,6 +317,7 @@ def _needs_fire_after_life_loss(spec: gym.envs.registration.EnvSpec) -> bool:
     ale = ale_py.ALEInterface()
     ale.loadROM(roms.get_rom_path(spec.kwargs["game"]))  # type: ignore[arg-type]  # a missing ROM fails in ale-py
     actions = ale.getMinimalActionSet() if not spec.kwargs.get("full_action_space", False) else ale.getLegalActionSet()
+    ale.act(ale_py.Action.NOOP)
     return len(actions) > FIRE and actions[FIRE] == ale_py.Action.FIRE and ale.lives() > 0
 
 

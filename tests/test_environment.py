@@ -226,6 +226,19 @@ def test_breakout_ball_is_back_in_play_after_a_lost_life_without_the_agent_firin
     assert all(n > 0 for n in changed), changed  # the ball moves in every frame
 
 
+@pytest.mark.parametrize(("env_id", "fires"), [("BreakoutNoFrameskip-v4", True), ("PongNoFrameskip-v4", False),
+                                               ("AmidarNoFrameskip-v4", True), ("MsPacmanNoFrameskip-v4", False)])
+def test_fire_after_a_lost_life_is_for_games_whose_action_1_is_fire_and_that_have_lives(env_id: str,
+                                                                                       fires: bool) -> None:
+    """Pong has no lives and Ms. Pac-Man no FIRE; Amidar shows its lives only from its first frame on."""
+    env = EnvBatch(env_id, 1, seed=0)
+    try:
+        env.reset()
+        assert env._fire_on_life_loss is fires and (env._lives[0] > 0 or not fires)
+    finally:
+        env.close()
+
+
 def test_breakout_without_fire_on_life_loss_waits_for_the_agent() -> None:
     changed, _ = _frames_after_first_life_loss(True, fire_on_life_loss=False)
     assert changed == [0] * 10  # nothing moves until the agent presses FIRE
