@@ -288,8 +288,9 @@ class HeadWatch:
     def __init__(self, ray: Any) -> None:
         # Ray's client of the GCS, which takes a timeout (ray.nodes() would wait out Ray's own 60 s); None where
         # this Ray has none (then Ray's own rule stands).
-        self.client = getattr(getattr(getattr(ray, "_private", None), "worker", None), "global_worker", None)
-        self.client = getattr(self.client, "gcs_client", None)
+        self.client: Any = None
+        with contextlib.suppress(AttributeError):
+            self.client = ray._private.worker.global_worker.gcs_client
         self.address = ""
         with contextlib.suppress(Exception):
             self.address = str(ray.get_runtime_context().gcs_address)
