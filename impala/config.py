@@ -443,7 +443,7 @@ class Config:
                 problems.append(f"--{flag} {path}: {problem}")
         if self.mode == "test" and self.xpid is None and self.checkpoint in ("latest", "best"):
             problems.append("--mode test needs --xpid NAME of a trained run (or --checkpoint PATH)")
-        if self.resume and self.xpid is None:
+        if self.resume and self.xpid is None and torchrun_run_id() is None:  # under torchrun the id names the run
             problems.append("--resume needs --xpid NAME of the run to continue")
         if self.policy_loss == "ppo" and min(self.batch_size, self.unroll_length, self.minibatches) >= 1:
             over = "batch" if self.advantage_norm == "batch" else "minibatch"
@@ -571,6 +571,13 @@ class OneLineErrorParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:  # argparse would print usage and exit; we want one line
         raise UserError(message)
+
+
+def torchrun_run_id() -> str | None:
+    """torchrun's rendezvous id (--rdzv-id; a fresh one per launch with --standalone), which names the run of a
+    job started without --xpid; None outside torchrun, or where it has none."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return run_id if "LOCAL_RANK" in os.environ and run_id not in ("", "none") else None
 
 
 def parse_config(argv: Sequence[str] | None = None) -> Config:

@@ -43,6 +43,7 @@ from impala.config import (
     first_line,
     plain_name,
     run_path,
+    torchrun_run_id,
 )
 from impala.learner import LearnerState
 from impala.metrics import ConsoleHandler, RunLog
@@ -85,8 +86,8 @@ def default_xpid(config: Config) -> str:
     """The run name under torchrun when --xpid is not given: ENV-RUN_ID, torchrun's rendezvous id (a fresh
     one per launch with --standalone), the same on every rank and in every restart of one launch
     (--max-restarts), so a restarted job continues its run from its checkpoint."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    if run_id in ("", "none"):
+    run_id = torchrun_run_id()
+    if run_id is None:
         raise UserError("under torchrun without --standalone or --rdzv-id, pass --xpid NAME: every rank and every "
                         "restart of the job must name the same run")
     return f"{plain_name(config.env)}-{plain_name(run_id)}"

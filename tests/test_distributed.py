@@ -36,7 +36,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from impala import distributed, learner
-from impala.config import Config, TrainingError, UserError
+from impala.config import Config, TrainingError, UserError, parse_config
 from impala.distributed import MAX_GAMES_PER_VOTE, Coordinator, GradientReducer, Ranks
 from impala.model import Net
 from impala.seeding import ActorLives
@@ -318,9 +318,19 @@ def test_a_job_of_one_rank_joins_through_torchruns_store_with_its_run_named(
         distributed.leave(coordinator)
 
 
-def test_join_names_the_run_after_the_rendezvous_id(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_join_names_the_run_after_the_rendezvous_id_which_resume_needs_no_xpid_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    for run_id in ("none", ""):  # torchrun without --rdzv-id or --standalone
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+        with pytest.raises(UserError, match="--resume needs --xpid NAME"):
+            parse_config(["--env", "CartPole-v1", "--resume"])
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a/b c")
     assert distributed.default_xpid(Config(env="ALE/Pong-v5")) == "ALE_Pong-v5-a_b_c"
+    assert parse_config(["--env", "CartPole-v1", "--resume"]).resume  # the run of that id: ENV-ID
+    monkeypatch.delenv("LOCAL_RANK")  # a variable left in a shell names nothing outside torchrun
+    with pytest.raises(UserError, match="--resume needs --xpid NAME"):
+        parse_config(["--env", "CartPole-v1", "--resume"])
 
 
 @pytest.mark.parametrize("name", list(CASES))
