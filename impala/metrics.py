@@ -112,10 +112,10 @@ class RunLog:
     `purge_step` (when resuming: the step after the checkpoint's) drops events and CSV rows from that step on, as
     TensorBoard does: those a killed run wrote after its last checkpoint, so that the resumed curve continues the
     old one instead of overlapping it. What was logged at the checkpoint's own step stays (the games that ended
-    while its session stopped, its last progress row). Not thread-safe: one thread (the monitor) writes. A storage error while training (a full disk) is logged once per file and never
-    ends the run: the scalars are lost, the training is not. TensorBoard comes back by itself once there is
-    space again: a writer that failed is set aside and a new one (a new event file) tried every
-    TENSORBOARD_RETRY_S.
+    while its session stopped, its last progress row). Not thread-safe: one thread (the monitor) writes. A
+    storage error while training (a full disk) is logged once per file and never ends the run: the scalars are
+    lost, the training is not. TensorBoard comes back by itself once there is space again: a writer that failed
+    is set aside and a new one (a new event file) tried every TENSORBOARD_RETRY_S.
     """
 
     def __init__(self, run_dir: str | os.PathLike, purge_step: int | None = None) -> None:
@@ -136,10 +136,10 @@ class RunLog:
 
     def _purge_csv(self, purge_step: int) -> None:
         """Drop the CSV rows at and after `purge_step` (the step after that of the checkpoint a resumed run starts
-        from), as TensorBoard drops its events there, and a last row that a kill cut short: after a `kill -9` or a power cut
-        the previous session's rows went on past its last checkpoint, and the resumed rows would start again
-        below them. Replaced atomically, and only when something is dropped; a file that cannot be read or replaced
-        is reported and kept as it is."""
+        from), as TensorBoard drops its events there, and a last row that a kill cut short: after a `kill -9` or a
+        power cut the previous session's rows went on past its last checkpoint, and the resumed rows would start
+        again below them. Replaced atomically, and only when something is dropped; a file that cannot be read or
+        replaced is reported and kept as it is."""
         try:
             with open(self._csv_path, "rb") as raw:  # a last line without its newline was cut short
                 cut = raw.seek(0, os.SEEK_END) > 0 and raw.seek(-1, os.SEEK_END) >= 0 and raw.read(1) != b"\n"
