@@ -128,8 +128,6 @@ def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, An
                 "num_actions": int}
     if not isinstance(state, dict) or any(not isinstance(state.get(key), kind) for key, kind in required.items()):
         raise UserError(f"checkpoint {path} is not an impala checkpoint (no model, flags or step counters in it)")
-    if not isinstance(state["flags"].get("env"), str) or not state["flags"]["env"]:
-        raise UserError(f"checkpoint {path} is not an impala checkpoint (no env in its flags)")
     hidden_size = state["flags"].get("hidden_size")  # older checkpoints may have none: the run's own is used
     if hidden_size is not None and (not isinstance(hidden_size, int) or isinstance(hidden_size, bool)
                                     or hidden_size < 1):
