@@ -443,7 +443,9 @@ class Config:
                 problems.append(f"--{flag} {path}: {problem}")
         if self.mode == "test" and self.xpid is None and self.checkpoint in ("latest", "best"):
             problems.append("--mode test needs --xpid NAME of a trained run (or --checkpoint PATH)")
-        if self.resume and self.xpid is None and torchrun_run_id() is None:  # under torchrun the id names the run
+        if self.resume and self.mode != "train":
+            problems.append(f"--resume is for --mode train, not --mode {self.mode}")
+        elif self.resume and self.xpid is None and torchrun_run_id() is None:  # under torchrun the id names the run
             problems.append("--resume needs --xpid NAME of the run to continue")
         if self.policy_loss == "ppo" and min(self.batch_size, self.unroll_length, self.minibatches) >= 1:
             over = "batch" if self.advantage_norm == "batch" else "minibatch"

@@ -35,6 +35,8 @@ def load_agent(config: Config, env_from_checkpoint: bool = False) -> tuple[Net, 
     path = find_checkpoint(_run_dir(config), config.checkpoint)
     state = load_checkpoint(path)
     flags = state["flags"]
+    if not isinstance(flags.get("env"), str) or not flags["env"]:
+        raise UserError(f"checkpoint {path} is not an impala checkpoint (no env in its flags)")
     if not env_from_checkpoint and flags.get("env") != config.env:
         config_env = config.env
         raise UserError(f"checkpoint {path} was trained on {flags.get('env')!r}, not {config_env!r}; "

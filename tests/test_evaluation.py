@@ -163,6 +163,18 @@ def test_test_mode_refuses_weights_that_do_not_fit_the_checkpoints_header_in_one
     assert err.endswith("; it is damaged or from another version: use another checkpoint\n"), err
 
 
+@pytest.mark.parametrize("env", [None, "", 3])
+def test_a_checkpoint_whose_flags_name_no_env_is_one_line_and_exit_2(capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                                     env: object) -> None:
+    path = tmp_path / "damaged.tar"
+    state = _state(_net(), 40)
+    flags = {key: value for key, value in state["flags"].items() if key != "env"}
+    save_checkpoint(path, {**state, "flags": flags if env is None else {**flags, "env": env}})
+    assert run.main(["--mode", "test", "--savedir", str(tmp_path), "--checkpoint", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"run.py: error: checkpoint {path} is not an impala checkpoint (no env in its flags)\n", err
+
+
 @pytest.mark.parametrize("mode", ["test", "train"])
 @pytest.mark.parametrize("hidden_size", ["abc", 0, 32.0, True])
 def test_a_checkpoint_whose_hidden_size_is_not_a_whole_number_is_one_line_and_exit_2(
