@@ -357,6 +357,11 @@ class Config:
     def validate(self) -> list[str]:
         """Every problem with these values, each with the numbers involved; empty when all is well."""
         problems = []
+        for flag in dataclasses.fields(self):  # flags.json, meta.json and TensorBoard keep them as UTF-8 text
+            value = getattr(self, flag.name)
+            for text in value if isinstance(value, tuple) else (value,):
+                if isinstance(text, str) and not _is_utf8(text):
+                    problems.append(f"--{flag.name} {os.fsencode(text)!r} is not UTF-8 text")
         positive_ints = ("envs_per_actor", "env_splits", "inference_threads", "unroll_length", "total_steps", "batch_size",
                          "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches",
                          "eval_episodes", "eval_max_steps", "ray_actors", "ray_envs_per_actor", "ray_publish_every",
@@ -685,6 +690,15 @@ def env_int(name: str, default: int | None = None) -> int:
 def is_head_address(ray: str) -> bool:
     """Whether --ray names a head node as HOST:PORT (not auto, local or a Ray client's ray://...)."""
     return ray not in ("auto", "local") and not ray.startswith("ray://")
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether `text` encodes to UTF-8: an argument of bytes that are not UTF-8 reaches Python as lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def is_plain_name(name: str) -> bool:

@@ -78,6 +78,7 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
      r"PPO normalises its advantages over each minibatch, which batches of 4 x 1 steps cut into 8 minibatches leave"),
     (["--minibatch_mode", "samples", "--minibatches", "20"], r"4 x 5 steps cut into 20 minibatches leave with 1 step"),
     (["--no_such_flag"], r"unrecognized arguments: --no_such_flag"),
+    (["--env", "Cart\udcffPole-v1"], r"--env b'Cart\\xffPole-v1' is not UTF-8 text$"),  # bytes 0xff: a surrogate
     # Each once a traceback, a hang, or a run that could only fail later:
     (["--savedir", "~runs"], r"--savedir ~runs: ~runs is the home of a user 'runs', and there is none \(did you mean"),
     (["--xpid", "a" * 300], r"--xpid 'a+' must be a plain name \(letters, digits, '.', '_', '-'\) of at most 215 "),
@@ -103,6 +104,13 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
 def test_bad_flags(capsys: pytest.CaptureFixture, tmp_path: Path, flags: list[str], pattern: str) -> None:
     _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), *flags], pattern)
     assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
+def test_a_savedir_that_is_not_utf8_is_refused_before_anything_is_written(capsys: pytest.CaptureFixture,
+                                                                            tmp_path: Path) -> None:
+    savedir = tmp_path / "runs\udcff"  # a shell's argument of bytes that are not UTF-8, as Python hands it over
+    _fails_with(capsys, [*QUICK, "--savedir", str(savedir)], r"--savedir b'.*/runs\\xff' is not UTF-8 text$")
+    assert list(tmp_path.iterdir()) == []  # once flags.json and meta.json, then a UnicodeEncodeError's traceback
 
 
 @pytest.mark.parametrize(("variables", "pattern"), [
