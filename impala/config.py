@@ -357,11 +357,11 @@ class Config:
     def validate(self) -> list[str]:
         """Every problem with these values, each with the numbers involved; empty when all is well."""
         problems = []
-        for flag in dataclasses.fields(self):  # flags.json, meta.json and TensorBoard keep them as UTF-8 text
-            value = getattr(self, flag.name)
+        for setting in dataclasses.fields(self):  # flags.json, meta.json and TensorBoard keep them as UTF-8 text
+            value = getattr(self, setting.name)
             for text in value if isinstance(value, tuple) else (value,):
                 if isinstance(text, str) and not _is_utf8(text):
-                    problems.append(f"--{flag.name} {os.fsencode(text)!r} is not UTF-8 text")
+                    problems.append(f"--{setting.name} {os.fsencode(text)!r} is not UTF-8 text")
         positive_ints = ("envs_per_actor", "env_splits", "inference_threads", "unroll_length", "total_steps", "batch_size",
                          "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches",
                          "eval_episodes", "eval_max_steps", "ray_actors", "ray_envs_per_actor", "ray_publish_every",
@@ -440,7 +440,7 @@ class Config:
                 f"envs + {self.num_learner_threads} learner threads x batch {self.batch_size} "
                 f"hold up to {self.slots_needed} slots at once")
         for name in ([self.xpid] if self.xpid is not None else []) + list(self.plot_xpids if self.mode == "plot" else ()):
-            if not is_plain_name(name):
+            if _is_utf8(name) and not is_plain_name(name):  # not UTF-8: said above
                 problems.append(f"--xpid {name!r} must be a plain name (letters, digits, '.', '_', '-') of at most "
                                 f"{MAX_XPID_CHARS} characters")
         for flag, path in (("savedir", self.savedir), ("plot_out", self.plot_out), ("checkpoint", self.checkpoint)):
