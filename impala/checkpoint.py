@@ -128,6 +128,14 @@ def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, An
                 "num_actions": int}
     if not isinstance(state, dict) or any(not isinstance(state.get(key), kind) for key, kind in required.items()):
         raise UserError(f"checkpoint {path} is not an impala checkpoint (no model, flags or step counters in it)")
+    if state["num_actions"] < 1 or not all(isinstance(size, int) and size >= 1 for size in state["observation_shape"]):
+        raise UserError(f"checkpoint {path} is not an impala checkpoint (its model has {state['num_actions']} actions "
+                        f"and observations {tuple(state['observation_shape'])})")
+    if not mmap:  # mapped: a look at the counters, the weights not used
+        for key, tensor in state["model_state_dict"].items():
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not tensor.isfinite().all():
+                raise UserError(f"checkpoint {path} is damaged: its weights {key} are not all finite numbers; use "
+                                "another checkpoint")
     hidden_size = state["flags"].get("hidden_size")  # older checkpoints may have none: the run's own is used
     if hidden_size is not None and (not isinstance(hidden_size, int) or isinstance(hidden_size, bool)
                                     or hidden_size < 1):

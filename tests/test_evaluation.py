@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import math
 import multiprocessing
 import os
 import re
@@ -22,6 +23,7 @@ import types
 from collections.abc import Callable
 from multiprocessing import Pipe
 from pathlib import Path
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
@@ -189,6 +191,32 @@ def test_a_checkpoint_whose_hidden_size_is_not_a_whole_number_is_one_line_and_ex
     err = capsys.readouterr().err
     assert err == (f"run.py: error: checkpoint {path} is not an impala checkpoint (its flags' hidden_size "
                    f"{hidden_size!r} is not a whole number >= 1)\n"), err
+    assert not (tmp_path / "x").exists()  # nothing was created
+
+
+def _nan_weights(state: dict) -> dict:
+    weights = dict(state["model_state_dict"])
+    weights["policy.weight"] = weights["policy.weight"].clone().fill_(math.nan)
+    return {**state, "model_state_dict": weights}
+
+
+@pytest.mark.parametrize("mode", ["test", "train"])
+@pytest.mark.parametrize(("damage", "said"), [
+    (_nan_weights, "is damaged: its weights policy.weight are not all finite numbers; use another checkpoint"),
+    (lambda state: {**state, "num_actions": 0},
+     "is not an impala checkpoint (its model has 0 actions and observations (4,))"),
+    (lambda state: {**state, "observation_shape": [4, 0]},
+     "is not an impala checkpoint (its model has 2 actions and observations (4, 0))"),
+], ids=["nan weights", "no actions", "empty observations"])
+def test_a_checkpoint_whose_model_cannot_act_is_one_line_and_exit_2(capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                                    mode: str, damage: Any, said: str) -> None:
+    path = tmp_path / "damaged.tar"
+    save_checkpoint(path, damage(_state(_net(), 40)))
+    argv = ["--mode", mode, "--env", "CartPole-v1", "--savedir", str(tmp_path), "--xpid", "x", "--checkpoint",
+            str(path), "--num_actors", "1", "--envs_per_actor", "2", "--unroll_length", "5", "--batch_size", "4",
+            "--hidden_size", "32", "--total_steps", "1000", "--test_episodes", "1"]
+    assert run.main(argv) == 2
+    assert capsys.readouterr().err == f"run.py: error: checkpoint {path} {said}\n"  # no warning or traceback before
     assert not (tmp_path / "x").exists()  # nothing was created
 
 
