@@ -188,6 +188,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         stop.check()  # the last moment at which stopping changes nothing
         if coordinator is not None:
             coordinator.ready()  # another rank's refusal ends the job here, before rank 0 writes anything
+        resumed_step = state.step if resuming and checkpoint is not None else None  # None: a new run, or step 0
         if writes_files:
             made_run_dir = prepare_run_directory(run_dir, lock, claim=config.xpid is None)  # nothing changed before
             rewinds = replaces_own_checkpoint(run_dir, checkpoint_path)
@@ -196,7 +197,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
             if rewinds:  # model.tar at once the step that the logs are about to be cut back to, whatever comes next
                 assert checkpoint is not None
                 _save_start(run_dir, config, state, checkpoint.get("recent_returns", []))
-            runlog = RunLog(run_dir, purge_step=_purge_step(resuming, checkpoint, state.step))
+            runlog = RunLog(run_dir, purge_step=_purge_step(resuming, resumed_step))
             runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained
         if coordinator is not None:
             session = coordinator.share_state(state, session, config)  # every rank starts from rank 0's weights
@@ -208,7 +209,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         learners = Learners(config, state, buffers, pool, device, amp, stats, update_lock, coordinator)
         run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
                   resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None,
-                  resumed_step=state.step if resuming and checkpoint is not None else None, stats=stats,
+                  resumed_step=resumed_step, stats=stats,
                   update_lock=update_lock, coordinator=coordinator, stop=stop,
                   changed_flags=tuple(changed_flags(checkpoint["flags"], config)) if checkpoint is not None else ())
         if config.inference == "central":
@@ -228,13 +229,13 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         raise
 
 
-def _purge_step(resuming: bool, checkpoint: dict | None, step: int) -> int | None:
+def _purge_step(resuming: bool, resumed_step: int | None) -> int | None:
     """Where a resumed run's logs are cut (TensorBoard's `purge_step`: that step and later ones go): after the
     checkpoint's step, so that what its session logged there stays (the games that ended while it stopped, its last
     progress row); all of them for a run restarted from step 0 because it saved no checkpoint; None for a new run."""
     if not resuming:
         return None
-    return step + 1 if checkpoint is not None else 0
+    return resumed_step + 1 if resumed_step is not None else 0
 
 
 def _inference_servers(run: Run, session: int) -> InferenceServers:
