@@ -777,6 +777,23 @@ def _put_back_sigterm(handler: Any) -> None:
         signal.signal(signal.SIGTERM, handler)
 
 
+def warn_of_missing_resource(config: Config, ray: Any) -> None:
+    """A warning at once where no node offers --ray_actor_resource now (misspelled? its nodes not yet joined?): the
+    remote actors wait for one, which the run would otherwise say only after PLACEMENT_WARNING_S."""
+    resource = config.ray_actor_resource
+    if not resource:
+        return
+    try:
+        offered = ray.cluster_resources()
+    except Exception:  # noqa: BLE001 - a cluster that cannot say: the later warning stands
+        return
+    if offered.get(resource, 0) < 1:
+        custom = sorted(name for name in offered if name not in ("CPU", "GPU", "memory", "object_store_memory")
+                        and not name.startswith(("node:", "accelerator_type:")))
+        log.warning("--ray_actor_resource %s: no node of the cluster offers it now (its custom resources: %s); the "
+                    "remote actors wait until one does", resource, ", ".join(custom) or "none")
+
+
 def check_names_free(config: Config, ray: Any, xpid: str) -> None:
     """UserError where the cluster has a live remote actor of run `xpid`, a plain run's or any torchrun rank's
     (another training of this --xpid uses the cluster), for NAMES_GRACE_S: a session of this run that has just

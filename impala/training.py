@@ -185,6 +185,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     try:
         if ray_connection is not None:
             ray_pool.check_names_free(config, ray_connection[0], run_dir.name)
+            ray_pool.warn_of_missing_resource(config, ray_connection[0])
         stop.check()  # the last moment at which stopping changes nothing
         if coordinator is not None:
             coordinator.ready()  # another rank's refusal ends the job here, before rank 0 writes anything

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import logging
 import os
 import re
 import secrets
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import unittest.mock
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,6 +90,24 @@ def test_a_custom_resource_is_refused_with_a_private_cluster_that_has_none() -> 
             "actor could start; drop it, or use --ray auto|HOST:PORT")
     assert Config(ray="local", ray_actor_resource="actor_slot").validate() == [said]
     assert Config(ray="auto", ray_actor_resource="actor_slot").validate() == []
+
+
+@pytest.mark.parametrize(("offered", "customs"), [
+    ({"CPU": 8.0, "actor_slot": 2.0, "node:10.0.0.2": 1.0}, None),
+    ({"CPU": 8.0, "actor_slots": 2.0, "node:10.0.0.2": 1.0, "accelerator_type:H100": 1.0}, "actor_slots"),
+    ({"CPU": 8.0, "GPU": 1.0, "memory": 1e9}, "none"),
+], ids=["offered", "misspelled", "none at all"])
+def test_a_custom_resource_no_node_offers_is_warned_of_at_once(caplog: pytest.LogCaptureFixture,
+                                                               offered: dict[str, float], customs: str | None) -> None:
+    """Once said only after the remote actors had waited 60 s; a misspelling now shows what the cluster offers."""
+    from impala.ray_pool import warn_of_missing_resource
+
+    caplog.set_level(logging.WARNING, logger="impala")
+    cluster = types.SimpleNamespace(cluster_resources=lambda: offered)
+    warn_of_missing_resource(Config(ray="auto", ray_actor_resource="actor_slot"), cluster)
+    warning = (f"--ray_actor_resource actor_slot: no node of the cluster offers it now (its custom resources: "
+               f"{customs}); the remote actors wait until one does")
+    assert [record.getMessage() for record in caplog.records] == ([warning] if customs else [])
 
 
 def test_ray_flags_are_validated_with_their_numbers() -> None:
