@@ -19,7 +19,7 @@ import threading
 import time
 from typing import NoReturn
 
-from impala.config import UserError, given_flags, parse_config
+from impala.config import UserError, given_flags, ignored_flags_line, parse_config
 from impala.stopping import exit_after_runs, ignore_stop_signals
 
 STARTED_S = time.monotonic()  # before torch is imported: a run's elapsed time counts its start-up
@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None, started_s: float | None = None) -> int:
             from impala import plotting
 
             plotting.plot(config)
+        if (ignored := ignored_flags_line(config.mode, given_flags(argv))) is not None:  # after: an error is one line
+            print(ignored, file=sys.stderr)
     except UserError as exc:
         rank = os.environ.get("RANK", "0") if "LOCAL_RANK" in os.environ else "0"  # a torchrun rank, or alone
         where = "" if rank == "0" else f" (rank {rank})"  # which machine, where only another rank's failed

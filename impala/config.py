@@ -627,6 +627,23 @@ def config_from_dict(values: dict[str, Any]) -> Config:
     return Config(**kept)
 
 
+# What test and plot mode read of the flags (tests/test_config.py records it); the rest they ignore, and say so.
+MODE_FLAGS = {
+    "test": frozenset({"mode", "env", "xpid", "savedir", "checkpoint", "seed", "test_episodes", "eval_actions",
+                       "eval_max_steps", "fire_on_life_loss", "video"}),
+    "plot": frozenset({"mode", "xpid", "savedir", "plot_xpids", "plot_out", "plot_x"}),
+}
+
+
+def ignored_flags_line(mode: str, given: frozenset[str]) -> str | None:
+    """One line naming the flags `given` that --mode `mode` does not read (None when it reads them all): a
+    --total_steps in test mode, say, would otherwise pass for having been used."""
+    ignored = sorted(given - MODE_FLAGS[mode]) if mode in MODE_FLAGS else []
+    if not ignored:
+        return None
+    return f"run.py: --mode {mode} does not use {', '.join('--' + name for name in ignored)}; ignored"
+
+
 # Flags that name what a session does rather than the run it continues: expected to differ at a resume.
 SESSION_FLAGS = frozenset({"mode", "xpid", "resume", "checkpoint", "savedir", "total_steps", "plot_out",
                            "plot_xpids", "plot_x", "video", "test_episodes"})

@@ -14,6 +14,7 @@ import pytest
 
 from impala.config import (
     HELP_GROUPS,
+    MODE_FLAGS,
     Config,
     UserError,
     auto_num_actors,
@@ -23,6 +24,7 @@ from impala.config import (
     cpu_quota,
     first_line,
     given_flags,
+    ignored_flags_line,
     parse_config,
     run_path,
     usable_cores,
@@ -416,3 +418,77 @@ def test_an_exceptions_first_line_skips_leading_blank_lines_and_names_its_type_w
         "CUDA error: out of memory"
     assert first_line(ValueError("  \n ")) == "ValueError"
     assert first_line(KeyError()) == "KeyError"
+
+
+# ------------------------------------------------------------------------- flags a mode does not use
+
+
+def _reading(config: Config) -> tuple[Config, set[str]]:
+    """A copy of `config` that records which flags are read from it (except by `to_dict`, which copies them all
+    into a log), and the set it records them in."""
+    names, read = {setting.name for setting in dataclasses.fields(Config)}, set()
+
+    class Reading(Config):
+        def __getattribute__(self, name: str) -> object:
+            if name in names:
+                read.add(name)
+            return object.__getattribute__(self, name)
+
+        def to_dict(self) -> dict[str, object]:
+            before = set(read)
+            values = super().to_dict()
+            read.intersection_update(before)
+            return values
+
+    copy = Reading(**{name: getattr(config, name) for name in names})
+    read.clear()
+    return copy, read
+
+
+def test_test_mode_reads_no_flag_it_says_it_ignores(tmp_path: Path) -> None:
+    from impala.checkpoint import CHECKPOINT_NAME, save_checkpoint
+    from impala.evaluate import test
+    from impala.model import Net
+
+    (tmp_path / "c").mkdir()
+    save_checkpoint(tmp_path / "c" / CHECKPOINT_NAME, {
+        "model_state_dict": Net((4,), 2, "mlp", False, 32).state_dict(), "step": 40, "model": "mlp",
+        "flags": {"env": "CartPole-v1", "hidden_size": 32}, "observation_shape": [4], "num_actions": 2})
+    config, read = _reading(parse_config(["--mode", "test", "--env", "CartPole-v1", "--savedir", str(tmp_path),
+                                          "--xpid", "c", "--test_episodes", "1", "--video"]))
+    test(config)
+    assert {"env", "seed", "test_episodes", "eval_actions", "eval_max_steps", "video"} <= read <= MODE_FLAGS["test"]
+    assert ignored_flags_line("test", frozenset(MODE_FLAGS["test"])) is None
+
+
+def test_plot_mode_reads_no_flag_it_says_it_ignores(tmp_path: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    from impala.plotting import RETURN_TAG, plot
+
+    with SummaryWriter(str(tmp_path / "r")) as writer:
+        for step in range(0, 400, 40):
+            writer.add_scalar(RETURN_TAG, step / 10, step)
+    config, read = _reading(parse_config(["--mode", "plot", "--savedir", str(tmp_path), "--xpid", "r",
+                                          "--plot_out", str(tmp_path / "r.png")]))
+    plot(config)
+    assert {"savedir", "plot_xpids", "plot_out", "plot_x"} <= read <= MODE_FLAGS["plot"]
+
+
+def test_flags_test_or_plot_mode_does_not_use_are_named_in_one_line_once_it_is_done(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    import run
+    from impala.plotting import RETURN_TAG
+
+    argv = ["--mode", "plot", "--savedir", str(tmp_path), "--plot_x", "time"]
+    assert run.main([*argv, "--total_steps", "5", "--env", "CartPole-v1"]) == 2  # nothing to plot: one line, the error
+    assert capsys.readouterr().err.startswith("run.py: error: no runs")
+    with SummaryWriter(str(tmp_path / "r")) as writer:
+        writer.add_scalar(RETURN_TAG, 1.0, 40)
+    assert run.main([*argv, "--total_steps", "5", "--env", "CartPole-v1"]) == 0
+    assert capsys.readouterr().err == "run.py: --mode plot does not use --env, --total_steps; ignored\n"
+    assert run.main(argv) == 0
+    assert capsys.readouterr().err == ""
+    assert ignored_flags_line("train", frozenset({"plot_x", "video"})) is None  # training: every flag its own
