@@ -360,7 +360,7 @@ class Config:
         for setting in dataclasses.fields(self):  # flags.json, meta.json and TensorBoard keep them as UTF-8 text
             value = getattr(self, setting.name)
             for text in value if isinstance(value, tuple) else (value,):
-                if isinstance(text, str) and not _is_utf8(text):
+                if isinstance(text, str) and not is_utf8(text):
                     problems.append(f"--{setting.name} {os.fsencode(text)!r} is not UTF-8 text")
         positive_ints = ("envs_per_actor", "env_splits", "inference_threads", "unroll_length", "total_steps", "batch_size",
                          "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches",
@@ -440,7 +440,7 @@ class Config:
                 f"envs + {self.num_learner_threads} learner threads x batch {self.batch_size} "
                 f"hold up to {self.slots_needed} slots at once")
         for name in ([self.xpid] if self.xpid is not None else []) + list(self.plot_xpids if self.mode == "plot" else ()):
-            if _is_utf8(name) and not is_plain_name(name):  # not UTF-8: said above
+            if is_utf8(name) and not is_plain_name(name):  # not UTF-8: said above
                 problems.append(f"--xpid {name!r} must be a plain name (letters, digits, '.', '_', '-') of at most "
                                 f"{MAX_XPID_CHARS} characters")
         for flag, path in (("savedir", self.savedir), ("plot_out", self.plot_out), ("checkpoint", self.checkpoint)):
@@ -709,7 +709,7 @@ def is_head_address(ray: str) -> bool:
     return ray not in ("auto", "local") and not ray.startswith("ray://")
 
 
-def _is_utf8(text: str) -> bool:
+def is_utf8(text: str) -> bool:
     """Whether `text` encodes to UTF-8: an argument of bytes that are not UTF-8 reaches Python as lone surrogates."""
     try:
         text.encode("utf-8")

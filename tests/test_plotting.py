@@ -141,6 +141,16 @@ def test_plot_mode_defaults_to_every_run_and_savedir_returns_png(savedir: Path,
                      capsys.readouterr().out)
 
 
+def test_a_run_directory_whose_name_is_not_utf8_is_left_out_of_every_run_saying_so(
+        savedir: Path, capsys: pytest.CaptureFixture) -> None:
+    _event_run(savedir, "renamed", [1.0, 2.0], [40, 80])
+    (savedir / "renamed").rename(savedir / "by\udcffhand")  # bytes 0xff in its name, as Python lists it
+    assert plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir)])) == savedir / "returns.png"
+    out = capsys.readouterr().out  # once a UnicodeEncodeError's traceback from the legend
+    assert f"Left out: run b'by\\xffhand' in {savedir}: its name is not UTF-8 text; rename it to plot it\n" in out
+    assert re.search(r"episodic return of (csv-only, )?fast, slow against", out), out
+
+
 @pytest.mark.parametrize(("name", "pattern"), [
     ("cmp.txt", r"the file's extension gives the plot's format; use one of .*\.png"),
     ("cmp", r"the file's extension gives the plot's format"),  # matplotlib would write cmp.png instead
