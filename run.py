@@ -52,8 +52,8 @@ def main(argv: list[str] | None = None, started_s: float | None = None) -> int:
             from impala import plotting
 
             plotting.plot(config)
-        if (ignored := ignored_flags_line(config.mode, given_flags(argv))) is not None:  # after: an error is one line
-            print(ignored, file=sys.stderr)
+        if config.mode != "train" and (ignored := ignored_flags_line(config.mode, given_flags(argv))) is not None:
+            print(ignored, file=sys.stderr)  # after the mode's work: an error is one line
     except UserError as exc:
         rank = os.environ.get("RANK", "0") if "LOCAL_RANK" in os.environ else "0"  # a torchrun rank, or alone
         where = "" if rank == "0" else f" (rank {rank})"  # which machine, where only another rank's failed

@@ -361,7 +361,7 @@ class Config:
             value = getattr(self, setting.name)
             for text in value if isinstance(value, tuple) else (value,):
                 if isinstance(text, str) and not is_utf8(text):
-                    problems.append(f"--{setting.name} {os.fsencode(text)!r} is not UTF-8 text")
+                    problems.append(f"--{setting.name} {shown_bytes(text)} is not UTF-8 text")
         positive_ints = ("envs_per_actor", "env_splits", "inference_threads", "unroll_length", "total_steps", "batch_size",
                          "num_learner_threads", "hidden_size", "test_episodes", "epochs", "minibatches",
                          "eval_episodes", "eval_max_steps", "ray_actors", "ray_envs_per_actor", "ray_publish_every",
@@ -716,6 +716,15 @@ def is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def shown_bytes(text: str) -> str:
+    """`text` that is not UTF-8 as the bytes it came from (b'a\\xffb' for the argument a, 0xff, b), for a message
+    that must itself be UTF-8."""
+    try:
+        return repr(os.fsencode(text))
+    except UnicodeEncodeError:  # a surrogate no file name or argument decodes to: given from Python
+        return repr(text.encode("utf-8", "backslashreplace"))
 
 
 def is_plain_name(name: str) -> bool:

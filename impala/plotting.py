@@ -27,7 +27,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
-from impala.config import Config, UserError, is_utf8, parse_config, run_path
+from impala.config import Config, UserError, is_utf8, parse_config, run_path, shown_bytes
 from impala.events import event_files, read_scalars
 
 RETURN_TAG = "charts/episodic_return"
@@ -137,14 +137,14 @@ def _every_curve(savedir: Path, names: Sequence[str]) -> list[Curve]:
     curves = []
     for name in names:
         if not is_utf8(name):  # a directory renamed by hand: its name would fail the legend and every line
-            print(f"Left out: run {os.fsencode(name)!r} in {savedir}: its name is not UTF-8 text; rename it to plot it")
+            print(f"Left out: run {shown_bytes(name)} in {savedir}: its name is not UTF-8 text; rename it to plot it")
             continue
         try:
             curves.append(load_curve(savedir, name))
         except UserError as exc:
             print(f"Left out: {exc}")
     if not curves:
-        shown = ", ".join(name if is_utf8(name) else repr(os.fsencode(name)) for name in names)
+        shown = ", ".join(name if is_utf8(name) else shown_bytes(name) for name in names)
         raise UserError(f"none of the runs in {savedir} ({shown}) has a finished episode to plot yet")
     return curves
 
