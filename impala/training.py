@@ -140,6 +140,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     stop = stop if stop is not None else StopRequests()
     if config.ray:
         require_ray()  # before anything is written
+    check_actors_fit(config.num_actors)
     observation_shape, observation_dtype, num_actions = probe_env(config.env, config.seed)
     torch.manual_seed(config.seed)
     try:
@@ -257,6 +258,20 @@ TRAINING_COPIES = 4  # of the weights, at the least: themselves, their gradients
 def physical_memory_bytes() -> int:
     """This machine's memory, the most a run's processes could share."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# What an actor process holds of its own, at the least: a CartPole actor's private memory (smaps_rollup), 13-14 MiB.
+ACTOR_OWN_BYTES = 12 * 2**20
+
+
+def check_actors_fit(num_actors: int) -> None:
+    """Raise UserError where `num_actors` actor processes could not all live in this machine's memory: started
+    anyway, they filled it before the first of them acted (5,000 on 24 GB)."""
+    needed, memory = num_actors * ACTOR_OWN_BYTES, physical_memory_bytes()
+    if needed > memory:
+        raise UserError(f"--num_actors {num_actors}: each actor process holds at least "
+                        f"{ACTOR_OWN_BYTES // 2**20} MiB of its own ({needed / 2**30:.1f} GiB in all) where this "
+                        f"machine has {memory / 2**30:.1f} GiB: lower --num_actors, or pass auto (one per core)")
 
 
 def check_model_fits(model: Net) -> None:

@@ -89,6 +89,9 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--test_episodes", "99999999999999999999"], r"--test_episodes must be at most 1,000, got 9+"),
     (["--eval_episodes", "1001"], r"--eval_episodes must be at most 1,000, got 1001"),
     (["--hidden_size", "200000"], r"--hidden_size must be at most 65,536, got 200000"),
+    (["--num_actors", "200000"],  # once 200,000 processes started until the memory ran out
+     (r"--num_actors 200000: each actor process holds at least 12 MiB of its own \(2343.8 GiB in all\) where this "
+      r"machine has [\d.]+ GiB: lower --num_actors, or pass auto \(one per core\)$")),
     (["--epochs", "99999999999999999999"], r"--epochs must be at most 1,000, got 9+$"),
     (["--minibatches", "1", "--unroll_length", "1", "--batch_size", "1"],  # none fewer to use
      r"1 x 1 steps cut into 1 minibatches leave with 1 step; use a longer --unroll_length or a larger --batch_size"),
