@@ -44,16 +44,18 @@ def main(argv: list[str] | None = None, started_s: float | None = None) -> int:
             except training.TrainingError as exc:
                 print(f"run.py: training failed: {exc}", file=sys.stderr)
                 return 1
-        elif config.mode == "test":
-            from impala import evaluate
-
-            evaluate.test(config, env_from_checkpoint="env" not in given_flags(argv))
         else:
-            from impala import plotting
+            given = given_flags(argv)
+            if config.mode == "test":
+                from impala import evaluate
 
-            plotting.plot(config)
-        if config.mode != "train" and (ignored := ignored_flags_line(config.mode, given_flags(argv))) is not None:
-            print(ignored, file=sys.stderr)  # after the mode's work: an error is one line
+                evaluate.test(config, env_from_checkpoint="env" not in given)
+            else:
+                from impala import plotting
+
+                plotting.plot(config)
+            if (ignored := ignored_flags_line(config.mode, given)) is not None:
+                print(ignored, file=sys.stderr)  # after the mode's work: an error is one line
     except UserError as exc:
         rank = os.environ.get("RANK", "0") if "LOCAL_RANK" in os.environ else "0"  # a torchrun rank, or alone
         where = "" if rank == "0" else f" (rank {rank})"  # which machine, where only another rank's failed
