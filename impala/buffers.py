@@ -89,8 +89,18 @@ def write_row(buffers: Buffers, slots: Sequence[int], index: torch.Tensor, t: in
             buffers[key][index, t] = value
 
 
-def check_shared_memory(needed_bytes: int, path: str = "/dev/shm") -> None:
-    """Raise UserError if `path` has too little free space for the rollout buffers."""
+def physical_memory_bytes() -> int:
+    """This machine's memory, the most a run's processes could share."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+LOWER_LOCAL_SLOTS = "--num_buffers, --unroll_length or --envs_per_actor"
+LOWER_REMOTE_SLOTS = "--ray_steps_per_request or --ray_actors"  # each remote actor's object has slots of its own
+
+
+def check_shared_memory(needed_bytes: int, path: str = "/dev/shm", lower: str = LOWER_LOCAL_SLOTS) -> None:
+    """Raise UserError if `path` has too little free space for the rollout buffers; `lower` names the flags that
+    make them fewer or smaller."""
     try:
         stat = os.statvfs(path)
     except OSError:
@@ -101,14 +111,15 @@ def check_shared_memory(needed_bytes: int, path: str = "/dev/shm") -> None:
         raise UserError(
             f"the rollout buffers need {needed_bytes / 2**20:.0f} MiB of shared memory, {with_room / 2**20:.0f} MiB "
             f"with the shared models and queues, but {path} has {free / 2**20:.0f} MiB free; in Docker run with "
-            "--shm-size=8g (or --ipc=host), or lower --num_buffers, --unroll_length or --envs_per_actor")
+            f"--shm-size=8g (or --ipc=host), or lower {lower}")
 
 
-def create_buffers(spec: BufferSpec, shared: bool = True) -> Buffers:
+def create_buffers(spec: BufferSpec, shared: bool = True, lower: str = LOWER_LOCAL_SLOTS) -> Buffers:
     """Allocate every field, filled with poison so an unwritten row fails loudly; in shared memory unless
-    `shared` is false (a remote actor's own slots, which no other process reads)."""
+    `shared` is false (a remote actor's own slots, which no other process reads). `lower`: the flags a user would
+    lower where shared memory is short."""
     if shared:
-        check_shared_memory(spec.nbytes())
+        check_shared_memory(spec.nbytes(), lower=lower)
     buffers = {}
     for name, (shape, dtype) in spec.fields().items():
         tensor = torch.full(shape, _POISON[dtype], dtype=dtype)

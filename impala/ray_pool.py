@@ -42,7 +42,7 @@ from impala.actor_pool import (
     RecentDeaths,
     stop_signals_blocked,
 )
-from impala.buffers import Buffers, BufferSpec, create_buffers
+from impala.buffers import Buffers, BufferSpec, create_buffers, physical_memory_bytes
 from impala.config import Config, TrainingError, UserError, first_line, is_head_address
 from impala.environment import is_atari
 from impala.learner import BATCH_KEYS
@@ -689,8 +689,10 @@ def connect(config: Config, unroll_bytes: int, stop: StopRequests | None = None)
     if config.ray and is_head_address(config.ray):
         check_reachable(config.ray)
     if config.ray == "local":
+        store_bytes = local_object_store_bytes(config, unroll_bytes)
+        check_local_store_fits(config, store_bytes, unroll_bytes)
         options.update(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, config.ray_actors),
-                       object_store_memory=local_object_store_bytes(config, unroll_bytes))
+                       object_store_memory=store_bytes)
     else:
         options["address"] = config.ray
     if config.ray != "local":
@@ -726,6 +728,8 @@ def connect(config: Config, unroll_bytes: int, stop: StopRequests | None = None)
 
 
 def _cannot_connect(config: Config, exc: BaseException) -> UserError:
+    if config.ray == "local":
+        return UserError(f"--ray local: could not start Ray on this machine: {first_line(exc)}")
     return UserError(f"--ray {config.ray}: could not connect to Ray: {first_line(exc)} (start a cluster with "
                      "`ray start --head`, or use --ray local)")
 
@@ -835,6 +839,25 @@ def disconnect(connection: tuple[Any, bool | None]) -> None:
     ray, started = connection
     if started is not None:
         ray.shutdown()
+
+
+# Of this machine's memory, the most --ray local's object store may take: the remote actors, the learner and its
+# slots need the rest, and Ray refuses a store that leaves its tasks less than 5%.
+MAX_LOCAL_STORE_SHARE = 0.5
+
+
+def check_local_store_fits(config: Config, store_bytes: int, unroll_bytes: int) -> None:
+    """UserError where --ray local's object store (`local_object_store_bytes`) would take more than
+    MAX_LOCAL_STORE_SHARE of this machine's memory: a --ray_steps_per_request of hundreds of thousands of steps."""
+    memory = physical_memory_bytes()
+    if store_bytes > MAX_LOCAL_STORE_SHARE * memory:
+        unrolls = config.ray_envs_per_actor * config.ray_unrolls_per_env
+        raise UserError(f"--ray local: each remote actor's object holds {unrolls:,} unrolls of "
+                        f"{unroll_bytes / 2**20:.2f} MiB (--ray_steps_per_request {config.ray_steps_per_request:,}), "
+                        f"and the objects in flight of {config.ray_actors} remote actor(s) need an object store of "
+                        f"{store_bytes / 2**30:.1f} GiB "
+                        f"where this machine has {memory / 2**30:.1f} GiB: lower --ray_steps_per_request or "
+                        "--ray_actors")
 
 
 def local_object_store_bytes(config: Config, unroll_bytes: int) -> int:

@@ -41,8 +41,13 @@ NO_OWNER = -1
 def check_pipes_hold(local_slots: int, num_actors: int, remote_slots: int) -> None:
     """Raise UserError, before a run writes anything, where an actor's free pipe could not hold all its slots:
     filling it at the start would block the main process for good."""
-    most = max(-(-local_slots // num_actors) if num_actors else 0, remote_slots) + 1
+    local_share = -(-local_slots // num_actors) if num_actors else 0
+    most = max(local_share, remote_slots) + 1
     fits = pipe_records(struct.calcsize(SLOT_RECORD), most)
+    if most > fits and remote_slots > local_share:  # the remote actors' slots share one pipe
+        raise UserError(f"the remote actors' objects and the learners' batches take {remote_slots} slots, all in one "
+                        f"pipe, which holds {fits - 1} here (/proc/sys/fs/pipe-max-size): lower "
+                        "--ray_steps_per_request or --ray_actors")
     if most > fits:
         raise UserError(f"{local_slots + remote_slots} slots (--num_buffers, or what --batch_size asks for) put up "
                         f"to {most - 1} in one actor's pipe, which holds {fits - 1} here "

@@ -38,7 +38,14 @@ from impala.actor_pool import (
     start_fork_server,
     stop_fork_server,
 )
-from impala.buffers import Buffers, BufferSpec, create_buffers
+from impala.buffers import (
+    LOWER_LOCAL_SLOTS,
+    LOWER_REMOTE_SLOTS,
+    Buffers,
+    BufferSpec,
+    create_buffers,
+    physical_memory_bytes,
+)
 from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, header, keep_step_copy, save_checkpoint
 from impala.config import Config, TrainingError, UserError, changed_flags, cpu_quota, first_line, usable_cores
 from impala.distributed import Coordinator
@@ -175,7 +182,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     check_pipes_hold(local_slots, config.num_actors, config.remote_slots)
     spec = BufferSpec(local_slots + config.remote_slots, config.unroll_length, observation_shape, observation_dtype,
                       num_actions, model.core_state_shapes())
-    buffers = create_buffers(spec)
+    buffers = create_buffers(spec, lower=LOWER_REMOTE_SLOTS if config.remote_slots > local_slots else LOWER_LOCAL_SLOTS)
     # Remote actors are named by run; under torchrun every rank owns a pool, so the names differ by rank too.
     pool_name = run_dir.name if coordinator is None else f"{run_dir.name}.rank-{coordinator.rank}"
     # Connected before anything is written: a bad or unreachable address, or another training of this --xpid on the
@@ -253,11 +260,6 @@ def _inference_servers(run: Run, session: int) -> InferenceServers:
 
 
 TRAINING_COPIES = 4  # of the weights, at the least: themselves, their gradients, Adam's two moments
-
-
-def physical_memory_bytes() -> int:
-    """This machine's memory, the most a run's processes could share."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # What an actor process holds of its own, at the least: a CartPole actor's private memory (smaps_rollup), 13-14 MiB.

@@ -110,6 +110,73 @@ def test_a_custom_resource_no_node_offers_is_warned_of_at_once(caplog: pytest.Lo
     assert [record.getMessage() for record in caplog.records] == ([warning] if customs else [])
 
 
+REMOTE_QUICK = ["--env", "CartPole-v1", "--num_actors", "1", "--envs_per_actor", "2", "--batch_size", "4",
+                "--hidden_size", "32", "--total_steps", "1000", "--ray", "local", "--ray_actors", "1"]
+
+
+def _one_line_and_exit_2(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
+    import run
+
+    assert run.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run.py: error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_remote_objects_more_than_their_pipe_holds_name_the_ray_flags(capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once blamed --num_buffers and --batch_size, neither given; --ray_steps_per_request 1,000 with T=5 and 8 envs
+    is 25 unrolls of each, 200 slots in one object, 204 with the learner's batch."""
+    from impala import slots
+
+    monkeypatch.setattr(slots, "pipe_records", lambda record_bytes, wanted: 65)  # a system that allows 64 slots
+    err = _one_line_and_exit_2(capsys, [*REMOTE_QUICK, "--unroll_length", "5", "--ray_steps_per_request", "1000",
+                                        "--savedir", str(tmp_path), "--xpid", "big"])
+    assert err == ("run.py: error: the remote actors' objects and the learners' batches take 204 slots, all in one "
+                   "pipe, which holds 64 here (/proc/sys/fs/pipe-max-size): lower --ray_steps_per_request or "
+                   "--ray_actors\n")
+    assert not (tmp_path / "big").exists()
+
+
+@pytest.mark.parametrize(("ray_flags", "lower"), [
+    ([], "--num_buffers, --unroll_length or --envs_per_actor"),
+    (["--ray", "local", "--ray_actors", "1", "--ray_steps_per_request", "10000"], "--ray_steps_per_request or --ray_actors"),
+], ids=["local slots", "remote slots"])
+def test_too_little_shared_memory_names_the_flags_whose_slots_take_most(
+        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ray_flags: list[str],
+        lower: str) -> None:
+    """The remote actors' slots (10,000 agent steps per object: 2,000 unrolls of 8 envs with T=5) are most of them
+    where an object is large: the advice names their flags, not --num_buffers, which was not given."""
+    free = types.SimpleNamespace(f_bavail=1, f_frsize=2**20)  # 1 MiB free in /dev/shm
+    monkeypatch.setattr(os, "statvfs", lambda path: free)
+    argv = [*REMOTE_QUICK[:-4], "--unroll_length", "5", *ray_flags, "--savedir", str(tmp_path), "--xpid", "shm"]
+    err = _one_line_and_exit_2(capsys, argv)
+    assert re.fullmatch(r"run.py: error: the rollout buffers need \d+ MiB of shared memory, \d+ MiB with the shared "
+                        r"models and queues, but /dev/shm has 1 MiB free; in Docker run with --shm-size=8g \(or "
+                        rf"--ipc=host\), or lower {lower}\n", err), err
+    assert not (tmp_path / "shm").exists()
+
+
+def test_an_object_store_beyond_half_the_machines_memory_is_refused_before_ray_starts(
+        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray itself refused it with a message on its own settings (ray.init(memory=..., object_store_memory=...)),
+    and the run then advised --ray local to a run that had passed it. T=1000: CartPole unrolls of 42,050 bytes;
+    2,000,000 agent steps per object is 250 of each of 8 envs, 2,000 unrolls: a store of 4 x 84 MB, 0.31 GiB."""
+    from impala import ray_pool
+
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray_pool, "physical_memory_bytes", lambda: 2**29)  # a machine of 512 MiB
+    argv = [*REMOTE_QUICK, "--unroll_length", "1000", "--savedir", str(tmp_path), "--xpid", "big"]
+    err = _one_line_and_exit_2(capsys, [*argv, "--ray_steps_per_request", "2000000"])
+    assert re.fullmatch(r"run.py: error: --ray local: each remote actor's object holds 2,000 unrolls of 0.04 MiB "
+                        r"\(--ray_steps_per_request 2,000,000\), and the objects in flight of 1 remote actor\(s\) "
+                        r"need an object store of 0.3 GiB where this machine has 0.5 GiB: lower "
+                        r"--ray_steps_per_request or --ray_actors\n", err), err
+    assert not (tmp_path / "big").exists() and not ray.is_initialized()
+    config = parse_config([*argv, "--ray_steps_per_request", "1000000"])  # half of it: a store of 0.16 GiB fits
+    ray_pool.check_local_store_fits(config, ray_pool.local_object_store_bytes(config, 42_050), 42_050)
+
+
 def test_ray_flags_are_validated_with_their_numbers() -> None:
     problems = Config(ray="local", ray_actors=0, ray_envs_per_actor=3, env_splits=2, ray_max_policy_lag=-1).validate()
     text = "\n".join(problems)
