@@ -147,7 +147,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     stop = stop if stop is not None else StopRequests()
     if config.ray:
         require_ray()  # before anything is written
-    check_actors_fit(config.num_actors)
+    check_actors_fit(config)
     observation_shape, observation_dtype, num_actions = probe_env(config.env, config.seed)
     torch.manual_seed(config.seed)
     try:
@@ -262,18 +262,28 @@ def _inference_servers(run: Run, session: int) -> InferenceServers:
 TRAINING_COPIES = 4  # of the weights, at the least: themselves, their gradients, Adam's two moments
 
 
-# What an actor process holds of its own, at the least: a CartPole actor's private memory (smaps_rollup), 13-14 MiB.
+# What an actor process holds of its own, at the least: a CartPole actor's private memory (smaps_rollup), 13-14 MiB;
+# a remote one of --ray local (a Ray worker, on this machine too), 176 MiB.
 ACTOR_OWN_BYTES = 12 * 2**20
+RAY_ACTOR_OWN_BYTES = 160 * 2**20
 
 
-def check_actors_fit(num_actors: int) -> None:
-    """Raise UserError where `num_actors` actor processes could not all live in this machine's memory: started
-    anyway, they filled it before the first of them acted (5,000 on 24 GB)."""
-    needed, memory = num_actors * ACTOR_OWN_BYTES, physical_memory_bytes()
-    if needed > memory:
-        raise UserError(f"--num_actors {num_actors}: each actor process holds at least "
+def check_actors_fit(config: Config) -> None:
+    """Raise UserError where the actor processes (with --ray local, the remote ones too) could not all live in this
+    machine's memory: started anyway, they filled it before the first of them acted (5,000 on 24 GB)."""
+    remote = config.ray_actors if config.ray == "local" else 0
+    needed, memory = config.num_actors * ACTOR_OWN_BYTES + remote * RAY_ACTOR_OWN_BYTES, physical_memory_bytes()
+    if needed <= memory:
+        return
+    if not remote:
+        raise UserError(f"--num_actors {config.num_actors}: each actor process holds at least "
                         f"{ACTOR_OWN_BYTES // 2**20} MiB of its own ({needed / 2**30:.1f} GiB in all) where this "
                         f"machine has {memory / 2**30:.1f} GiB: lower --num_actors, or pass auto (one per core)")
+    raise UserError(f"--num_actors {config.num_actors} and --ray_actors {remote} (--ray local: on this machine too): "
+                    f"each actor process holds at least {ACTOR_OWN_BYTES // 2**20} MiB of its own and each remote "
+                    f"one {RAY_ACTOR_OWN_BYTES // 2**20} MiB ({needed / 2**30:.1f} GiB in all) where this machine has "
+                    f"{memory / 2**30:.1f} GiB: lower --ray_actors or --num_actors, or use a cluster "
+                    "(--ray auto|HOST:PORT)")
 
 
 def check_model_fits(model: Net) -> None:

@@ -177,6 +177,24 @@ def test_an_object_store_beyond_half_the_machines_memory_is_refused_before_ray_s
     ray_pool.check_local_store_fits(config, ray_pool.local_object_store_bytes(config, 42_050), 42_050)
 
 
+def test_more_remote_actors_than_this_machines_memory_holds_are_refused_with_ray_local(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """--ray local starts its remote actors here too, Ray workers of 176 MiB each (CartPole, smaps_rollup): 10,000
+    of them would fill any machine. On a cluster they are other machines' concern."""
+    from impala.training import check_actors_fit
+
+    pytest.importorskip("ray")
+    said = (r"--num_actors 1 and --ray_actors 10000 \(--ray local: on this machine too\): each actor process holds at "
+            r"least 12 MiB of its own and each remote one 160 MiB \(1562.5 GiB in all\) where this machine has "
+            r"[\d.]+ GiB: lower --ray_actors or --num_actors, or use a cluster \(--ray auto\|HOST:PORT\)")
+    with pytest.raises(UserError, match=said):  # first: never run with this check undone, as it would start them
+        check_actors_fit(Config(ray="local", num_actors=1, ray_actors=10_000))
+    check_actors_fit(Config(ray="auto", ray_actors=10_000))
+    err = _one_line_and_exit_2(capsys, [*REMOTE_QUICK[:-1], "10000", "--savedir", str(tmp_path), "--xpid", "many"])
+    assert re.fullmatch(f"run.py: error: {said}\n", err), err
+    assert not (tmp_path / "many").exists()
+
+
 def test_ray_flags_are_validated_with_their_numbers() -> None:
     problems = Config(ray="local", ray_actors=0, ray_envs_per_actor=3, env_splits=2, ray_max_policy_lag=-1).validate()
     text = "\n".join(problems)
