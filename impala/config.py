@@ -394,6 +394,10 @@ class Config:
                             f"{self.inference_wait_ms}")
         if self.hidden_size > MAX_HIDDEN_SIZE:
             problems.append(f"--hidden_size must be at most {MAX_HIDDEN_SIZE:,}, got {self.hidden_size}")
+        if self.num_learner_threads > MAX_LEARNER_THREADS:
+            problems.append(f"--num_learner_threads must be at most {MAX_LEARNER_THREADS}, got "
+                            f"{self.num_learner_threads}: the updates take turns, and more threads only hold more "
+                            "batches")
         if self.epochs > MAX_EPOCHS:
             problems.append(f"--epochs must be at most {MAX_EPOCHS:,}, got {self.epochs}")
         for name in ("test_episodes", "eval_episodes"):
@@ -689,6 +693,9 @@ MAX_EPOCHS = 1_000
 MAX_LOSS_WEIGHT = 1_000.0  # --entropy_cost, --baseline_cost: the policy loss's weight is 1
 MIN_TIMEOUT_S = 1.0  # --actor_timeout_s, --learner_timeout_s other than 0 (never)
 MAX_HIDDEN_SIZE = 65_536  # the Atari net's layer is then 3,136 x 65,536 weights (822 MB); more only failed to allocate
+# Learner threads take turns at the updates: more only stage batches ahead, each holding --batch_size slots. 2,000
+# slowed a CartPole run's start and outlived its stop (10 s), writing tracebacks after its final checkpoint.
+MAX_LEARNER_THREADS = 64
 
 
 def env_int(name: str, default: int | None = None) -> int:

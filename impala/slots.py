@@ -66,6 +66,7 @@ class SlotLedger:
         self._homes = homes if homes is not None else [slot % num_actors for slot in range(len(slot_owner))]
         self.full_queue = full_queue
         self._lock = threading.Lock()
+        self._closed = False  # the run has ended: a learner thread that outlived its stop gives back and takes nothing
         self._backlog: collections.deque[int] = collections.deque()  # full slots moved out of the queue
         self._free = [self._new_free_queue(index) for index in range(num_actors)]
         for slot in range(len(slot_owner)):
@@ -82,14 +83,19 @@ class SlotLedger:
         """Return `slot` (from a learner, or at the start) to its actor."""
         actor_index = self._homes[slot]
         with self._lock:
+            if self._closed:
+                return  # no actor is left to take it
             self._owner[slot] = actor_index
             self._free[actor_index].put(slot)
 
     def take_full(self, timeout_s: float) -> int | None:
-        """The next slot an actor handed over, now the caller's; None if none came within `timeout_s`."""
+        """The next slot an actor handed over, now the caller's; None if none came within `timeout_s`, or the
+        ledger is closed."""
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
+                if self._closed:
+                    return None
                 slot = self._backlog.popleft() if self._backlog else None
                 if slot is None:
                     try:
@@ -102,7 +108,12 @@ class SlotLedger:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            self.full_queue.wait(min(remaining, 0.05))  # short: the monitor may fill the backlog meanwhile
+            try:
+                self.full_queue.wait(min(remaining, 0.05))  # short: the monitor may fill the backlog meanwhile
+            except OSError:
+                if not self._closed:
+                    raise
+                return None  # closed meanwhile
 
     def reclaim(self, actor_index: int) -> int:
         """After actor `actor_index` died (its process joined): give its replacement a new free pipe holding
@@ -145,6 +156,10 @@ class SlotLedger:
         return slots
 
     def close(self) -> None:
-        for q in self._free:
-            q.close()
-        self.full_queue.close()
+        """Close every pipe; from then on `give_back` and `take_full` do nothing (learner threads that outlived
+        their stop, training.LEARNER_JOIN_TIMEOUT_S, end quietly)."""
+        with self._lock:
+            self._closed = True
+            for q in self._free:
+                q.close()
+            self.full_queue.close()

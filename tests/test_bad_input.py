@@ -93,6 +93,9 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
      (r"--num_actors 200000: each actor process holds at least 12 MiB of its own \(2343.8 GiB in all\) where this "
       r"machine has [\d.]+ GiB: lower --num_actors, or pass auto \(one per core\)$")),
     (["--epochs", "99999999999999999999"], r"--epochs must be at most 1,000, got 9+$"),
+    (["--num_learner_threads", "2000"],  # once slow to start, and its threads outlived the stop
+     (r"--num_learner_threads must be at most 64, got 2000: the updates take turns, and more threads only hold "
+      r"more batches$")),
     (["--minibatches", "1", "--unroll_length", "1", "--batch_size", "1"],  # none fewer to use
      r"1 x 1 steps cut into 1 minibatches leave with 1 step; use a longer --unroll_length or a larger --batch_size"),
     # Each once a run that started, skipped --max_bad_updates non-finite updates and stopped, or killed its actors

@@ -8,6 +8,7 @@ import os
 import queue
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -47,6 +48,23 @@ def test_each_actor_gets_its_own_slots_back() -> None:
     assert _take(ledger.free_queue(0), 1) == [4]
     assert _take(ledger.free_queue(1), 1) == [1]
     ledger.close()
+
+
+def test_a_learner_that_outlives_the_close_of_the_slots_neither_takes_nor_gives_back_nor_fails() -> None:
+    """A learner thread still waiting for a batch when the run closed the pipes (it outlived its stop, as 2,000
+    threads did) gave its slots back to a closed pipe: "BrokenPipeError", a traceback after the final checkpoint."""
+    ledger = _ledger(4, 1)
+    ledger.full_queue.put(_take(ledger.free_queue(0), 1)[0])
+    assert ledger.take_full(1) == 0
+    waiting: list[int | None] = []
+    thread = threading.Thread(target=lambda: waiting.append(ledger.take_full(timeout_s=5)))
+    thread.start()  # waits on the full queue, as a learner does
+    time.sleep(0.2)
+    ledger.close()
+    thread.join(timeout=5)
+    assert waiting == [None]  # at once, not after its 5 s
+    ledger.give_back(0)  # nothing to give it to, and no error
+    assert ledger.take_full(0.01) is None and ledger._owner[0] == NO_OWNER
 
 
 def test_a_dead_actors_slots_go_to_its_replacement_and_what_it_handed_over_to_the_learners() -> None:
