@@ -275,6 +275,12 @@ def check_actors_fit(config: Config) -> None:
     needed, memory = config.num_actors * ACTOR_OWN_BYTES + remote * RAY_ACTOR_OWN_BYTES, physical_memory_bytes()
     if needed <= memory:
         return
+    filling = math.ceil(config.batch_size / config.envs_per_actor)  # auto's least: a batch's worth of unrolls at once
+    if not remote and config.num_actors == filling:  # auto, most likely: --batch_size is what to lower
+        raise UserError(f"--num_actors {config.num_actors} (auto is never fewer than --batch_size "
+                        f"{config.batch_size} / --envs_per_actor {config.envs_per_actor}): each actor process holds "
+                        f"at least {ACTOR_OWN_BYTES // 2**20} MiB of its own ({needed / 2**30:.1f} GiB in all) where "
+                        f"this machine has {memory / 2**30:.1f} GiB: lower --batch_size, or raise --envs_per_actor")
     if not remote:
         raise UserError(f"--num_actors {config.num_actors}: each actor process holds at least "
                         f"{ACTOR_OWN_BYTES // 2**20} MiB of its own ({needed / 2**30:.1f} GiB in all) where this "

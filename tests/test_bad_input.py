@@ -92,6 +92,10 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--num_actors", "200000"],  # once 200,000 processes started until the memory ran out
      (r"--num_actors 200000: each actor process holds at least 12 MiB of its own \(2343.8 GiB in all\) where this "
       r"machine has [\d.]+ GiB: lower --num_actors, or pass auto \(one per core\)$")),
+    (["--num_actors", "auto", "--batch_size", "200000"],  # auto's batch's worth of actors named a number not given
+     (r"--num_actors 100000 \(auto is never fewer than --batch_size 200000 / --envs_per_actor 2\): each actor "
+      r"process holds at least 12 MiB of its own \(1171.9 GiB in all\) where this machine has [\d.]+ GiB: lower --batch_size, "
+      r"or raise --envs_per_actor$")),
     (["--epochs", "99999999999999999999"], r"--epochs must be at most 1,000, got 9+$"),
     (["--num_learner_threads", "2000"],  # once slow to start, and its threads outlived the stop
      (r"--num_learner_threads must be at most 64, got 2000: the updates take turns, and more threads only hold "
