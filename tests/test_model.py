@@ -117,7 +117,9 @@ def test_float32_frames_on_the_cpu_reach_the_torso_channels_last_with_the_output
     assert seen[0].is_contiguous(memory_format=torch.channels_last) and not seen[0].is_contiguous()
     assert seen[1].is_contiguous()
     for ours, nchw in zip(*results, strict=True):
-        torch.testing.assert_close(ours, nchw, rtol=1e-4, atol=1e-4)  # float32 sums in another order
+        # float32 sums in another order: on an AVX512 Xeon the ResNet's weight gradients channels last differ by up
+        # to 8e-5 of their largest entry (against float64, NCHW's by 2e-6); a layout mixed up would differ by ~1.
+        torch.testing.assert_close(ours, nchw, rtol=0, atol=1e-3 * nchw.abs().max().item())
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bfloat16 frames keep their layout
         net(obs, torch.zeros(3, 2, dtype=torch.bool))
     assert seen[2].dtype == torch.bfloat16 and seen[2].is_contiguous()
