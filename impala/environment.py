@@ -20,6 +20,7 @@ steps all its envs together, so in those games (FIRE and lives) each env gets a 
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,8 @@ import torch
 
 from impala.config import UserError
 from impala.seeding import env_seeds
+
+log = logging.getLogger("impala")
 
 _registered = False
 FIRE = 1  # the action index Baselines' FireResetEnv checks for the meaning FIRE
@@ -362,9 +365,23 @@ class _OneVectorEnvEach:
             env.close()
 
 
+def frame_skip_warning(env_id: str) -> str | None:
+    """A warning for an Atari id whose own frame skip is neither 1 (the NoFrameskip ids, skipped 4 here) nor 4 (the
+    v5 ids): `Pong-v4` and `Pong-v0` skip a random 2 to 4 frames in gymnasium; here, as every Atari id, 4."""
+    spec = env_spec(env_id)
+    skip = spec.kwargs.get("frameskip", 1) if spec.entry_point == "ale_py.env:AtariEnv" else 1
+    if skip in (1, 4):
+        return None
+    own = f"a random {skip[0]} to {skip[1] - 1}" if isinstance(skip, tuple) else str(skip)
+    return (f"{env_id} skips {own} frames per step in gymnasium; here every Atari id skips 4 (max-pooled), as "
+            "the NoFrameskip ids do with the DeepMind preprocessing: its returns compare with those ids'")
+
+
 def probe_env(env_id: str, seed: int) -> tuple[tuple[int, ...], torch.dtype, int]:
     """(observation shape, observation dtype in the slots, number of actions) of `env_id`; an early
-    error for a bad env id."""
+    error for a bad env id, and a warning for an Atari id whose frame skip is not the one it gets here."""
+    if warning := frame_skip_warning(env_id):
+        log.warning(warning)
     probe = EnvBatch(env_id, 1, seed)
     try:
         dtype = torch.uint8 if probe.observation_dtype.kind == "u" else torch.float32

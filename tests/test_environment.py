@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 from pathlib import Path
 
@@ -516,3 +517,20 @@ def test_an_observation_space_gymnasium_cannot_flatten_is_a_user_error() -> None
             EnvBatch("TestGraphObservation-v0", 1, seed=0)
     finally:
         del gym.registry["TestGraphObservation-v0"]
+
+
+@pytest.mark.parametrize(("env_id", "own"), [
+    ("Pong-v4", "a random 2 to 4"), ("Pong-v0", "a random 2 to 4"),
+    ("PongNoFrameskip-v4", None), ("PongNoFrameskip-v0", None), ("ALE/Pong-v5", None), ("CartPole-v1", None),
+])
+def test_an_atari_id_whose_own_frame_skip_is_not_what_it_gets_here_is_warned_of_at_start(
+        caplog: pytest.LogCaptureFixture, env_id: str, own: str | None) -> None:
+    """Pong-v4 trained as PongNoFrameskip-v4 does (a skip of 4), where gymnasium's own skips 2, 3 or 4 at random:
+    said once at start, not silently."""
+    from impala.environment import probe_env
+
+    caplog.set_level(logging.WARNING, logger="impala")
+    probe_env(env_id, seed=0)
+    said = (f"{env_id} skips {own} frames per step in gymnasium; here every Atari id skips 4 (max-pooled), as the "
+            "NoFrameskip ids do with the DeepMind preprocessing: its returns compare with those ids'")
+    assert [record.getMessage() for record in caplog.records] == ([said] if own else [])
