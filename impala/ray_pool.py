@@ -343,6 +343,7 @@ class RayActorPool:
         self.remote_class = self.ray.remote(concurrency_groups={"control": 1})(RemoteActor)
         self.remotes: list[RemoteLife] = []
         self._last_watch = time.monotonic()  # `_watch_silence`'s last look
+        self.warned_slow_object = False  # `slow_object_warning`, once a run
         self.death_reports: queue.Queue[tuple[RemoteLife, str]] = queue.Queue()  # receiver -> main thread
         self.stats = RayStats()
         self.games: collections.deque[tuple[float, int]] = collections.deque()
@@ -476,6 +477,10 @@ class RayActorPool:
             remote.pid, remote.node_id = result["pid"], result.get("node_id")
             log.info("Remote actor %d acting (pid %d on %s, life %d)", remote.index, remote.pid, result["node"],
                      remote.life)
+        elif (warning := slow_object_warning(self.config, remote.index, result.get("waited_s", 0.0))) \
+                and not self.warned_slow_object:  # not its first object: that one's wait includes making its envs
+            self.warned_slow_object = True
+            log.warning(warning)
         remote.last_result = time.monotonic()
         self.games.extend(result["games"])
         waited_s = self._write(result["fields"])
@@ -858,6 +863,19 @@ def check_local_store_fits(config: Config, store_bytes: int, unroll_bytes: int) 
                         f"{store_bytes / 2**30:.1f} GiB "
                         f"where this machine has {memory / 2**30:.1f} GiB: lower --ray_steps_per_request or "
                         "--ray_actors")
+
+
+def slow_object_warning(config: Config, index: int, acting_s: float) -> str | None:
+    """A warning where remote actor `index` took `acting_s` (what its `unrolls` call waited for its acting thread)
+    for one object, more than half --actor_timeout_s: a few more envs' steps, or a slower node, and its silence
+    would be taken for a hang (`_watch_silence`), every life of it."""
+    timeout_s = config.actor_timeout_s
+    if not timeout_s or acting_s <= timeout_s / 2:
+        return None
+    steps = config.ray_envs_per_actor * config.ray_unrolls_per_env * config.unroll_length
+    return (f"Remote actor {index} took {acting_s:.0f} s to act one object of {steps:,} agent steps, more than half "
+            f"--actor_timeout_s {timeout_s:g}: an actor silent for longer is taken for hung and replaced; lower "
+            f"--ray_steps_per_request ({config.ray_steps_per_request:,}) or raise --actor_timeout_s")
 
 
 def local_object_store_bytes(config: Config, unroll_bytes: int) -> int:

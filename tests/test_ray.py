@@ -7,6 +7,7 @@ on the node the learner is not on. Without Ray installed they are skipped and th
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import csv
 import json
@@ -883,6 +884,36 @@ def test_a_hung_remote_actor_is_found_while_the_learners_hold_every_slot_and_the
         pool._take("healthy-result", healthy)
     pool._watch_silence({})
     assert pool.death_reports.get_nowait()[0] is hung
+
+
+def test_objects_that_take_more_than_half_the_actor_timeout_to_act_are_warned_of_once() -> None:
+    """An object of a slow env's steps that took longer than --actor_timeout_s got its actor replaced, life after
+    life, as hung ("no unroll for 300 s"), with nothing naming --ray_steps_per_request. Half of it now warns, once
+    a run; not for an actor's first object, whose wait includes making its envs."""
+    import queue
+    import types
+
+    from impala.ray_pool import RayActorPool
+
+    pool = object.__new__(RayActorPool)
+    pool.config = Config(actor_timeout_s=300, unroll_length=5, ray_envs_per_actor=4, ray_steps_per_request=100)
+    pool.death_reports, pool.games, pool.stats = queue.Queue(), collections.deque(), RayStats()
+    pool._last_watch, pool.warned_slow_object = time.monotonic(), False
+    pool._write = lambda fields: 0.0  # the slots are not what this is about
+    waited = iter([200.0, 120.0, 151.0, 290.0])  # the first object; under half; over half; over again
+    pool.ray = types.SimpleNamespace(get=lambda ref, timeout: {"pid": 1, "node": "n", "games": [], "fields": {},
+                                                               "waited_s": next(waited)})
+    remote = types.SimpleNamespace(index=3, dead=False, last_result=None, in_flight=4, life=7)
+    said = []
+    with unittest.mock.patch("impala.ray_pool.log") as log:
+        for _ in range(4):
+            pool._take("ref", remote)
+            said.append([call.args[0] for call in log.warning.call_args_list])
+    warning = ("Remote actor 3 took 151 s to act one object of 100 agent steps, more than half --actor_timeout_s 300: "
+               "an actor silent for longer is taken for hung and replaced; lower --ray_steps_per_request (100) or "
+               "raise --actor_timeout_s")
+    assert said == [[], [], [warning], [warning]]  # 4 envs x 5 unrolls of T=5: 100 agent steps per object
+    assert remote.in_flight == 0 and pool.death_reports.empty()
 
 
 def test_a_result_not_readable_at_once_is_waited_for_again_and_is_no_death() -> None:
