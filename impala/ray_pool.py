@@ -860,9 +860,8 @@ def check_local_store_fits(config: Config, store_bytes: int, unroll_bytes: int) 
         raise UserError(f"--ray local: each remote actor's object holds {unrolls:,} unrolls of "
                         f"{unroll_bytes / 2**20:.2f} MiB (--ray_steps_per_request {config.ray_steps_per_request:,}), "
                         f"and the objects in flight of {config.ray_actors} remote actor(s) need an object store of "
-                        f"{store_bytes / 2**30:.1f} GiB "
-                        f"where this machine has {memory / 2**30:.1f} GiB: lower --ray_steps_per_request or "
-                        "--ray_actors")
+                        f"{store_bytes / 2**30:.1f} GiB where this machine has {memory / 2**30:.1f} GiB: lower "
+                        "--ray_steps_per_request or --ray_actors")
 
 
 def slow_object_warning(config: Config, index: int, acting_s: float) -> str | None:
