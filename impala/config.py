@@ -341,14 +341,18 @@ class Config:
         return max(1, -(-self.ray_steps_per_request // (self.ray_envs_per_actor * self.unroll_length)))
 
     @property
+    def ray_unrolls_per_object(self) -> int:
+        """Unrolls in one object of a remote actor: `ray_unrolls_per_env` of each of its envs."""
+        return self.ray_envs_per_actor * self.ray_unrolls_per_env
+
+    @property
     def remote_slots(self) -> int:
         """Slots the unrolls of remote actors (--ray) are copied into: one object's worth per remote actor (more
         would only wait longer, acted with older weights: the next objects are on their way meanwhile) and the
         learners' share, so they never hold them all."""
         if self.ray is None:
             return 0
-        per_object = self.ray_envs_per_actor * self.ray_unrolls_per_env
-        return self.ray_actors * per_object + self.num_learner_threads * self.batch_size
+        return self.ray_actors * self.ray_unrolls_per_object + self.num_learner_threads * self.batch_size
 
     @property
     def steps_per_update(self) -> int:

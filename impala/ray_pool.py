@@ -856,8 +856,7 @@ def check_local_store_fits(config: Config, store_bytes: int, unroll_bytes: int) 
     MAX_LOCAL_STORE_SHARE of this machine's memory: a --ray_steps_per_request of hundreds of thousands of steps."""
     memory = physical_memory_bytes()
     if store_bytes > MAX_LOCAL_STORE_SHARE * memory:
-        unrolls = config.ray_envs_per_actor * config.ray_unrolls_per_env
-        raise UserError(f"--ray local: each remote actor's object holds {unrolls:,} unrolls of "
+        raise UserError(f"--ray local: each remote actor's object holds {config.ray_unrolls_per_object:,} unrolls of "
                         f"{unroll_bytes / 2**20:.2f} MiB (--ray_steps_per_request {config.ray_steps_per_request:,}), "
                         f"and the objects in flight of {config.ray_actors} remote actor(s) need an object store of "
                         f"{store_bytes / 2**30:.1f} GiB where this machine has {memory / 2**30:.1f} GiB: lower "
@@ -871,7 +870,7 @@ def slow_object_warning(config: Config, index: int, acting_s: float) -> str | No
     timeout_s = config.actor_timeout_s
     if not timeout_s or acting_s <= timeout_s / 2:
         return None
-    steps = config.ray_envs_per_actor * config.ray_unrolls_per_env * config.unroll_length
+    steps = config.ray_unrolls_per_object * config.unroll_length
     return (f"Remote actor {index} took {acting_s:.0f} s to act one object of {steps:,} agent steps, more than half "
             f"--actor_timeout_s {timeout_s:g}: an actor silent for longer is taken for hung and replaced; lower "
             f"--ray_steps_per_request ({config.ray_steps_per_request:,}) or raise --actor_timeout_s")
@@ -879,6 +878,5 @@ def slow_object_warning(config: Config, index: int, acting_s: float) -> str | No
 
 def local_object_store_bytes(config: Config, unroll_bytes: int) -> int:
     """--ray local: room for every request in flight four times over (at least 256 MiB), not Ray's 30% of RAM."""
-    in_flight_bytes = (REQUESTS_IN_FLIGHT * config.ray_actors * config.ray_envs_per_actor * config.ray_unrolls_per_env
-                       * unroll_bytes)
+    in_flight_bytes = REQUESTS_IN_FLIGHT * config.ray_actors * config.ray_unrolls_per_object * unroll_bytes
     return max(256 * 2**20, 4 * in_flight_bytes)
