@@ -595,6 +595,13 @@ def _log_start(run: Run) -> None:
                     "measured to learn Pong; --batch_size %d would keep it there (README: Speed)", config.num_actors,
                     config.envs_per_actor, unrolls, config.batch_size, unrolls / config.batch_size, MEASURED_POLICY_LAG,
                     math.ceil(unrolls / MEASURED_POLICY_LAG))
+    per_update, left = config.steps_per_update * run.state.world_size, config.total_steps - run.state.step
+    if 0 < left < per_update:  # a smoke test with the flags of a long run, say: it learns far past the mark
+        log.warning("One update learns from %s agent steps (--unroll_length %d x --batch_size %d%s), more than the "
+                    "%s left to --total_steps: the run ends after its first update, at step %s",
+                    f"{per_update:,}", config.unroll_length, config.batch_size,
+                    f" x {run.state.world_size} ranks" if run.state.world_size > 1 else "", f"{left:,}",
+                    f"{run.state.step + per_update:,}")
     if run.state.step:
         log.info("Resuming from step %d (update %d)", run.state.step, run.state.updates)
     if run.resumed_from is not None and run.resumed_from.name != CHECKPOINT_NAME:

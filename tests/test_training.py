@@ -283,3 +283,15 @@ def test_more_unrolls_at_once_than_the_policy_lag_the_defaults_learned_at_are_to
                "after its first action (stats/policy_lag), more than the 3.5 at which the defaults were measured to "
                "learn Pong; --batch_size 4 would keep it there (README: Speed)")
     assert (warning in caplog.text) == warned, caplog.text
+
+
+@pytest.mark.parametrize("total_steps, warned", [(8, False), (7, True)])
+def test_an_update_larger_than_the_whole_run_is_told_at_the_start(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path, total_steps: int, warned: bool) -> None:
+    """The flags of a long run with a smoke test's --total_steps learn far past it: T=4 x B=2 is 8 steps an update."""
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=4, batch_size=2, hidden_size=8,
+                    total_steps=total_steps, disable_cuda=True, savedir=str(tmp_path), xpid="big")
+    _start_lines(config, caplog)
+    warning = ("One update learns from 8 agent steps (--unroll_length 4 x --batch_size 2), more than the 7 left to "
+               "--total_steps: the run ends after its first update, at step 8")
+    assert (warning in caplog.text) == warned, caplog.text
