@@ -70,7 +70,20 @@ def env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
     try:
         return gym.spec(name)
     except gym.error.Error as exc:
+        same_name = ids_of_the_same_name(name)
+        if same_name:  # gymnasium's hint for "pong" is "Pong", itself no id; ALE's v5 ids live under ALE/
+            raise UserError(f"unknown env id {env_id!r}; the ids of that name are {', '.join(same_name)}") from None
         raise UserError(f"unknown env id {env_id!r}: {exc}") from None
+
+
+def ids_of_the_same_name(env_id: str, most: int = 8) -> list[str]:
+    """Registered ids whose name is `env_id`'s, in any case, namespace or version: "pong" -> ALE/Pong-v5, Pong-v0,
+    Pong-v4. Empty for an id that is no name gymnasium can parse."""
+    try:
+        name = gym.envs.registration.parse_env_id(env_id)[1].lower()
+    except gym.error.Error:
+        return []
+    return sorted(other for other, spec in gym.registry.items() if spec.name.lower() == name)[:most]
 
 
 def is_atari(env_id: str) -> bool:

@@ -54,6 +54,9 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize(("flags", "pattern"), [
     (["--env", "CartPol-v1"], r"unknown env id 'CartPol-v1'"),
+    # gymnasium's hint for these is a name with no version, or none; the ids of that name are what exists
+    (["--env", "pong"], r"error: unknown env id 'pong'; the ids of that name are ALE/Pong-v5, Pong-v0, Pong-v4$"),
+    (["--env", "Breakout-v5"], r"the ids of that name are ALE/Breakout-v5, Breakout-v0, Breakout-v4$"),
     (["--env", "Pendulum-v1"], r"only Discrete is supported"),
     (["--env", "no_such_module_here:Maze-v0"], r"no module 'no_such_module_here' to import; put the module"),
     (["--env", "json:Maze-v0"], r"unknown env id 'json:Maze-v0'"),  # the module is there, the id is not
