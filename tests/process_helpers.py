@@ -6,13 +6,14 @@ every actor, and nothing of another test's run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +62,17 @@ def train_through_one_crash(savedir: Path, *flags: str) -> subprocess.CompletedP
     assert console.count(f"RuntimeError: {MESSAGE}") == 1, console
     assert console.count("Traceback (most recent call last)") == 1, console
     return result
+
+
+@contextlib.contextmanager
+def hangups_not_ignored() -> Iterator[None]:
+    """SIGHUP at its default while processes start, so that they do not inherit `nohup`'s SIG_IGN from whoever runs
+    the tests (a run started that way outlives a hangup by design: `stopping.stop_requests`)."""
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 class Training:

@@ -28,6 +28,7 @@ from process_helpers import (
     checkpoint_step,
     children,
     group_processes,
+    hangups_not_ignored,
     shm_left,
     wait_until_gone,
 )
@@ -44,7 +45,8 @@ def test_ctrl_c_or_a_hangup_to_the_process_group_stops_in_order(tmp_path: Path, 
                                                                 reason: str) -> None:
     """What a terminal's Ctrl-C does, or its closing: the whole group gets the signal, the run's resource tracker
     too, which must outlive it (it once died of the hangup, and wrote tracebacks to stderr)."""
-    run = Training(tmp_path, reason)
+    with hangups_not_ignored():
+        run = Training(tmp_path, reason)
     try:
         run.wait_for_steps(200)
         shm = run.shm_inodes()
@@ -249,8 +251,7 @@ def _on_a_terminal(run_dir: Path, nohup: bool = False) -> tuple[int, int]:
     connection: the kernel sends SIGHUP to run.py and its process group, and writes to the terminal fail after."""
     pid, terminal = pty.fork()
     if pid == 0:  # the child: run.py, session leader on the terminal
-        if nohup:
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN if nohup else signal.SIG_DFL)  # the tests may run under nohup
         os.chdir(REPO_ROOT)
         os.execv(sys.executable, [sys.executable, "run.py", *SMALL_RUN, "--disable_cuda", "--savedir",
                                   str(run_dir.parent), "--xpid", run_dir.name, "--total_steps", "10000000"])
