@@ -339,8 +339,10 @@ class RayActorPool:
         self.run_name = run_name
         self.keys = shipped_keys(buffers)
         self.ray, self.started_ray = connection
-        # One unroll request at a time; `stop` in a group of its own, so it runs while a request waits.
-        self.remote_class = self.ray.remote(concurrency_groups={"control": 1})(RemoteActor)
+        # One unroll request at a time; `stop` in a group of its own, so it runs while a request waits. No task events:
+        # each worker would send a record of every request to the GCS every second, which keeps up to 100,000 of them
+        # for Ray's state API (the GCS grew 3.7 MiB a minute with 2 remote CartPole actors; BENCHMARKS.md).
+        self.remote_class = self.ray.remote(concurrency_groups={"control": 1}, enable_task_events=False)(RemoteActor)
         self.remotes: list[RemoteLife] = []
         self._last_watch = time.monotonic()  # `_watch_silence`'s last look
         self.warned_slow_object = False  # `slow_object_warning`, once a run
