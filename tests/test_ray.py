@@ -664,7 +664,7 @@ def test_cartpole_learns_with_remote_actors_only(cluster: Any, tmp_path: Path) -
     finally:
         training.close()
     assert _last_mean_return(training.run_dir) >= 100, training.text()[-3000:]
-    # The remote actors' requests leave no record in the GCS, which kept up to 100,000 of them (some 140 MB).
+    # The remote actors' requests leave no record in the GCS, which kept up to 100,000 of them.
     from ray._private.state import state  # what the GCS holds (this cluster runs no dashboard)
 
     recorded = [event.task_info.name for event in state._get_all_task_events() if event.HasField("task_info")]
