@@ -479,8 +479,8 @@ class RayActorPool:
             remote.pid, remote.node_id = result["pid"], result.get("node_id")
             log.info("Remote actor %d acting (pid %d on %s, life %d)", remote.index, remote.pid, result["node"],
                      remote.life)
-        elif not self.warned_slow_object and (  # not its first object: that one's wait includes making its envs
-                warning := slow_object_warning(self.config, remote.index, result.get("waited_s", 0.0))):
+        elif (warning := slow_object_warning(self.config, remote.index, result.get("waited_s", 0.0))) \
+                and not self.warned_slow_object:  # not its first object: that one's wait includes making its envs
             self.warned_slow_object = True
             log.warning(warning)
         remote.last_result = time.monotonic()
