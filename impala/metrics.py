@@ -46,6 +46,10 @@ STATUS = {"status": True}
 NEW_COLUMNS = "the new columns of logs.csv"  # what a failed widening reports
 PURGE = "logs.csv without its rows from the resumed step on (they stay)"  # what a failed purge reports
 TENSORBOARD_RETRY_S = 60.0  # after a failed TensorBoard write (a full disk), how long until a new writer is tried
+# Games with a TensorBoard point of their own (charts/episodic_return and episodic_length, about 124 bytes a game):
+# on average at most this many a second, and at most this many at once (see `GamePoints`).
+GAME_POINTS_PER_S = 20.0
+GAME_POINTS_BURST = 1200
 
 # The scalar tags the HPARAMS tab shows beside each run's flags (TensorBoard reads their values from
 # the scalars of the same run, so nothing extra is written for them).
@@ -130,6 +134,8 @@ class RunLog:
         self._purge_step = purge_step  # for the first writer made: its event file carries the purge
         self._unwritten_flags: Callable[[SummaryWriter], None] | None = None  # `flags` that found no writer
         self._widen_after = 0.0  # when logs.csv's header may next be widened (monotonic s), after a failed try
+        self._game_points = GamePoints(GAME_POINTS_PER_S, GAME_POINTS_BURST, time.monotonic())
+        self._game_points_thinned = False  # told once
         self._open_writer()  # a disk too full even for its first record: reported, and tried again later
         if purge_step is not None:
             self._purge_csv(purge_step)
@@ -187,8 +193,22 @@ class RunLog:
             self._recovered("logs.csv")
 
     def scalar(self, tag: str, value: float, step: int) -> None:
-        """One TensorBoard scalar, not in the CSV (e.g. one per finished episode)."""
+        """One TensorBoard scalar, not in the CSV."""
         self._tensorboard(lambda writer: writer.add_scalar(tag, value, step))
+
+    def games(self, games: Sequence[tuple[float, int]], step: int) -> None:
+        """A point at `step` in charts/episodic_return and charts/episodic_length for each of `games` (return,
+        length) that `GamePoints` keeps: all of them unless games end faster than GAME_POINTS_PER_S."""
+        kept = self._game_points.pick(len(games), time.monotonic())
+        if len(kept) < len(games) and not self._game_points_thinned:
+            self._game_points_thinned = True
+            log.info("Games end faster than %g a second: charts/episodic_return and episodic_length show an even "
+                     "share of them from here (charts/mean_return_100 and charts/episodes count every game)",
+                     GAME_POINTS_PER_S)
+        for index in kept:
+            episode_return, episode_length = games[index]
+            self.scalar("charts/episodic_return", episode_return, step)
+            self.scalar("charts/episodic_length", episode_length, step)
 
     def _tensorboard(self, write: Callable[[SummaryWriter], object]) -> bool:
         """`write(writer)`, unless the writer failed and it is not yet time to try a new one; whether it wrote.
@@ -351,6 +371,30 @@ class RunLog:
             except OSError as exc:
                 self._report("logs.csv", exc)
             self._csv_file = self._csv = None
+
+
+class GamePoints:
+    """Which of the games that just ended get a TensorBoard point of their own: every one while games end at most
+    `per_s` a second on average (a token bucket of `burst` points), else as many as the bucket holds, spread evenly
+    over them (each the middle one of its share).
+
+    One point per game is what a chart of returns wants, and what an Atari game gives at any speed (a few a second
+    per actor); a fast toy env ends thousands a second (CartPole at random: 140 KB of events a second, 12 GB a
+    day), which TensorBoard then reads for minutes to draw 1,000 of them. Spread evenly over the games in the order
+    they came, the kept ones are a sample of all, not of the first actor's.
+    """
+
+    def __init__(self, per_s: float, burst: int, now_s: float) -> None:
+        self.per_s, self.burst = per_s, burst
+        self._tokens, self._at_s = float(burst), now_s
+
+    def pick(self, count: int, now_s: float) -> range | list[int]:
+        """The indices, in order, of the `count` games ended since the last call that get a point."""
+        self._tokens = min(float(self.burst), self._tokens + (now_s - self._at_s) * self.per_s)
+        self._at_s = now_s
+        keep = min(count, int(self._tokens))
+        self._tokens -= keep
+        return range(count) if keep == count else [(2 * index + 1) * count // (2 * keep) for index in range(keep)]
 
 
 def flags_markdown(flags: Mapping[str, Any]) -> str:

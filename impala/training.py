@@ -457,11 +457,10 @@ def _drain_episodes(run: Run) -> None:
     if run.coordinator is not None:  # every rank's games go to rank 0's log with the votes
         games, unlisted = run.coordinator.games(games)
     run.state.episodes += unlisted  # counted, but not one by one in the log (distributed.MAX_GAMES_PER_VOTE)
-    for episode_return, episode_length in games:
+    for episode_return, _ in games:
         run.stats.add_episode(episode_return)
         run.state.episodes += 1
-        run.runlog.scalar("charts/episodic_return", episode_return, run.state.step)
-        run.runlog.scalar("charts/episodic_length", episode_length, run.state.step)
+    run.runlog.games(games, run.state.step)
 
 
 def _log_progress(run: Run, interval_s: float, last_step: int, elapsed_s: float, console_rate: RecentRate) -> int:

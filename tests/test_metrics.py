@@ -56,6 +56,36 @@ def test_scalars_go_to_tensorboard_and_csv_and_a_late_tag_widens_the_csv(tmp_pat
     assert [(e.step, e.value) for e in accumulator.Scalars("charts/episodic_return")] == [(80, 9.0)]
 
 
+def test_game_points_keep_every_game_until_games_end_faster_than_their_rate_then_an_even_share() -> None:
+    points = metrics.GamePoints(per_s=2.0, burst=10, now_s=0.0)
+    assert list(points.pick(4, now_s=0.0)) == [0, 1, 2, 3]  # within the burst: every game
+    assert points.pick(25, now_s=0.0) == [2, 6, 10, 14, 18, 22]  # the 6 points left, spread over the 25
+    assert list(points.pick(3, now_s=0.4)) == []  # 0.8 of a point earned
+    assert points.pick(3, now_s=1.0) == [0, 2]  # 2.0: two of three
+    assert list(points.pick(1, now_s=2.0)) == [0] and list(points.pick(0, now_s=2.0)) == []
+    assert list(points.pick(12, now_s=100.0)) == [0, 1, 3, 4, 5, 6, 7, 9, 10, 11]  # refilled to the burst, never above
+    returns = np.arange(1_000.0)
+    assert np.mean(returns[points.pick(1_000, now_s=1_000.0)]) == pytest.approx(np.mean(returns), abs=0.5)
+
+
+def test_games_beyond_the_rate_are_counted_but_get_no_point_of_their_own(tmp_path: Path, monkeypatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(metrics, "GAME_POINTS_BURST", 8)
+    monkeypatch.setattr(metrics, "GAME_POINTS_PER_S", 0.001)  # none earned while the test runs
+    runlog = RunLog(tmp_path)
+    with caplog.at_level(logging.INFO, logger="impala"):
+        runlog.games([(float(i), 10 + i) for i in range(5)], 40)  # all five: a point each
+        runlog.games([(float(i), 20 + i) for i in range(6)], 80)  # three points left for six games
+        runlog.games([(1.0, 1)] * 6, 120)
+    runlog.close()
+    events = _read(tmp_path)
+    returns = [(e.step, e.value) for e in events.Scalars("charts/episodic_return")]
+    assert returns == [(40, 0.0), (40, 1.0), (40, 2.0), (40, 3.0), (40, 4.0), (80, 1.0), (80, 3.0), (80, 5.0)]
+    lengths = [(e.step, e.value) for e in events.Scalars("charts/episodic_length")]
+    assert lengths == [(40, 10), (40, 11), (40, 12), (40, 13), (40, 14), (80, 21), (80, 23), (80, 25)]
+    assert len([r for r in caplog.records if "Games end faster than 0.001 a second" in r.getMessage()]) == 1
+
+
 def test_csv_of_a_resumed_run_keeps_its_header_and_appends(tmp_path: Path) -> None:
     first = RunLog(tmp_path)
     first.scalars(40, {"a": 1.0, "b": 2.0})
