@@ -132,6 +132,7 @@ class RunLog:
         self.writer: SummaryWriter | None = None
         self._tensorboard_failed_at: float | None = None  # when the writer last failed (monotonic s)
         self._purge_step = purge_step  # for the first writer made: its event file carries the purge
+        self._flags: Callable[[SummaryWriter], None] | None = None  # writes the run's flags (`flags`)
         self._unwritten_flags: Callable[[SummaryWriter], None] | None = None  # `flags` that found no writer
         self._widen_after = 0.0  # when logs.csv's header may next be widened (monotonic s), after a failed try
         self._game_points = GamePoints(GAME_POINTS_PER_S, GAME_POINTS_BURST, time.monotonic())
@@ -279,8 +280,23 @@ class RunLog:
             for summary in summaries:
                 writer._get_file_writer().add_summary(summary, step)
 
+        self._flags = write
         if not self._tensorboard(write):  # a disk too full at the start: written by the next writer made
             self._unwritten_flags = write
+
+    def begin_anew(self) -> None:
+        """Begin logs.csv and a TensorBoard event file (with the flags) again, in a run directory made again: the
+        files open until now were in the directory that went."""
+        if self._csv_file is not None:
+            with contextlib.suppress(OSError):
+                self._csv_file.close()
+            self._csv_file = self._csv = None
+        if self.writer is not None and self._tensorboard_failed_at is None:
+            with contextlib.suppress(OSError):
+                self.writer.close()
+        self._failed.clear()
+        self._unwritten_flags = self._flags
+        self._open_writer()
 
     def _write_csv(self, row: dict[str, float]) -> None:
         if self._csv is None:
@@ -578,6 +594,17 @@ class LogFile(_ReportsFailuresOnce, logging.FileHandler):
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path, mode="a")
 
+    def begin_anew(self) -> None:
+        """Close the file; the next record opens its path again (the run directory was made again)."""
+        self.acquire()
+        try:
+            stream, self.stream = self.stream, None
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        finally:
+            self.release()
+
     def close(self) -> None:
         try:
             super().close()
@@ -668,6 +695,13 @@ def setup_console(log_file: str | os.PathLike | None = None, keep_for_log_file: 
         for record in (record for handler in early for record in handler.records):
             file_handler.handle(record)
         log.addHandler(file_handler)
+
+
+def reopen_log_file() -> None:
+    """out.log begun again at its path, from the next record on (its run directory was made again)."""
+    for handler in log.handlers:
+        if isinstance(handler, LogFile):
+            handler.begin_anew()
 
 
 def close_console() -> None:

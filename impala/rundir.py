@@ -297,10 +297,7 @@ def write_run_files(config: Config, run_dir: Path, resuming: bool, world_size: i
     (a resumed session killed before its next checkpoint counts too). A directory that takes no more bytes (a
     full disk, a quota) is a UserError: nothing of the run can be kept there, and nothing in it has changed.
     """
-    meta = read_meta(run_dir) if resuming else {}
-    meta.setdefault("starts", []).append(datetime.now(UTC).isoformat(timespec="seconds"))
-    meta.update(versions(), command=" ".join(sys.argv), git_commit=git_commit(), world_size=world_size,
-                ended=None, end_reason=None)
+    meta = _session_started(read_meta(run_dir) if resuming else {}, world_size)
     try:
         _write_json(run_dir / "flags.json", config.to_dict())
         _write_json(run_dir / META_NAME, meta)
@@ -309,6 +306,25 @@ def write_run_files(config: Config, run_dir: Path, resuming: bool, world_size: i
                         "choose another --savedir") from None
     write_latest(run_dir)
     return len(meta["starts"]) - 1
+
+
+def _session_started(meta: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """`meta` with this session's start, versions and command."""
+    meta.setdefault("starts", []).append(datetime.now(UTC).isoformat(timespec="seconds"))
+    meta.update(versions(), command=" ".join(sys.argv), git_commit=git_commit(), world_size=world_size,
+                ended=None, end_reason=None)
+    return meta
+
+
+def remake_run_directory(config: Config, run_dir: Path, world_size: int) -> None:
+    """Make `run_dir` again where it went while its run went on (deleted, or moved away): flags.json, a new record in
+    meta.json (its one start is now: the earlier ones went with the old record) and `latest`. Raises OSError."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    meta = _session_started({}, world_size)
+    meta["remade"] = meta["starts"][-1]
+    _write_json(run_dir / "flags.json", config.to_dict())
+    _write_json(run_dir / META_NAME, meta)
+    write_latest(run_dir)
 
 
 def write_latest(run_dir: Path) -> None:

@@ -14,6 +14,7 @@ runs all of this, in lockstep with the others (`distributed.py`); rank 0 alone w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -54,7 +55,16 @@ from impala.evaluator import Evaluator, check_evaluator, make_evaluator, start_e
 from impala.inference import InferenceServer, InferenceServers
 from impala.learner import LearnerState
 from impala.learners import Learners, learner_torch_threads, select_device
-from impala.metrics import STATUS, IntervalStats, RecentRate, RunLog, close_console, progress_line, setup_console
+from impala.metrics import (
+    STATUS,
+    IntervalStats,
+    RecentRate,
+    RunLog,
+    close_console,
+    progress_line,
+    reopen_log_file,
+    setup_console,
+)
 from impala.model import Net, use_amp
 from impala.ray_pool import RayActorPool, require_ray
 from impala.rundir import (
@@ -66,6 +76,7 @@ from impala.rundir import (
     open_run,
     prepare_run_directory,
     record_checkpoint,
+    remake_run_directory,
     remove_if_empty,
     replaces_own_checkpoint,
     write_run_files,
@@ -123,6 +134,7 @@ class Run:
     # When the program started (time.monotonic(), given to `train` by run.py): the progress line's elapsed time
     # counts from it, start-up included; None, from the monitor's start.
     started_s: float | None = None
+    lock: DirectoryLock | None = None  # the training's hold on `run_dir`, taken again on a directory made again
 
     @property
     def writes_files(self) -> bool:
@@ -219,7 +231,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
         run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
                   resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None,
                   resumed_step=resumed_step, stats=stats,
-                  update_lock=update_lock, coordinator=coordinator, stop=stop,
+                  update_lock=update_lock, coordinator=coordinator, stop=stop, lock=lock,
                   changed_flags=tuple(changed_flags(checkpoint["flags"], config)) if checkpoint is not None else ())
         if config.inference == "central":
             servers = _inference_servers(run, session)
@@ -408,6 +420,7 @@ def monitor(run: Run) -> str:
     on a fault."""
     config, state = run.config, run.state
     last_log_time = last_checkpoint_time = time.monotonic()
+    dir_gone = remake_tried = False  # the run directory went, as last looked; a checkpoint made it again, or tried
     start_time = run.started_s if run.started_s is not None else last_log_time
     last_log_step = state.step
     console_rate = RecentRate(last_log_time - start_time, state.step)
@@ -432,9 +445,11 @@ def monitor(run: Run) -> str:
         if now - last_log_time >= config.log_interval_s:
             last_log_step = _log_progress(run, now - last_log_time, last_log_step, now - start_time, console_rate)
             last_log_time = now
-        if now - last_checkpoint_time >= config.checkpoint_interval_s:
-            _periodic_checkpoint(run)
-            last_checkpoint_time = now
+            dir_gone = run.writes_files and not run.run_dir.is_dir()
+            remake_tried = remake_tried and dir_gone
+        if now - last_checkpoint_time >= config.checkpoint_interval_s or (dir_gone and not remake_tried):
+            _periodic_checkpoint(run)  # a run directory that went is made again with it: at once, then each interval
+            last_checkpoint_time, remake_tried = now, dir_gone
         time.sleep(0.05)
 
 
@@ -528,6 +543,8 @@ def checkpoint(run: Run) -> None:
     torchrun rank 0 saves (every rank holds the same state)."""
     if not run.writes_files:
         return
+    if not run.run_dir.is_dir():  # deleted or moved away while the run went on
+        _remake_run_directory(run)
     with run.update_lock:
         state = run.state.state_dict()
     if run.coordinator is not None:  # the other ranks' actor lives too
@@ -538,6 +555,25 @@ def checkpoint(run: Run) -> None:
     log.info("Saved checkpoint at step %d to %s", state["step"], run.run_dir / CHECKPOINT_NAME)
     _record_checkpoint(run.run_dir, state["step"])
     _keep_step_copy(run, state["step"])
+
+
+def _remake_run_directory(run: Run) -> None:
+    """The run directory went while the run went on (a deletion by mistake, a move): made again with the run's flags
+    and a new record, for a checkpoint there, and out.log, logs.csv and TensorBoard begun again in it. What it held
+    is not brought back, but the run, whose state is in memory, can still be resumed. Raises OSError."""
+    remake_run_directory(run.config, run.run_dir, run.state.world_size)
+    reopen_log_file()
+    log.warning("The run directory %s went while the run went on (deleted, or moved away); made again, with the "
+                "run's flags, a checkpoint now and its logs from step %d on: nothing it held before is in it (its "
+                "checkpoints, event files, logs.csv and out.log)", run.run_dir, run.state.step)
+    run.saved_step = None
+    if run.evaluator is not None:  # model_best.tar went too: the next evaluation's agent is the best in the directory
+        run.evaluator.best = None
+    run.runlog.begin_anew()
+    if run.lock is not None:  # held on the directory that went
+        run.lock.release()
+        with contextlib.suppress(OSError, UserError):
+            run.lock.hold(run.run_dir)
 
 
 def _keep_step_copy(run: Run, step: int) -> None:
@@ -564,6 +600,8 @@ def _periodic_checkpoint(run: Run) -> None:
 def _last_saved(run: Run) -> str:
     if run.saved_step is None:
         return "no checkpoint saved yet"
+    if run.writes_files and not run.run_dir.is_dir():
+        return f"the one at step {run.saved_step} went with the run directory"
     return f"the one at step {run.saved_step} is intact"
 
 

@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,10 +37,11 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from impala import actor_pool, learner, training
 from impala.actor_pool import LocalActorPool
-from impala.config import Config
+from impala.config import Config, UserError
 from impala.learners import Learners
 from impala.metrics import IntervalStats
 from impala.model import Net
+from impala.rundir import DirectoryLock
 from impala.stopping import StopRequests
 
 T, B = 5, 4
@@ -134,6 +136,31 @@ def test_a_killed_actor_is_replaced_and_training_goes_on(tmp_path: Path) -> None
     finally:
         run.close()
     assert checkpoint_step(run.run_dir) >= step_at_restart + 2_000
+
+
+def test_a_run_directory_deleted_while_the_run_goes_on_is_made_again_with_a_checkpoint(tmp_path: Path) -> None:
+    run = Training(tmp_path, "gone")  # far more steps than the test waits for
+    try:
+        run.wait_for_steps(500)
+        while run.run_dir.exists():  # a file the run writes meanwhile can make one rmtree miss the directory
+            shutil.rmtree(run.run_dir, ignore_errors=True)
+        went = run.wait_for(r"The run directory .*gone went while the run went on \(deleted, or moved away\); made "
+                            r"again, with the run's flags, a checkpoint now and its logs from step (\d+) on", timeout=15)
+        saved = run.wait_for(r"Saved checkpoint at step (\d+)", after=went.end(), timeout=15)
+        with pytest.raises(UserError, match="in use by another training"), DirectoryLock() as lock:
+            lock.hold(run.run_dir)  # the run holds the new directory as it held the old
+        _trains_on_then_stops_in_order(run, int(saved[1]))
+    finally:
+        run.close()
+    assert checkpoint_step(run.run_dir) >= int(saved[1]) + 2_000
+    assert json.loads((run.run_dir / "flags.json").read_text())["env"] == "CartPole-v1"
+    meta = json.loads((run.run_dir / "meta.json").read_text())
+    assert meta["end_reason"] == "terminated" and meta["remade"] and meta["checkpoint_step"] >= int(saved[1]) + 2_000
+    assert "The run directory" in (run.run_dir / "out.log").read_text()  # out.log begun again in it
+    with open(run.run_dir / "logs.csv", newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f)]
+    assert steps and steps[0] >= int(went[1])
+    assert list(run.run_dir.glob("events.out.tfevents.*"))
 
 
 @pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfds here: the pool believes is_alive")
