@@ -394,10 +394,10 @@ class GamePoints:
     `per_s` a second on average (a token bucket of `burst` points), else as many as the bucket holds, spread evenly
     over them (each the middle one of its share).
 
-    One point per game is what a chart of returns wants, and what an Atari game gives at any speed (a few a second
-    per actor); a fast toy env ends thousands a second (CartPole at random: 140 KB of events a second, 12 GB a
-    day), which TensorBoard then reads for minutes to draw 1,000 of them. Spread evenly over the games in the order
-    they came, the kept ones are a sample of all, not of the first actor's.
+    One point per game is what a chart of returns wants, and what an Atari run mostly gets (Pong ends a few games a
+    second even on a GPU machine); a fast toy env ends thousands a second (CartPole at random: 100-140 KB of events
+    a second, some 10 GB a day), which TensorBoard then reads for minutes to draw 1,000 of them. Spread evenly over
+    the games in the order they came, the kept ones are a sample of all, not of the first actor's.
     """
 
     def __init__(self, per_s: float, burst: int, now_s: float) -> None:

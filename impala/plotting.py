@@ -5,10 +5,10 @@
     python run.py --mode plot --xpid A B --plot_x time         # against hours of training
 
 Returns come from each run's TensorBoard event files (`charts/episodic_return`, one point per finished
-episode, or an even share of them where games end fast: `metrics.GamePoints`), or, for a run without them, from `logs.csv` (`charts/mean_return_100`). Each run is drawn
-faintly as recorded and boldly as a rolling mean, so that runs can be compared without TensorBoard.
-Evaluations while training (`eval/episodic_return_mean`: full games, no episodic life) are drawn in the
-same colour, dashed with a marker per evaluation.
+episode, or an even share of them where games end fast: `metrics.GamePoints`), or, for a run without them, from
+`logs.csv` (`charts/mean_return_100`). Each run is drawn faintly as recorded and boldly as a rolling mean, so
+that runs can be compared without TensorBoard. Evaluations while training (`eval/episodic_return_mean`: full
+games, no episodic life) are drawn in the same colour, dashed with a marker per evaluation.
 """
 
 from __future__ import annotations
