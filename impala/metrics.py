@@ -24,6 +24,7 @@ import contextlib
 import csv
 import io
 import logging
+import logging.handlers
 import math
 import os
 import shutil
@@ -96,6 +97,22 @@ def _complete_rows(file: Iterable[str], cut: bool) -> Iterator[list[str]]:
         previous = row
     if previous is not None and not cut:
         yield previous
+
+
+def _is_open_file(path: Path, file: io.IOBase) -> bool:
+    """Whether `path` is still the file that `file` has open (not deleted, moved away or replaced); True where that
+    cannot be told (a stat that fails otherwise: the write that follows reports what is wrong)."""
+    try:
+        at_path = path.stat()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        opened = os.fstat(file.fileno())
+    except (OSError, ValueError):  # no descriptor, or closed
+        return True
+    return (at_path.st_dev, at_path.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def move_aside(path: Path) -> Path:
@@ -285,12 +302,8 @@ class RunLog:
             self._unwritten_flags = write
 
     def begin_anew(self) -> None:
-        """Begin logs.csv and a TensorBoard event file (with the flags) again, in a run directory made again: the
-        files open until now were in the directory that went."""
-        if self._csv_file is not None:
-            with contextlib.suppress(OSError):
-                self._csv_file.close()
-            self._csv_file = self._csv = None
+        """Begin a TensorBoard event file (with the flags) again, in a run directory made again: the writer's file was
+        in the directory that went. (logs.csv begins again by itself: `_write_csv`.)"""
         if self.writer is not None and self._tensorboard_failed_at is None:
             with contextlib.suppress(OSError):
                 self.writer.close()
@@ -299,6 +312,10 @@ class RunLog:
         self._open_writer()
 
     def _write_csv(self, row: dict[str, float]) -> None:
+        if self._csv_file is not None and not _is_open_file(self._csv_path, self._csv_file):
+            with contextlib.suppress(OSError):  # deleted or moved away, or its run directory made again
+                self._csv_file.close()
+            self._csv_file = self._csv = None
         if self._csv is None:
             self._reopen_csv(list(row))
         assert self._csv is not None
@@ -588,22 +605,18 @@ class _ReportsFailuresOnce:
             sys.stderr.flush()
 
 
-class LogFile(_ReportsFailuresOnce, logging.FileHandler):
-    """out.log: every record as a plain line, appended."""
+class LogFile(_ReportsFailuresOnce, logging.handlers.WatchedFileHandler):
+    """out.log: every record as a plain line, appended; the file at its path opened again where it is another than
+    the one written (moved away by logrotate, deleted, or its run directory made again)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path, mode="a")
 
-    def begin_anew(self) -> None:
-        """Close the file; the next record opens its path again (the run directory was made again)."""
-        self.acquire()
+    def _write(self, record: logging.LogRecord) -> None:
         try:
-            stream, self.stream = self.stream, None
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-        finally:
-            self.release()
+            super()._write(record)
+        except OSError:  # opening the path again failed (its directory gone): a failed write, not the caller's error
+            self.handleError(record)
 
     def close(self) -> None:
         try:
@@ -695,13 +708,6 @@ def setup_console(log_file: str | os.PathLike | None = None, keep_for_log_file: 
         for record in (record for handler in early for record in handler.records):
             file_handler.handle(record)
         log.addHandler(file_handler)
-
-
-def reopen_log_file() -> None:
-    """out.log begun again at its path, from the next record on (its run directory was made again)."""
-    for handler in log.handlers:
-        if isinstance(handler, LogFile):
-            handler.begin_anew()
 
 
 def close_console() -> None:

@@ -62,7 +62,6 @@ from impala.metrics import (
     RunLog,
     close_console,
     progress_line,
-    reopen_log_file,
     setup_console,
 )
 from impala.model import Net, use_amp
@@ -420,7 +419,7 @@ def monitor(run: Run) -> str:
     on a fault."""
     config, state = run.config, run.state
     last_log_time = last_checkpoint_time = time.monotonic()
-    dir_gone = remake_tried = False  # the run directory went, as last looked; a checkpoint made it again, or tried
+    remake_tried = False  # the run directory was found gone at the last look, and a checkpoint tried to make it again
     start_time = run.started_s if run.started_s is not None else last_log_time
     last_log_step = state.step
     console_rate = RecentRate(last_log_time - start_time, state.step)
@@ -443,13 +442,16 @@ def monitor(run: Run) -> str:
         check_evaluator(run)
         now = time.monotonic()
         if now - last_log_time >= config.log_interval_s:
+            dir_gone = run.writes_files and not run.run_dir.is_dir()
+            if dir_gone and not remake_tried:  # made again with a checkpoint, before anything is logged into it
+                _periodic_checkpoint(run)  # and if that fails, with each periodic one
+                last_checkpoint_time = now
+            remake_tried = dir_gone
             last_log_step = _log_progress(run, now - last_log_time, last_log_step, now - start_time, console_rate)
             last_log_time = now
-            dir_gone = run.writes_files and not run.run_dir.is_dir()
-            remake_tried = remake_tried and dir_gone
-        if now - last_checkpoint_time >= config.checkpoint_interval_s or (dir_gone and not remake_tried):
-            _periodic_checkpoint(run)  # a run directory that went is made again with it: at once, then each interval
-            last_checkpoint_time, remake_tried = now, dir_gone
+        if now - last_checkpoint_time >= config.checkpoint_interval_s:
+            _periodic_checkpoint(run)
+            last_checkpoint_time = now
         time.sleep(0.05)
 
 
@@ -562,7 +564,6 @@ def _remake_run_directory(run: Run) -> None:
     and a new record, for a checkpoint there, and out.log, logs.csv and TensorBoard begun again in it. What it held
     is not brought back, but the run, whose state is in memory, can still be resumed. Raises OSError."""
     remake_run_directory(run.config, run.run_dir, run.state.world_size)
-    reopen_log_file()
     log.warning("The run directory %s went while the run went on (deleted, or moved away); made again, with the "
                 "run's flags, a checkpoint now and its logs from step %d on: nothing it held before is in it (its "
                 "checkpoints, event files, logs.csv and out.log)", run.run_dir, run.state.step)

@@ -8,6 +8,7 @@ import errno
 import io
 import logging
 import math
+import shutil
 import tracemalloc
 from pathlib import Path
 
@@ -379,6 +380,43 @@ def test_a_log_file_on_a_full_disk_is_reported_once_and_takes_lines_again_once_i
     assert err == (f"impala: could not write the log to {tmp_path / 'out.log'}: [Errno 28] No space left on device; "
                    "training goes on (reported once, until it is written again)\n"
                    f"impala: writing the log to {tmp_path / 'out.log'} again\n")
+
+
+def test_a_log_file_deleted_moved_or_without_its_directory_is_opened_again_at_its_path(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    path = run_dir / "out.log"
+    handler = metrics.LogFile(path)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = _logger_with(handler)
+    logger.info("first")
+    path.rename(run_dir / "out.log.1")  # logrotate without copytruncate
+    logger.info("second")
+    path.unlink()
+    logger.info("third")
+    shutil.rmtree(run_dir)  # the run directory deleted: reported once, never raised to the caller
+    logger.info("lost")
+    logger.info("lost too")
+    run_dir.mkdir()  # made again
+    logger.info("fourth")
+    handler.close()
+    assert path.read_text() == "fourth\n"
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith(f"impala: could not write the log to {path}: [Errno 2]")
+    assert err[1] == f"impala: writing the log to {path} again"
+
+
+def test_a_csv_deleted_or_moved_away_is_begun_again_with_its_header(tmp_path: Path) -> None:
+    runlog = RunLog(tmp_path)
+    runlog.scalars(40, {"charts/SPS": 100.0})
+    (tmp_path / "logs.csv").rename(tmp_path / "logs.csv.old")
+    runlog.scalars(80, {"charts/SPS": 200.0})
+    (tmp_path / "logs.csv").unlink()
+    runlog.scalars(120, {"charts/SPS": 300.0})
+    runlog.close()
+    assert (tmp_path / "logs.csv.old").read_text().splitlines() == ["step,charts/SPS", "40,100.0"]
+    assert (tmp_path / "logs.csv").read_text().splitlines() == ["step,charts/SPS", "120,300.0"]
 
 
 def test_a_console_whose_reader_went_away_is_reported_once(monkeypatch: pytest.MonkeyPatch,
