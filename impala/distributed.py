@@ -404,6 +404,9 @@ class NoRunLog(RunLog):
     def scalar(self, tag: str, value: float, step: int) -> None:
         pass
 
+    def games(self, games: Any, step: int) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
