@@ -222,7 +222,7 @@ class RunLog:
             self._game_points_thinned = True
             log.info("Games end faster than %g a second: charts/episodic_return and episodic_length show an even "
                      "share of them from here (charts/mean_return_100 and charts/episodes count every game)",
-                     GAME_POINTS_PER_S)
+                     self._game_points.per_s)
         for index in kept:
             episode_return, episode_length = games[index]
             self.scalar("charts/episodic_return", episode_return, step)
