@@ -613,8 +613,10 @@ def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
 @dataclass
 class LearnerState:
     """What a checkpoint saves and a resume restores: the learner's model, optimiser and schedule, the run's
-    counters and the actor lives handed out (`seeding.ActorLives`). `state_dict()` is the checkpoint's
-    content, bar the flags and shapes; a new counter is one name in COUNTERS and one field.
+    counters, the actor lives handed out (`seeding.ActorLives`) and the state of torch's generator that draws
+    the minibatch orders (`draw_orders`), so that a resumed run cuts its batches as the uninterrupted one
+    would. `state_dict()` is the checkpoint's content, bar the flags and shapes; a new counter is one name in
+    COUNTERS and one field.
 
     Learner threads change it under the run's update lock; the monitor reads the counters without it
     (a snapshot) and takes the lock for `state_dict()`, so a checkpoint falls between two updates.
@@ -643,7 +645,12 @@ class LearnerState:
             "model_state_dict": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer_state_dict": _to_cpu(self.optimizer.state_dict()),
             **self.counters(),
+            ORDERS_GENERATOR: orders_generator_state(self.device),
         }
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def counters(self) -> dict[str, int]:
         """The counters and the lives: a checkpoint's, and model_best.tar's (those of the weights it evaluated)."""
@@ -669,7 +676,38 @@ class LearnerState:
         except (TypeError, ValueError) as exc:
             raise UserError(f"checkpoint {path} has a counter that is not a whole number: {first_line(exc)[:200]}"
                             ) from None
+        load_orders_generator_state(state.get(ORDERS_GENERATOR), self.device, path)
         self.scheduler = make_schedule(self.optimizer, config, start_step=self.step, world_size=self.world_size)
+
+
+ORDERS_GENERATOR = "orders_generator"  # a checkpoint's key for `orders_generator_state`
+
+
+def orders_generator_state(device: torch.device) -> dict[str, Any]:
+    """The state of torch's default generator on `device`, from which `draw_orders` draws (the CPU's, or the
+    CUDA device's), with the device type it belongs to; {} for another kind of device."""
+    if device.type == "cuda":
+        return {"device": "cuda", "state": torch.cuda.get_rng_state(device)}
+    if device.type == "cpu":
+        return {"device": "cpu", "state": torch.get_rng_state()}
+    return {}
+
+
+def load_orders_generator_state(saved: Any, device: torch.device, path: Path) -> None:
+    """Set the generator `draw_orders` uses on `device` to `saved` (`orders_generator_state`'s). One saved on
+    another kind of device (a GPU run resumed on the CPU, or the other way), or none (a checkpoint from before
+    it was kept, or model_best.tar), leaves the stream this session seeded: the orders then differ from the
+    uninterrupted run's, as any random draw does, and nothing else does."""
+    if not isinstance(saved, dict) or saved.get("device") != device.type:
+        return
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(saved["state"], device)
+        else:
+            torch.set_rng_state(saved["state"])
+    except (KeyError, TypeError, RuntimeError, ValueError) as exc:
+        raise UserError(f"checkpoint {path} has a generator state that does not fit this run's {device.type} "
+                        f"generator: {first_line(exc)[:200]}") from None
 
 
 def _load(target: Any, state: dict[str, Any], path: Path) -> None:

@@ -583,3 +583,16 @@ def test_a_run_with_a_graphed_update_and_graphed_central_inference_keeps_both(tm
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "device cuda" in result.stdout and "Could not capture" not in output, output[-3000:]
+
+
+def test_the_gpu_generator_that_draws_the_minibatch_orders_is_saved_and_restored_without_a_wait() -> None:
+    """On a GPU `draw_orders` draws from the CUDA device's generator: its state goes into the checkpoint (read
+    on the host, no wait for the device) and a resume draws on from it."""
+    device = torch.device("cuda")
+    saved: dict[str, object] = {}
+    assert _waits_for_the_gpu(lambda: saved.update(learner.orders_generator_state(device))) == []
+    assert saved["device"] == "cuda"
+    drawn = torch.randperm(50, device=device)
+    torch.manual_seed(0)
+    learner.load_orders_generator_state(saved, device, Path("model.tar"))
+    assert torch.equal(torch.randperm(50, device=device), drawn)

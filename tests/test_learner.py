@@ -17,7 +17,7 @@ from torch.nn import functional as F
 from impala import buffers as buffers_module
 from impala import learner, losses, vtrace
 from impala.buffers import BufferSpec, create_buffers
-from impala.config import Config, parse_config
+from impala.config import Config, UserError, parse_config
 from impala.learner import LearnerState
 from impala.model import Net
 from impala.seeding import ActorLives
@@ -910,6 +910,51 @@ def test_a_checkpoint_of_a_graphed_gpu_run_resumes_with_a_float_learning_rate_an
     assert resumed_stats["skipped"] == 0.0 and resumed_stats["learning_rate"] == config.learning_rate
     for a, b in zip(model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_resumed_learner_cuts_its_batches_as_the_uninterrupted_one_would() -> None:
+    """The minibatch orders come from torch's generator, which every session seeds from --seed afresh: the
+    checkpoint keeps its state, so updates after a resume are the uninterrupted run's, bit for bit, where
+    without it they replayed the first session's orders."""
+    config = _config(optimizer="adam", epsilon=1e-5, batch_size=2, policy_loss="ppo", epochs=2, minibatches=3,
+                     minibatch_mode="samples", lr_schedule="constant")
+    model = _model()
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    state = LearnerState(model, optimizer, scheduler, ActorLives(0, 0))
+    learner.update(model, optimizer, scheduler, _batch_for_update(model), (), config)
+    buffer = io.BytesIO()
+    torch.save(state.state_dict(), buffer)
+    for _ in range(2):
+        learner.update(model, optimizer, scheduler, _batch_for_update(model), (), config)
+
+    resumed_model = _model()  # seeds torch's generator, as each session's start does
+    resumed = LearnerState(resumed_model, *learner.make_optimizer(resumed_model, config), ActorLives(0, 1))
+    buffer.seek(0)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True), config, Path("model.tar"))
+    for _ in range(2):
+        learner.update(resumed.model, resumed.optimizer, resumed.scheduler, _batch_for_update(resumed.model), (),
+                       config)
+    for a, b in zip(model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_generator_state_of_another_device_or_none_leaves_the_seeded_stream_and_a_bad_one_is_one_line() -> None:
+    """A GPU run's generator state means nothing to the CPU's generator (nor the other way): it is left, as a
+    checkpoint without one is; one of this device that does not fit is the checkpoint's fault."""
+    torch.manual_seed(5)
+    seeded = torch.get_rng_state()
+    cpu = torch.device("cpu")
+    for saved in (None, {}, {"device": "cuda", "state": torch.zeros(16, dtype=torch.uint8)}):
+        learner.load_orders_generator_state(saved, cpu, Path("model.tar"))
+        assert torch.equal(torch.get_rng_state(), seeded)
+    with pytest.raises(UserError, match=r"^checkpoint model.tar has a generator state that does not fit this run's "
+                                        "cpu generator"):
+        learner.load_orders_generator_state({"device": "cpu", "state": torch.zeros(3, dtype=torch.uint8)}, cpu,
+                                            Path("model.tar"))
+    saved = learner.orders_generator_state(cpu)
+    drawn = torch.randperm(50)
+    learner.load_orders_generator_state(saved, cpu, Path("model.tar"))
+    assert torch.equal(torch.randperm(50), drawn)
 
 
 def _resumed(saved_config: Config, config: Config) -> LearnerState:
