@@ -192,17 +192,21 @@ def damaged_events_line(name: str, damaged: Sequence[tuple[Path, int]]) -> str:
             f"(damaged, or cut short by a kill): {where}")
 
 
+MAX_STEP = 2**63 - 1  # a step the int64 curves can hold
+MAX_VALUE = 1e100  # beyond it a logged number is garbage, not a return or a loss: no axis can lay out such a range
+
+
 def damaged_rows_line(name: str, damaged: Sequence[int]) -> str:
     """One line on the rows of a run's logs.csv left out as damaged (their line numbers)."""
     shown = ", ".join(map(str, damaged[:5])) + (", ..." if len(damaged) > 5 else "")
     return (f"Run {name}: left out {len(damaged)} damaged row(s) of its logs.csv (line(s) {shown}): a step or value "
-            "that is not a number, or bytes that are not text")
+            "that is not a number or out of range, or bytes that are not text")
 
 
 def series_from_csv(path: Path, columns: Sequence[str]) -> tuple[dict[str, Series], list[int]]:
     """Each of `columns`' points in logs.csv `path` (none without the file), and the numbers of the lines left out
-    as damaged: a step or a value that is not a number (bytes that are not UTF-8 read as U+FFFD), a row the
-    csv module cannot read. A kill can cut the last row short and a disk fault can garble any: such a row is
+    as damaged: a step or a value that is not a number (bytes that are not UTF-8 read as U+FFFD), a step outside
+    [0, 2^63) or a value beyond +-MAX_VALUE (numbers run together), a row the csv module cannot read. A kill can cut the last row short and a disk fault can garble any: such a row is
     left out, not allowed to stop the plot of this run and of every run plotted with it. An empty value, or
     one that is not finite, is a row without that number (no game finished yet), not damage."""
     points: dict[str, tuple[list[int], list[float]]] = {column: ([], []) for column in columns}
@@ -226,6 +230,9 @@ def series_from_csv(path: Path, columns: Sequence[str]) -> tuple[dict[str, Serie
                         numbers = {column: float(row[column]) for column in columns if row.get(column)}
                     except (ValueError, OverflowError):  # not a number; an infinite step
                         damaged.append(reader.line_num)
+                        continue
+                    if not 0 <= step <= MAX_STEP or any(abs(v) > MAX_VALUE for v in numbers.values()):
+                        damaged.append(reader.line_num)  # digits run together or garbled: no step, no return
                         continue
                     for column, value in numbers.items():
                         if math.isfinite(value):

@@ -75,6 +75,8 @@ def test_damaged_rows_of_a_logs_csv_are_left_out_saying_so_and_the_rest_plotted(
         b"80,1000,abc\n"  # a value that is not a number
         b"xx,1000,5\n"  # nor a step
         b"120,1000,\xff\xfe\n"  # bytes that are not text
+        b"12345678901234567890123,1000,5\n"  # digits run together: a step no int64 holds
+        b"140,1000,-1e308\n"  # and a value no axis can lay out beside another
         b"160,1000,30.0\n"
         b"200,1000,nan\n"  # no game finished yet: not damage
         b"240,10")  # a kill cut the last row short: no return in it, not damage either
@@ -82,8 +84,12 @@ def test_damaged_rows_of_a_logs_csv_are_left_out_saying_so_and_the_rest_plotted(
     curve = plotting.load_curve(savedir, "csv-only")
     assert curve.steps.tolist() == [40, 160] and curve.returns.tolist() == [10.0, 30.0]
     assert curve.env is None
-    assert capsys.readouterr().out == ("Run csv-only: left out 3 damaged row(s) of its logs.csv (line(s) 3, 4, 5): "
-                                       "a step or value that is not a number, or bytes that are not text\n")
+    damaged = ("Run csv-only: left out 5 damaged row(s) of its logs.csv (line(s) 3, 4, 5, 6, 7): a step or value "
+               "that is not a number or out of range, or bytes that are not text")
+    assert capsys.readouterr().out == damaged + "\n"
+    out = savedir / "csv-only.png"
+    assert run.main(["--mode", "plot", "--savedir", str(savedir), "--xpid", "csv-only", "--plot_out", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == damaged and out.read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_run_with_nothing_readable_is_one_line_and_exit_2_when_named_and_left_out_of_every_run(
@@ -100,7 +106,7 @@ def test_a_run_with_nothing_readable_is_one_line_and_exit_2_when_named_and_left_
     assert printed.err == "" and out.read_bytes()[:4] == b"\x89PNG"
     assert printed.out.splitlines() == [
         ("Run csv-only: left out 2 damaged row(s) of its logs.csv (line(s) 1, 2): a step or value that is not a "
-         "number, or bytes that are not text"),
+         "number or out of range, or bytes that are not text"),
         f"Left out: run 'csv-only' in {savedir} has no finished episode to plot yet",
         f"Wrote {out}: episodic return of fast, slow against agent steps"]
 
