@@ -27,7 +27,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
-from impala.config import Config, UserError, is_utf8, parse_config, run_path, shown_bytes
+from impala.config import Config, UserError, first_line, is_utf8, parse_config, run_path, shown_bytes
 from impala.events import event_files, read_scalars
 
 RETURN_TAG = "charts/episodic_return"
@@ -106,7 +106,8 @@ def figure_path_problem(out: Path, flag: str) -> str | None:
 
 def save_figure(figure: Figure, out: Path, flag: str, dpi: int) -> None:
     """Write `figure` to `out` (given as `flag`), in the format its extension names, atomically: a full disk
-    leaves the previous file whole. A path that cannot take it is a UserError."""
+    leaves the previous file whole. A path that cannot take it, or a format this machine cannot write, is a
+    UserError."""
     if problem := figure_path_problem(out, flag):
         raise UserError(problem)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -116,6 +117,9 @@ def save_figure(figure: Figure, out: Path, flag: str, dpi: int) -> None:
         os.replace(tmp, out)
     except OSError as exc:
         raise UserError(f"cannot write the plot {out}: {exc.strerror or exc}") from None
+    except RuntimeError as exc:  # a format whose writer needs a program this machine lacks (.pgf: LaTeX)
+        raise UserError(f"cannot write the plot {out} as {out.suffix[1:].lower()}: {first_line(exc)[:200]}; "
+                        "choose another extension, such as .png") from None
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)

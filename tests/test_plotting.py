@@ -188,6 +188,17 @@ def test_a_plot_that_cannot_be_written_leaves_the_previous_one_whole(savedir: Pa
     assert out.read_bytes() == before and not list(savedir.glob(".cmp.png.tmp-*"))
 
 
+def test_a_format_whose_writer_this_machine_lacks_is_one_line(savedir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """matplotlib lists .pgf among its formats, but writes it with LaTeX: without it, one line, no file."""
+    monkeypatch.setenv("PATH", str(savedir))  # no xelatex on it
+    out = savedir / "cmp.pgf"
+    config = parse_config(["--mode", "plot", "--savedir", str(savedir), "--plot_out", str(out)])
+    with pytest.raises(UserError, match=r"^cannot write the plot .*cmp.pgf as pgf: .*xelatex.*; choose another "
+                                        r"extension, such as .png$"):
+        plotting.plot(config)
+    assert not out.exists() and not list(savedir.glob(".cmp.pgf.tmp-*"))
+
+
 def test_a_resumed_runs_purged_events_are_plotted_without_a_word_on_stderr(tmp_path: Path) -> None:
     """A resume drops the events a killed session wrote past its checkpoint (TensorBoard's purge), which the
     reader announces as a warning: the run's own doing, not the user's to read before every plot."""
