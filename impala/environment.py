@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from impala.config import UserError
+from impala.config import UserError, first_line
 from impala.seeding import env_seeds
 
 log = logging.getLogger("impala")
@@ -67,6 +68,10 @@ def env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
         except ModuleNotFoundError as exc:
             raise UserError(f"env {env_id!r}: no module {exc.name!r} to import; put the module that registers "
                             f"{name!r} on PYTHONPATH or install it") from None
+        except Exception as exc:  # noqa: BLE001 - the module's own code raised: say what and where, in one line
+            message = exc.msg if isinstance(exc, SyntaxError) else first_line(exc)
+            raise UserError(f"env {env_id!r}: importing {module!r} raised {type(exc).__name__}: {message[:200]} "
+                            f"(at {_where_raised(exc)})") from None
     try:
         return gym.spec(name)
     except gym.error.Error as exc:
@@ -74,6 +79,26 @@ def env_spec(env_id: str) -> gym.envs.registration.EnvSpec:
         if same_name:  # gymnasium's hint for "pong" is "Pong", itself no id; ALE's v5 ids live under ALE/
             raise UserError(f"unknown env id {env_id!r}; the ids of that name are {', '.join(same_name)}") from None
         raise UserError(f"unknown env id {env_id!r}: {exc}") from None
+
+
+def _where_raised(exc: BaseException) -> str:
+    """FILE:LINE of the code that raised `exc` (of the code that does not parse, for a SyntaxError)."""
+    if isinstance(exc, SyntaxError):
+        return f"{exc.filename}:{exc.lineno}"
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown"
+
+
+def _load_entry_point(env_id: str, spec: gym.envs.registration.EnvSpec) -> None:
+    """Import what `spec`'s entry point names ("module:attribute") before gymnasium builds the env, so that one
+    naming nothing is said to be the registration's fault, not taken for an error of the env itself."""
+    if not isinstance(spec.entry_point, str):
+        return
+    try:
+        gym.envs.registration.load_env_creator(spec.entry_point)
+    except AttributeError as exc:
+        raise UserError(f"env {env_id!r}: its entry point {spec.entry_point!r} names nothing in its module "
+                        f"({first_line(exc)[:200]}); fix the module's gymnasium.register call") from None
 
 
 def ids_of_the_same_name(env_id: str, most: int = 8) -> list[str]:
@@ -169,6 +194,7 @@ class EnvBatch:
         Discrete one-hot). `max_episode_steps`, where given, wraps each env in a TimeLimit (`gym.make`'s)."""
         limit = {} if max_episode_steps is None else {"max_episode_steps": max_episode_steps}
         try:
+            _load_entry_point(env_id, env_spec(env_id))
             env = gym.make_vec(env_id, num_envs, vectorization_mode="sync",
                                vector_kwargs={"autoreset_mode": gym.vector.AutoresetMode.SAME_STEP},
                                wrappers=[gym.wrappers.FlattenObservation] if flatten else None, **limit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import re
+import sys
 from pathlib import Path
 
 import gymnasium as gym
@@ -471,6 +472,30 @@ def test_an_id_whose_entry_point_cannot_be_imported_is_a_user_error_naming_the_p
             EnvBatch("TestMissingPackage-v0", 1, seed=0)
     finally:
         del gym.registry["TestMissingPackage-v0"]
+
+
+@pytest.mark.parametrize(("source", "pattern"), [
+    ('raise RuntimeError("no licence file")\n',
+     r"importing 'impala_test_env_{0}' raised RuntimeError: no licence file \(at .*impala_test_env_{0}.py:1\)$"),
+    ("def f(:\n", r"importing 'impala_test_env_{0}' raised SyntaxError: invalid syntax \(at .*impala_test_env_{0}.py:1\)$"),
+    ('import gymnasium\ngymnasium.register("Entry-v0", entry_point="impala_test_env_{0}:NoSuchEnv")\n',
+     (r"its entry point 'impala_test_env_{0}:NoSuchEnv' names nothing in its module \(module 'impala_test_env_{0}' "
+      r"has no attribute 'NoSuchEnv'\); fix the module's gymnasium.register call$")),
+], ids=["raises", "syntax", "entry-point"])
+def test_a_users_env_module_that_fails_to_import_or_names_nothing_is_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, source: str, pattern: str
+        ) -> None:
+    """MODULE:ID whose module raises when imported, does not parse, or registers an entry point naming nothing:
+    the user's input, said in one line with where it failed, not a traceback from inside gymnasium."""
+    name = request.node.callspec.id.replace("-", "_")
+    (tmp_path / f"impala_test_env_{name}.py").write_text(source.replace("{0}", name))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(UserError, match=rf"^env 'impala_test_env_{name}:Entry-v0': " + pattern.format(name)):
+            EnvBatch(f"impala_test_env_{name}:Entry-v0", 1, seed=0)
+    finally:
+        gym.registry.pop("Entry-v0", None)
+        sys.modules.pop(f"impala_test_env_{name}", None)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("shimmy") is not None, reason="shimmy is installed: the id builds")
