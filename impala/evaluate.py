@@ -160,6 +160,9 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
         print(f"Playing {config.env}, the env of the checkpoint")
     recorder = EpisodeRecorder() if config.video else None
     video_run_dir = (_run_dir(config) or find_checkpoint(None, config.checkpoint).parent) if recorder else None
+    if video_run_dir is not None and config.xpid and not video_run_dir.is_dir():  # --checkpoint PATH of elsewhere
+        raise UserError(f"--video: there is no run {config.xpid!r} in {config.savedir} to write the video in; drop "
+                        "--xpid to write it beside the checkpoint file")
     if video_run_dir is not None:  # before the games, which may take long: a video that cannot be kept is one line
         _check_writable(video_run_dir / TEST_DIR_NAME)
     try:

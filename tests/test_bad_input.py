@@ -270,6 +270,21 @@ def test_test_mode_video_that_has_nowhere_to_go_is_one_line_before_any_game(
     assert (run_dir / "test").read_text() == "notes"
 
 
+def test_test_mode_video_of_a_checkpoint_path_into_a_run_that_does_not_exist_is_one_line(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """--checkpoint PATH with --xpid X writes the video into run X: where X does not exist, test mode would make
+    it (holding only another agent's results, which a later training of X would take as its own)."""
+    run_dir = _saved_run(tmp_path, "cartpole")
+    argv = ["--mode", "test", "--savedir", str(tmp_path), "--xpid", "ghost", "--checkpoint", str(run_dir / "model.tar"),
+            "--test_episodes", "1", "--video"]
+    assert run.main(argv) == 2
+    captured = capsys.readouterr()
+    assert "Mean return" not in captured.out
+    assert captured.err == (f"run.py: error: --video: there is no run 'ghost' in {tmp_path} to write the video in; "
+                            "drop --xpid to write it beside the checkpoint file\n")
+    assert not (tmp_path / "ghost").exists()
+
+
 def test_test_mode_video_on_a_full_disk_is_one_line_after_the_results(
         capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from tensorboard.compat.tensorflow_stub.io import gfile
