@@ -460,6 +460,8 @@ class Config:
             problems.append(f"--resume is for --mode train, not --mode {self.mode}")
         elif self.resume and self.xpid is None and torchrun_run_id() is None:  # under torchrun the id names the run
             problems.append("--resume needs --xpid NAME of the run to continue")
+        if self.mode == "train" and self.checkpoint == "best" and self.xpid is None and torchrun_run_id() is None:
+            problems.append("--checkpoint best needs --xpid NAME of the run whose model_best.tar to continue from")
         if self.policy_loss == "ppo" and min(self.batch_size, self.unroll_length, self.minibatches) >= 1:
             over = "batch" if self.advantage_norm == "batch" else "minibatch"
             steps = self.batch_size * self.unroll_length if over == "batch" else self.smallest_minibatch

@@ -61,11 +61,7 @@ def run_directory(config: Config) -> tuple[Path, bool]:
         run_dir = next(path for name in names if not os.path.lexists(path := run_path(config.savedir, name)))
     else:
         run_dir = run_path(config.savedir, config.xpid)
-    resuming = resume_checkpoint(config, run_dir) is not None
-    if config.resume and not resuming:
-        raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from; "
-                        "drop --resume to start a new run")
-    return run_dir, resuming
+    return run_dir, resume_checkpoint(config, run_dir) is not None
 
 
 class DirectoryLock:
@@ -118,6 +114,9 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
     run_dir, resuming = run_directory(config)
     if lock is not None and config.xpid is not None and run_dir.is_dir():  # a default name is new: claimed later
         lock.hold(run_dir)  # before its checkpoint is read: another training may be writing it
+    if config.resume and not resuming:
+        raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from; "
+                        "drop --resume to start a new run")
     checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
     if checkpoint_path is None:
         if config.xpid is not None and restarts_unsaved_run(config, run_dir):
@@ -127,8 +126,18 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
     check_compatible(checkpoint, env=config.env, model=model, use_lstm=config.use_lstm,
                      hidden_size=config.hidden_size, observation_shape=observation_shape,
                      num_actions=num_actions, path=checkpoint_path)
+    if repeated_start(run_dir, checkpoint_path, checkpoint["step"]):
+        own = run_dir / CHECKPOINT_NAME
+        log.warning("%s (step %s) was this run's start already and the run has gone on from it: it continues from "
+                    "its own %s (to go back to that checkpoint once more, pass a copy of it)", checkpoint_path,
+                    checkpoint["step"], own)
+        checkpoint_path, checkpoint = own, load_checkpoint(own)
+        check_compatible(checkpoint, env=config.env, model=model, use_lstm=config.use_lstm,
+                         hidden_size=config.hidden_size, observation_shape=observation_shape,
+                         num_actions=num_actions, path=checkpoint_path)
     if int(checkpoint["step"]) >= config.total_steps:
-        raise UserError(f"run {run_dir} already reached step {checkpoint['step']} of --total_steps "
+        whose = f"run {run_dir}" if is_own_checkpoint(run_dir, checkpoint_path) else f"checkpoint {checkpoint_path}"
+        raise UserError(f"{whose} already reached step {checkpoint['step']} of --total_steps "
                         f"{config.total_steps}; pass a larger --total_steps to train it further")
     _go_on_numbering(checkpoint, run_dir, checkpoint_path, config.eval_episodes)
     return run_dir, resuming, checkpoint_path, checkpoint
@@ -195,6 +204,29 @@ def restarts_unsaved_run(config: Config, run_dir: Path) -> bool:
     log.warning("Run %s has no checkpoint (stopped before its first one): it starts again from step 0, its "
                 "TensorBoard events and logs.csv rows dropped", run_dir)
     return True
+
+
+START_KEY = "checkpoint_start"  # meta.json's record of the last start from another checkpoint than model.tar
+
+
+def is_own_checkpoint(run_dir: Path, path: Path) -> bool:
+    """Whether checkpoint `path` is the run's own model.tar (not --checkpoint best or another PATH)."""
+    return path.resolve() == (run_dir / CHECKPOINT_NAME).resolve()
+
+
+def record_start(run_dir: Path, start: Path, step: int) -> None:
+    """Record in meta.json that a session of the run began from checkpoint `start` (--checkpoint best or PATH, not
+    model.tar) at `step`, for `repeated_start`. Raises OSError."""
+    _record(run_dir, START_KEY, {"checkpoint": str(start.resolve()), "step": step})
+
+
+def repeated_start(run_dir: Path, start: Path, step: object) -> bool:
+    """Whether checkpoint `start` (at `step`) is the one a session of this run already began from, and the run
+    saved its own model.tar since: the same command run again (a job requeued, a process manager's restart)
+    then continues the run, rather than going back to its start each time and dropping what came after."""
+    if is_own_checkpoint(run_dir, start) or not (run_dir / CHECKPOINT_NAME).is_file():
+        return False
+    return _recorded(run_dir, START_KEY) == {"checkpoint": str(start.resolve()), "step": step}
 
 
 def replaces_own_checkpoint(run_dir: Path, start: Path | None) -> bool:

@@ -71,10 +71,12 @@ from impala.rundir import (
     DirectoryLock,
     NameTaken,
     finish_run_files,
+    is_own_checkpoint,
     keep_replaced_checkpoint,
     open_run,
     prepare_run_directory,
     record_checkpoint,
+    record_start,
     remake_run_directory,
     remove_if_empty,
     replaces_own_checkpoint,
@@ -217,6 +219,8 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
             if rewinds:  # model.tar at once the step that the logs are about to be cut back to, whatever comes next
                 assert checkpoint is not None
                 _save_start(run_dir, config, state, checkpoint.get("recent_returns", []))
+            if checkpoint_path is not None and not is_own_checkpoint(run_dir, checkpoint_path):
+                _record_start(run_dir, checkpoint_path, state.step)
             runlog = RunLog(run_dir, purge_step=_purge_step(resuming, resumed_step))
             runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained
         if coordinator is not None:
@@ -228,7 +232,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
             stats.episode_returns.extend(float(r) for r in checkpoint.get("recent_returns", []))
         learners = Learners(config, state, buffers, pool, device, amp, stats, update_lock, coordinator)
         run = Run(config, run_dir, device, state, buffers, pool, runlog, learners, amp=amp, evaluator=evaluator,
-                  resumed_from=checkpoint_path, saved_step=state.step if checkpoint is not None else None,
+                  resumed_from=checkpoint_path, saved_step=_saved_step(run_dir, checkpoint_path, state.step),
                   resumed_step=resumed_step, stats=stats,
                   update_lock=update_lock, coordinator=coordinator, stop=stop, lock=lock,
                   changed_flags=tuple(changed_flags(checkpoint["flags"], config)) if checkpoint is not None else ())
@@ -532,6 +536,22 @@ def _save_start(run_dir: Path, config: Config, state: LearnerState, recent_retur
     _record_checkpoint(run_dir, state.step)
 
 
+def _saved_step(run_dir: Path, start: Path | None, step: int) -> int | None:
+    """The step of the run's model.tar as a session begins from checkpoint `start`: `step` where that is model.tar
+    or was saved as it (`_save_start`); None for a start from another run's checkpoint, not yet saved here."""
+    own = run_dir / CHECKPOINT_NAME
+    return step if start is not None and (is_own_checkpoint(run_dir, start) or own.is_file()) else None
+
+
+def _record_start(run_dir: Path, start: Path, step: int) -> None:
+    """The session's start from `start` in meta.json (`rundir.repeated_start`); a failed write is reported."""
+    try:
+        record_start(run_dir, start, step)
+    except OSError as exc:
+        log.error("Could not record the start from %s in %s: %s (a run of the same command again goes back to it)",
+                  start, run_dir / "meta.json", exc)
+
+
 def _record_checkpoint(run_dir: Path, step: int) -> None:
     """model.tar's step in meta.json; a failed write is reported (model.tar is saved all the same)."""
     try:
@@ -642,7 +662,7 @@ def _log_start(run: Run) -> None:
                     f"{run.state.step + per_update:,}")
     if run.state.step:
         log.info("Resuming from step %d (update %d)", run.state.step, run.state.updates)
-    if run.resumed_from is not None and run.resumed_from.name != CHECKPOINT_NAME:
+    if run.resumed_from is not None and not is_own_checkpoint(run.run_dir, run.resumed_from):
         log.info("Resumed from %s%s", run.resumed_from, "" if run.state.optimizer.state else
                  " (it holds no optimiser state: the optimiser starts afresh)")
     if run.changed_flags:

@@ -73,6 +73,7 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--ppo_dual_clip", "0.5"], r"--ppo_dual_clip must be 0 \(off\) or above 1, got 0.5"),
     (["--minibatch_mode", "samples", "--use_lstm"], r"--minibatch_mode samples needs .* without --use_lstm"),
     (["--resume"], r"--resume needs --xpid"),
+    (["--checkpoint", "best"], r"--checkpoint best needs --xpid NAME of the run whose model_best.tar to continue from"),
     (["--mode", "plot", "--xpid", "a", "--resume"], r"--resume is for --mode train, not --mode plot$"),
     (["--seed", "-5"], r"--seed must be in \[0, 2\^31\) = \[0, 2147483647\], got -5"),
     (["--seed", str(2**31)], r"--seed must be in \[0, 2\^31\) = \[0, 2147483647\], got 2147483648"),

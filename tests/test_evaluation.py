@@ -80,7 +80,7 @@ def _state(model: Net, step: int, **extra: object) -> dict:
 
 def test_flags_parse_and_are_validated() -> None:
     config = parse_config(["--eval_interval_s", "10", "--eval_episodes", "5", "--eval_actions", "sampled",
-                           "--keep_checkpoints", "3", "--checkpoint", "best"])
+                           "--keep_checkpoints", "3", "--checkpoint", "best", "--xpid", "r"])
     assert (config.eval_interval_s, config.eval_episodes, config.eval_actions) == (10.0, 5, "sampled")
     assert (config.keep_checkpoints, config.checkpoint) == (3, "best")
     assert Config().eval_interval_s == 0  # off unless asked for: no CPU spent on it by default

@@ -214,6 +214,77 @@ def test_two_rewinds_past_the_same_step_keep_both_histories_checkpoints(tmp_path
     assert keep_replaced_checkpoint(tmp_path, start) is None  # the same model.tar again (a rewind restarted): kept once
 
 
+def test_the_same_command_with_checkpoint_path_run_again_continues_the_run_rather_than_going_back(
+        tmp_path: Path) -> None:
+    """`--xpid job --checkpoint PATH` in a job script that a scheduler requeues: its first session starts from
+    PATH, and every later one continues job's own model.tar (a run already at --total_steps is refused for it)
+    rather than going back to PATH each time, dropping all that came after."""
+    assert run_py(*SMALL_RUN, "--disable_cuda", "--savedir", str(tmp_path), "--xpid", "a",
+                  "--total_steps", "400").returncode == 0
+    start = tmp_path / "a" / CHECKPOINT_NAME
+    start_step = torch.load(start, weights_only=True)["step"]
+    command = (*SMALL_RUN, "--disable_cuda", "--savedir", str(tmp_path), "--xpid", "job", "--checkpoint", str(start),
+               "--total_steps", "800")
+    first = run_py(*command)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"Resumed from {start}\n" in first.stdout
+    job = tmp_path / "job"
+    assert read_meta(job)["checkpoint_start"] == {"checkpoint": str(start.resolve()), "step": start_step}
+    job_step = torch.load(job / CHECKPOINT_NAME, weights_only=True)["step"]
+
+    again = run_py(*command)
+    assert again.returncode == 2
+    assert (f"{start} (step {start_step}) was this run's start already and the run has gone on from it: it "
+            f"continues from its own {job / CHECKPOINT_NAME}") in again.stdout
+    assert again.stderr == (f"run.py: error: run {job} already reached step {job_step} of --total_steps 800; pass a "
+                            "larger --total_steps to train it further\n")
+    assert not list(job.glob("model_replaced_*")) and len(read_meta(job)["starts"]) == 1
+
+
+def test_a_start_already_taken_is_taken_again_only_when_its_file_changed(tmp_path: Path) -> None:
+    """The record holds the start's path and step: another checkpoint written at that path since (model_best.tar
+    after a better evaluation) is a new start; the run's own model.tar gone, the start is all there is."""
+    def state(step: int) -> dict:
+        return {"model_state_dict": {}, "flags": {"env": "CartPole-v1"}, "step": step, "model": "mlp",
+                "observation_shape": [4], "num_actions": 2}
+
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    start = tmp_path / "elsewhere.tar"
+    save_checkpoint(start, state(400))
+    save_checkpoint(run_dir / CHECKPOINT_NAME, state(900))
+    rundir.record_start(run_dir, start, 400)
+    config = Config(env="CartPole-v1", savedir=str(tmp_path), xpid="job", checkpoint=str(start), total_steps=2000)
+
+    def chosen() -> tuple[Path | None, int]:
+        _, _, path, checkpoint = rundir.open_run(config, "mlp", (4,), 2)
+        assert checkpoint is not None
+        return path, checkpoint["step"]
+
+    assert chosen() == (run_dir / CHECKPOINT_NAME, 900)
+    save_checkpoint(start, state(600))
+    assert chosen() == (start, 600)
+    rundir.record_start(run_dir, start, 600)
+    (run_dir / CHECKPOINT_NAME).unlink()
+    assert chosen() == (start, 600)
+
+
+def test_resume_of_a_run_that_another_training_holds_says_it_is_in_use(tmp_path: Path) -> None:
+    """A training of the run that has not saved its first checkpoint yet: --resume has nothing to continue from
+    now, but "drop --resume" would be the wrong advice while the run is in use."""
+    run_dir = tmp_path / "busy"
+    run_dir.mkdir()
+    config = Config(env="CartPole-v1", savedir=str(tmp_path), xpid="busy", resume=True)
+    with DirectoryLock() as first:
+        first.hold(run_dir)
+        with DirectoryLock() as second, pytest.raises(UserError, match=r"^run directory .*busy is in use by another "
+                                                                        "training"):
+            rundir.open_run(config, "mlp", (4,), 2, second)
+    with DirectoryLock() as alone, pytest.raises(UserError, match=r"^--resume: no checkpoint at .*busy/model.tar to "
+                                                                   "continue from"):
+        rundir.open_run(config, "mlp", (4,), 2, alone)
+
+
 def test_a_start_removes_what_a_killed_write_left_and_nothing_else(tmp_path: Path) -> None:
     """kill -9 in the middle of a rewrite leaves its temporary file: the next start under the run's lock removes
     each kind (a checkpoint's, meta.json's, logs.csv's, the writability probe's) and keeps the run's own files."""
