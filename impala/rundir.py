@@ -77,6 +77,7 @@ class DirectoryLock:
     def __init__(self) -> None:
         self.path: Path | None = None
         self._fd: int | None = None
+        self._cannot_lock: Path | None = None  # a directory whose file system keeps no locks: said once
 
     def hold(self, run_dir: Path) -> None:
         """Lock `run_dir` (an existing directory); raises UserError when another training holds it."""
@@ -84,13 +85,25 @@ class DirectoryLock:
             if self.path != run_dir:
                 raise RuntimeError(f"already holding {self.path}, asked for {run_dir}")
             return
-        fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        if run_dir == self._cannot_lock:
+            return
+        try:
+            fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise UserError(f"cannot open the run directory {run_dir}: {exc.strerror or exc}; choose another "
+                            "--savedir or --xpid") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             raise UserError(f"run directory {run_dir} is in use by another training (running or still stopping); "
                             "wait for it to end, or choose another --xpid") from None
+        except OSError as exc:  # a file system that keeps no locks (ENOLCK, EOPNOTSUPP: some network or FUSE mounts)
+            os.close(fd)
+            self._cannot_lock = run_dir
+            log.warning("Could not lock the run directory %s (%s): a second training of this run would not be refused "
+                        "while this one runs", run_dir, exc.strerror or exc)
+            return
         self.path, self._fd = run_dir, fd
 
     def release(self) -> None:

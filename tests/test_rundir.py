@@ -285,6 +285,23 @@ def test_resume_of_a_run_that_another_training_holds_says_it_is_in_use(tmp_path:
         rundir.open_run(config, "mlp", (4,), 2, alone)
 
 
+def test_a_file_system_that_keeps_no_locks_costs_the_lock_with_a_warning_not_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def no_locks(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(rundir.fcntl, "flock", no_locks)
+    lock = DirectoryLock()
+    with caplog.at_level(logging.WARNING, logger="impala"):
+        lock.hold(tmp_path)
+        lock.hold(tmp_path)  # again, as the run's start does once the directory is prepared: said once
+    assert caplog.text.count(f"Could not lock the run directory {tmp_path} (No locks available)") == 1
+    assert lock.path is None
+    lock.release()
+    with pytest.raises(UserError, match=r"^cannot open the run directory .*missing: No such file or directory"):
+        lock.hold(tmp_path / "missing")
+
+
 def test_a_start_removes_what_a_killed_write_left_and_nothing_else(tmp_path: Path) -> None:
     """kill -9 in the middle of a rewrite leaves its temporary file: the next start under the run's lock removes
     each kind (a checkpoint's, meta.json's, logs.csv's, the writability probe's) and keeps the run's own files."""
