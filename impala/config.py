@@ -131,12 +131,13 @@ class Config:
     env: str = _flag("PongNoFrameskip-v4", "gymnasium env id: Atari (e.g. PongNoFrameskip-v4, ALE/Breakout-v5) "
                      "or another env with discrete actions (e.g. CartPole-v1, FrozenLake-v1, MODULE:ID); test mode "
                      "without it plays the checkpoint's env")
-    xpid: str | None = _flag(None, "run name; the run lives in SAVEDIR/XPID (default: ENV-date-time); "
-                             "plot mode takes several", nargs="+", metavar="XPID")
+    xpid: str | None = _flag(None, "run name; the run lives in SAVEDIR/XPID (default: ENV-date-time; under "
+                             "torchrun ENV-ID of its rendezvous id); plot mode takes several", nargs="+", metavar="XPID")
     savedir: str = _flag("runs", "directory that holds one subdirectory per run")
     resume: bool = _flag(False, "continue the run XPID from its last checkpoint (same as re-running its xpid)")
-    checkpoint: str = _flag("latest", "test mode and resume: the checkpoint to load: latest (model.tar of the run), "
-                            "best (its model_best.tar) or the PATH of a checkpoint file")
+    checkpoint: str = _flag("latest", "the checkpoint test mode plays, or training continues from: latest "
+                            "(model.tar of the run), best (its model_best.tar) or the PATH of a checkpoint file (into a "
+                            "new --xpid too); training starts from best or PATH once, then goes on from its model.tar")
     seed: int = _flag(0, "seed for envs, weights and action sampling, in [0, 2^31); every actor life of a run "
                       "gets its own env seeds and sampling stream from it")
 
@@ -286,8 +287,9 @@ class Config:
 
     # Test and plot modes.
     test_episodes: int = _flag(10, "test mode: full-game episodes to play")
-    video: bool = _flag(False, "test mode: also write the first episode as an animated GIF, and the games' mean "
-                        "return, to TensorBoard in SAVEDIR/XPID/test (IMAGES tab, tag test/video)")
+    video: bool = _flag(False, "test mode: also write the first episode (its first 2,000 agent steps at most) as "
+                        "an animated GIF, and the games' mean return, to TensorBoard in SAVEDIR/XPID/test, or beside "
+                        "the checkpoint file with --checkpoint PATH and no --xpid (IMAGES tab, tag test/video)")
     plot_out: str | None = _flag(None, "plot mode: the file to write, its format from its extension (.png, .svg, "
                                  ".pdf, ...; default: SAVEDIR/returns.png)")
     plot_xpids: tuple[str, ...] = _flag((), "plot mode: runs to plot (default: XPID, or every run in SAVEDIR)",
