@@ -11,6 +11,7 @@ points of earlier sessions at and after its step.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -84,27 +85,88 @@ def _events(path: Path, damaged: list[tuple[Path, int]], newest: bool) -> Iterat
     """The events of one file, up to its end or its first record that cannot be read (added to `damaged`)."""
     try:
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            offset, size = 0, len(data)
-            while offset < size:
-                if size - offset < _HEADER.size:
-                    break
-                length, _ = _HEADER.unpack_from(data, offset)
-                if length == 0:  # no event is empty: zeros, as a power cut leaves at a file's end
-                    damaged.append((path, offset))
-                    return
-                end = offset + _HEADER.size + length + _FOOTER_BYTES
-                if end > size:
-                    break
-                try:
-                    event = Event.FromString(data[offset + _HEADER.size:end - _FOOTER_BYTES])
-                except DecodeError:
+            end = 0
+            for offset, end, event in _records(data):
+                if event is None:
                     damaged.append((path, offset))
                     return
                 yield event
-                offset = end
-            if offset < size and not newest:
-                damaged.append((path, offset))
+            if end < len(data) and not newest:
+                damaged.append((path, end))
     except ValueError:  # mmap of an empty file: a writer that had not yet written
         return
     except OSError:  # gone meanwhile, or unreadable: as TensorBoard, show what can be read
         return
+
+
+def _records(data: mmap.mmap) -> Iterator[tuple[int, int, Event | None]]:
+    """(offset, end, event) of each whole record of an event file's bytes, in order; the last one yielded has
+    event None where its record cannot be read (then nothing follows). A record cut short at the end is not
+    yielded: the end of the last one yielded says where the whole records end."""
+    offset, size = 0, len(data)
+    while size - offset >= _HEADER.size:
+        length, _ = _HEADER.unpack_from(data, offset)
+        end = offset + _HEADER.size + length + _FOOTER_BYTES
+        if length == 0:  # no event is empty: zeros, as a power cut leaves at a file's end
+            yield offset, offset, None
+            return
+        if end > size:
+            return
+        try:
+            event = Event.FromString(data[offset + _HEADER.size:end - _FOOTER_BYTES])
+        except DecodeError:
+            yield offset, offset, None
+            return
+        yield offset, end, event
+        offset = end
+
+
+PURGE_TEMPORARY = ".events-purge-{pid}.tmp"  # a purged event file before its rename; no "tfevents" in it
+
+
+def purge_events(run_dir: Path, purge_step: int) -> int:
+    """Rewrite each event file of `run_dir` (not its subdirectories) that holds points at or after `purge_step`
+    without them, and without the session starts there; returns how many records were dropped. Raises OSError.
+
+    A resumed run's event file says, by its first event, that earlier points from its step on are void, and
+    `read_scalars` honours that; TensorBoard's own loaders do not always: its Python loader takes a run's first
+    such start for its beginning and drops nothing, and its Rust data server drops a tag's points only where that
+    tag's steps go back. Rewritten, the files say the same to every reader. Each file is replaced atomically (a
+    kill leaves it whole, and the temporary file `rundir` removes at the next start); the bytes of the records
+    kept are copied as they are, and a record that cannot be read is kept with all that follows it."""
+    dropped = 0
+    for path in event_files(run_dir):
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size == 0:
+                continue
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                kept: list[tuple[int, int]] = []
+                skipped, here = 0, 0
+                for offset, end, event in _records(data):
+                    if event is None:  # unreadable: it and what follows stay as they were
+                        break
+                    if event.step >= purge_step and (event.HasField("summary") or event.HasField("session_log")):
+                        skipped += 1
+                    elif kept and kept[-1][1] == offset:  # one range for a stretch of records kept
+                        kept[-1] = (kept[-1][0], end)
+                    else:
+                        kept.append((offset, end))
+                    here = end
+                if skipped:
+                    kept.append((here, len(data)))  # and a record being written, or cut short, as it is
+                    _rewrite(path, data, kept)
+                    dropped += skipped
+    return dropped
+
+
+def _rewrite(path: Path, data: mmap.mmap, kept: list[tuple[int, int]]) -> None:
+    """`path` made of the byte ranges `kept` of its `data`, atomically."""
+    temporary = path.with_name(PURGE_TEMPORARY.format(pid=os.getpid()))
+    try:
+        with open(temporary, "wb") as out:
+            out.writelines(data[offset:end] for offset, end in kept)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

@@ -39,6 +39,8 @@ import numpy as np
 from torch.utils.tensorboard import SummaryWriter
 from torch.utils.tensorboard.summary import Summary, hparams
 
+from impala.events import purge_events
+
 log = logging.getLogger("impala")
 
 # Pass as `extra=STATUS` to log a progress line: a terminal redraws it in place instead of scrolling.
@@ -46,6 +48,7 @@ STATUS = {"status": True}
 
 NEW_COLUMNS = "the new columns of logs.csv"  # what a failed widening reports
 PURGE = "logs.csv without its rows from the resumed step on (they stay)"  # what a failed purge reports
+PURGE_EVENTS = "the event files without their points from the resumed step on (they stay)"
 TENSORBOARD_RETRY_S = 60.0  # after a failed TensorBoard write (a full disk), how long until a new writer is tried
 # Games with a TensorBoard point of their own (charts/episodic_return and episodic_length, about 124 bytes a game):
 # on average at most this many a second, and at most this many at once (see `GamePoints`).
@@ -154,9 +157,23 @@ class RunLog:
         self._widen_after = 0.0  # when logs.csv's header may next be widened (monotonic s), after a failed try
         self._game_points = GamePoints(GAME_POINTS_PER_S, GAME_POINTS_BURST, time.monotonic())
         self._game_points_thinned = False  # told once
+        if purge_step is not None:
+            self._purge_events(purge_step)  # before this session's file is begun
         self._open_writer()  # a disk too full even for its first record: reported, and tried again later
         if purge_step is not None:
             self._purge_csv(purge_step)
+
+    def _purge_events(self, purge_step: int) -> None:
+        """Drop the earlier sessions' TensorBoard points at and after `purge_step` from their event files
+        (`events.purge_events`); a file that cannot be rewritten is reported and kept as it is."""
+        try:
+            dropped = purge_events(self.run_dir, purge_step)
+        except OSError as exc:
+            self._report(PURGE_EVENTS, exc)
+            return
+        if dropped:
+            log.info("TensorBoard: dropped %d records from step %d on, logged after the checkpoint this run resumes "
+                     "from", dropped, purge_step)
 
     def _purge_csv(self, purge_step: int) -> None:
         """Drop the CSV rows at and after `purge_step` (the step after that of the checkpoint a resumed run starts

@@ -40,9 +40,9 @@ from impala.seeding import ActorLives
 log = logging.getLogger("impala")
 META_NAME = "meta.json"
 LOG_NAME = "out.log"  # the console log
-# What a process killed mid-write leaves in a run directory: `_write_json`'s and `RunLog`'s files before their
-# rename, and the probe of `prepare_run_directory`.
-_TEMPORARY_GLOBS = (".*.json.tmp-*", "logs.csv.tmp", ".write-test-*")
+# What a process killed mid-write leaves in a run directory: `_write_json`'s, `RunLog`'s and `events.purge_events`'s
+# files before their rename, and the probe of `prepare_run_directory`.
+_TEMPORARY_GLOBS = (".*.json.tmp-*", "logs.csv.tmp", ".write-test-*", ".events-purge-*.tmp")
 
 
 class NameTaken(Exception):

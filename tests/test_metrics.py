@@ -15,8 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from tensorboard.backend.event_processing import plugin_event_accumulator
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
+from tensorboard.util import tensor_util
 
 from impala import metrics
 from impala.evaluate import write_test_results
@@ -124,6 +126,38 @@ def test_a_resumed_run_drops_the_events_and_rows_from_its_checkpoints_step_on(tm
     assert [(e.step, e.value) for e in _read(tmp_path).Scalars("charts/SPS")] == [(100, 100.0), (200, 7.0)]
     with open(tmp_path / "logs.csv", newline="") as f:
         assert [(row["step"], row["charts/SPS"]) for row in csv.DictReader(f)] == [("100", "100.0"), ("200", "7.0")]
+
+
+def test_the_killed_sessions_points_past_the_checkpoint_leave_its_event_file_for_tensorboards_own_loader(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """TensorBoard's UI reads runs with its plugin loader (or its Rust data server), which take a run's first
+    session start for its beginning: the killed session's points past the checkpoint showed beside the resumed
+    ones there, one curve in plot mode but two in TensorBoard. They are dropped from its file; a record cut short
+    at its end stays as it was, and a file with nothing to drop is not rewritten."""
+    first = RunLog(tmp_path)
+    for step in (100, 200, 300, 400):  # killed after logging 400, its last checkpoint at 200
+        first.scalars(step, {"charts/SPS": float(step)})
+    first.scalar("eval/episodic_return_mean", 9.0, 100)  # an evaluation's point at an earlier step, logged later
+    first.close()
+    (killed,) = tmp_path.glob("events.out.tfevents.*")
+    with open(killed, "ab") as f:
+        f.write(b"\x40\0\0\0\0\0\0\0cut")  # the kill cut its last record short
+    with caplog.at_level(logging.INFO, logger="impala"):
+        second = RunLog(tmp_path, purge_step=201)
+    second.scalars(300, {"charts/SPS": -300.0})
+    second.close()
+    assert "TensorBoard: dropped 2 records from step 201 on" in caplog.text
+    assert killed.read_bytes().endswith(b"\x40\0\0\0\0\0\0\0cut")
+    ui = plugin_event_accumulator.EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    ui.Reload()
+    shown = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in ui.Tensors("charts/SPS")]
+    assert shown == [(100, 100.0), (200, 200.0), (300, -300.0)]
+    assert [e.step for e in ui.Tensors("eval/episodic_return_mean")] == [100]
+    assert [(e.step, e.value) for e in _read(tmp_path).Scalars("charts/SPS")] == shown
+
+    before = killed.stat()
+    RunLog(tmp_path, purge_step=301).close()  # nothing at or past 301 in it
+    assert killed.stat().st_ino == before.st_ino and killed.stat().st_mtime_ns == before.st_mtime_ns
 
 
 def _write_rows(path: Path, steps: list[int], tail: str = "") -> None:
