@@ -439,7 +439,10 @@ class Config:
                             f"{self.ray_publish_every} sends the remote actors new weights only every "
                             f"{self.ray_publish_every}: most of their unrolls would be dropped; set --ray_publish_every "
                             f"at most {self.ray_max_policy_lag}")
-        if self.ray == "local" and self.ray_actor_resource:
+        if self.ray and self.ray_actor_resource in ("CPU", "GPU"):  # Ray refuses them as custom resources
+            problems.append(f"--ray_actor_resource {self.ray_actor_resource}: Ray's own resource, not a custom one; "
+                            "each remote actor takes one CPU already: name a custom resource (ray start --resources)")
+        elif self.ray == "local" and self.ray_actor_resource:
             problems.append(f"--ray_actor_resource {self.ray_actor_resource}: --ray local starts a cluster without "
                             "custom resources, so no remote actor could start; drop it, or use --ray auto|HOST:PORT")
         if self.max_actor_restarts < 0 or self.max_bad_updates < 1:

@@ -483,9 +483,9 @@ class RayActorPool:
                 and not self.warned_slow_object:  # not its first object: that one's wait includes making its envs
             self.warned_slow_object = True
             log.warning(warning)
-        remote.last_result = time.monotonic()
         self.games.extend(result["games"])
         waited_s = self._write(result["fields"])
+        remote.last_result = time.monotonic()  # after the write: a wait for the learners there is not its silence
         self.stats.receive_s += time.perf_counter() - start - waited_s  # the learners' holding every slot is theirs
         self._last_watch += waited_s  # not a pause of this process: `_watch_silence` renews no actor for it
         return True
@@ -570,7 +570,8 @@ class RayActorPool:
 
     def _has_unread_result(self, remote: RemoteLife, in_flight: dict[Any, RemoteLife]) -> bool:
         refs = [ref for ref, owner in in_flight.items() if owner is remote]
-        return bool(refs) and bool(self.ray.wait(refs, num_returns=1, timeout=0)[0])
+        # fetch_local=False: a result done on another node is done, though not yet fetched to this one
+        return bool(refs) and bool(self.ray.wait(refs, num_returns=1, timeout=0, fetch_local=False)[0])
 
     def _report_dead(self, remote: RemoteLife, detail: str) -> None:
         if not remote.dead:

@@ -91,6 +91,10 @@ def test_a_custom_resource_is_refused_with_a_private_cluster_that_has_none() -> 
             "actor could start; drop it, or use --ray auto|HOST:PORT")
     assert Config(ray="local", ray_actor_resource="actor_slot").validate() == [said]
     assert Config(ray="auto", ray_actor_resource="actor_slot").validate() == []
+    for builtin in ("CPU", "GPU"):  # Ray's own: its actor options raised ValueError once the run's files were written
+        said = (f"--ray_actor_resource {builtin}: Ray's own resource, not a custom one; each remote actor takes one "
+                "CPU already: name a custom resource (ray start --resources)")
+        assert Config(ray="auto", ray_actor_resource=builtin).validate() == [said]
 
 
 @pytest.mark.parametrize(("offered", "customs"), [
@@ -854,7 +858,9 @@ def test_a_hung_remote_actor_is_found_while_the_learners_hold_every_slot_and_the
     pool.config = Config(actor_timeout_s=300, unroll_length=2)
     pool.death_reports, pool.stop_event, pool.writer = queue.Queue(), threading.Event(), 0
     done = {"healthy-result"}  # the refs whose result is done
-    pool.ray = types.SimpleNamespace(wait=lambda refs, num_returns, timeout: ([r for r in refs if r in done], []))
+    # A result done on another node is ready only to a wait that does not fetch it here first.
+    pool.ray = types.SimpleNamespace(wait=lambda refs, num_returns, timeout, fetch_local=True: (
+        [r for r in refs if r in done and not fetch_local], []))
     free: queue.Queue[int] = queue.Queue()
     pool.slots = types.SimpleNamespace(free_queue=lambda writer: free, full_queue=queue.Queue())
     pool.buffers, pool.keys, pool.version, pool.games = {}, (), 0, []
@@ -889,6 +895,13 @@ def test_a_hung_remote_actor_is_found_while_the_learners_hold_every_slot_and_the
         pool._take("healthy-result", healthy)
     pool._watch_silence({})
     assert pool.death_reports.get_nowait()[0] is hung
+    # The actor whose object waited longer than --actor_timeout_s for a slot has just delivered: it is not silent.
+    healthy.in_flight, healthy.last_result = 1, time.monotonic() - 10
+    threading.Timer(1.0, free.put, (10,)).start()
+    with unittest.mock.patch("impala.ray_pool.write_unroll"):
+        pool._take("healthy-result", healthy)
+    pool._watch_silence({})
+    assert pool.death_reports.empty()
 
 
 def test_objects_that_take_more_than_half_the_actor_timeout_to_act_are_warned_of_once() -> None:
