@@ -438,8 +438,7 @@ def monitor(run: Run) -> str:
             return f"stopped by rank {run.coordinator.stopped_by}"  # it says why in its own log
         if state.step >= config.total_steps:
             _drain_episodes(run)  # the last games and a 100% progress line, at total_steps
-            now = time.monotonic()
-            _log_progress(run, max(now - last_log_time, 1e-3), last_log_step, now - start_time, console_rate)
+            _log_progress(run, last_log_time, last_log_step, start_time, console_rate)
             return "finished"
         _drain_episodes(run)
         run.pool.check()
@@ -451,8 +450,7 @@ def monitor(run: Run) -> str:
                 _periodic_checkpoint(run)  # and if that fails, with each periodic one
                 last_checkpoint_time = now
             remake_tried = dir_gone
-            last_log_step = _log_progress(run, now - last_log_time, last_log_step, now - start_time, console_rate)
-            last_log_time = now
+            last_log_step, last_log_time = _log_progress(run, last_log_time, last_log_step, start_time, console_rate)
         if now - last_checkpoint_time >= config.checkpoint_interval_s:
             _periodic_checkpoint(run)
             last_checkpoint_time = now
@@ -484,23 +482,27 @@ def _drain_episodes(run: Run) -> None:
     run.runlog.games(games, run.state.step)
 
 
-def _log_progress(run: Run, interval_s: float, last_step: int, elapsed_s: float, console_rate: RecentRate) -> int:
-    """Average what the learners recorded since the last call, write it against agent steps, print progress
-    (its SPS and time left from `console_rate`, over the last minute); returns the step it logged, from which the
-    next interval counts.
+def _log_progress(run: Run, last_time: float, last_step: int, start_time: float, console_rate: RecentRate
+                  ) -> tuple[int, float]:
+    """Average what the learners recorded since the last call (at monotonic `last_time`, step `last_step`), write
+    it against agent steps, print progress (its SPS and time left from `console_rate`, over the last minute);
+    returns the step it logged and its time, from which the next interval counts.
 
-    Called by the monitor every `log_interval_s`; the sums are taken and reset under `update_lock`, which can
-    wait for a whole update: the steps that update adds belong to the next interval, not to none.
+    Called by the monitor every `log_interval_s`. The step and the sums are read together under `update_lock`,
+    which can wait for a whole update, and the interval's end is taken after that wait: an update that ended
+    meanwhile counts its steps, its losses and its time in the same row (its steps used to go to the next row,
+    whose interval could be a few ms long: the last row's SPS jumped several times over, with no losses in it).
     """
-    step, episodes = run.state.step, run.state.episodes  # learners keep stepping: one value for every scalar
-    sps = (step - last_step) / interval_s
+    with run.update_lock:
+        step, episodes = run.state.step, run.state.episodes  # learners keep stepping: one value for every scalar
+        update_scalars, timing_scalars = run.stats.take()
+    now = time.monotonic()
+    sps = (step - last_step) / max(now - last_time, 1e-3)
     mean_return = run.stats.mean_return_100()
     scalars = {"charts/SPS": sps, "charts/frames": step * _frames_per_step(run.config.env),
                "charts/episodes": episodes}
     if run.stats.episode_returns:
         scalars["charts/mean_return_100"] = mean_return
-    with run.update_lock:
-        update_scalars, timing_scalars = run.stats.take()
     scalars.update(update_scalars)
     scalars["stats/skipped_updates"] = run.state.skipped_updates
     scalars["stats/full_queue_size"] = run.pool.slots.full_size()  # slots waiting for a learner
@@ -511,9 +513,10 @@ def _log_progress(run: Run, interval_s: float, last_step: int, elapsed_s: float,
     scalars.update(run.pool.scalars())
     if step != run.resumed_step:  # a resumed session that has not learned yet: the last session's row stays alone
         run.runlog.scalars(step, scalars)
+    elapsed_s = now - start_time
     log.info(progress_line(step, run.config.total_steps, console_rate.add(elapsed_s, step), elapsed_s, mean_return,
                            episodes), extra=STATUS)
-    return step
+    return step, now
 
 
 @functools.cache

@@ -295,3 +295,45 @@ def test_an_update_larger_than_the_whole_run_is_told_at_the_start(
     warning = ("One update learns from 8 agent steps (--unroll_length 4 x --batch_size 2), more than the 7 left to "
                "--total_steps: the run ends after its first update, at step 8")
     assert (warning in caplog.text) == warned, caplog.text
+
+
+def test_an_update_that_ends_while_the_progress_row_waits_for_it_is_counted_whole_in_that_row() -> None:
+    """The monitor takes the interval's sums under the update lock, which a learner holds for a whole update: the
+    step, the losses and the interval's end are read after that wait, together. The step used to be read before
+    it: the update's steps went to the next row (the last row's SPS several times too high, with no losses) and
+    its losses to this one."""
+    import threading
+    import time
+    import types
+
+    from impala.metrics import LOSS_TAGS, IntervalStats, RecentRate
+
+    rows: list[tuple[int, dict[str, float]]] = []
+    lock = threading.Lock()
+    state = types.SimpleNamespace(step=1_000, episodes=3, skipped_updates=0)
+    stats = IntervalStats()
+    run = types.SimpleNamespace(
+        state=state, stats=stats, update_lock=lock, inference=None, resumed_step=None,
+        config=Config(env="CartPole-v1", total_steps=10_000),
+        pool=types.SimpleNamespace(slots=types.SimpleNamespace(full_size=lambda: 0, free_size=lambda: 0),
+                                   scalars=dict),
+        runlog=types.SimpleNamespace(scalars=lambda step, scalars: rows.append((step, dict(scalars)))))
+
+    def update() -> None:  # holds the lock for 0.3 s, then adds its 500 steps and its losses
+        with lock:
+            held.set()
+            time.sleep(0.3)
+            state.step += 500
+            stats.add_update({key: 1.0 for key in LOSS_TAGS}, policy_lag=1.0)
+
+    held = threading.Event()
+    learner = threading.Thread(target=update)
+    learner.start()
+    held.wait()
+    start = time.monotonic()
+    step, logged_at = training._log_progress(run, start - 0.2, 1_000, start - 0.2, RecentRate(0.0, 1_000))
+    learner.join()
+    assert step == 1_500 and logged_at - start >= 0.29
+    (row_step, scalars), = rows
+    assert row_step == 1_500 and "losses/total_loss" in scalars
+    assert 500 / (logged_at - start + 0.2) == pytest.approx(scalars["charts/SPS"])
