@@ -457,7 +457,9 @@ class Config:
                 problems.append(f"--xpid {name!r} must be a plain name (letters, digits, '.', '_', '-') of at most "
                                 f"{MAX_XPID_CHARS} characters")
         for flag, path in (("savedir", self.savedir), ("plot_out", self.plot_out), ("checkpoint", self.checkpoint)):
-            if path and (problem := path_problem(path)):
+            if path == "" and flag != "savedir":  # `--checkpoint "$CKPT"` with CKPT unset (--savedir: below)
+                problems.append(f"--{flag} is empty (an unset shell variable?); pass a path, or leave the flag out")
+            elif path and (problem := path_problem(path)):
                 problems.append(f"--{flag} {path}: {problem}")
         if self.mode == "test" and self.xpid is None and self.checkpoint in ("latest", "best"):
             problems.append("--mode test needs --xpid NAME of a trained run (or --checkpoint PATH)")

@@ -88,6 +88,8 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--xpid", "a" * 300], r"--xpid 'a+' must be a plain name \(letters, digits, '.', '_', '-'\) of at most 215 "),
     (["--checkpoint", "/tmp/" + "b" * 300], r"a part of it is 300 bytes long, more than a file name can be \(255\)"),
     (["--savedir", " "], r"--savedir must name a directory, got ' '"),
+    (["--checkpoint", ""], r"error: --checkpoint is empty \(an unset shell variable\?\); pass a path, or leave"),
+    (["--mode", "plot", "--plot_out", ""], r"error: --plot_out is empty \(an unset shell variable\?\)"),
     (["--momentum", "1.5"], r"--momentum must be in \[0, 1\), got 1.5"),
     (["--inference_wait_ms", "1e30"], r"--inference_wait_ms must be at most 60,000, got 1e\+30"),
     (["--test_episodes", "99999999999999999999"], r"--test_episodes must be at most 1,000, got 9+"),
