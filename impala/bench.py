@@ -1,6 +1,6 @@
 """Where the CPU goes: each stage of the data path alone, the whole trainer, and the ceiling they imply.
 
-    python -m impala.bench                      # Pong, shallow net, T=80, B=8, 2 actors x 8 envs
+    python -m impala.bench                      # Pong, shallow net, the trainer's T and B, 2 actors x 8 envs
     python -m impala.bench --only env,inference,learner --seconds 10
     python -m impala.bench --only e2e --variants "--inference actor" "--inference central"
     torchrun --standalone --nproc_per_node 2 -m impala.bench --only learner --disable_cuda   # 2 learner ranks
@@ -155,24 +155,26 @@ def operations_per_gradient_step(model: Net, optimizer: torch.optim.Optimizer,
     return dispatched.count / learner.gradient_steps(learner.minibatch_units(batch, config), config)
 
 
-def timed_loop(step: Callable[[], int], seconds: float, lockstep: bool = False) -> Rate:
-    """Call `step` (returns the agent steps it did) for a warm-up of 10% of `seconds`, then time it for
-    `seconds` and at least MIN_CALLS calls. `lockstep` (torchrun ranks whose steps are collectives): every
+def timed_loop(step: Callable[[], int], seconds: float, lockstep: Any = None, warm: bool = True) -> Rate:
+    """Call `step` (returns the agent steps it did) for a warm-up of 10% of `seconds` (unless the caller warmed
+    it up: `warm` False), then time it for `seconds` and at least MIN_CALLS calls. `lockstep` (torchrun ranks
+    whose steps are collectives: their gloo group, which takes CPU tensors whatever the ranks' devices): every
     rank calls `step` as often as the others, each stopping when the first wants to; the CPU seconds are
     those of all ranks."""
-    warm_up(step, seconds, lockstep)
+    if warm:
+        warm_up(step, seconds, lockstep)
     steps, calls = 0, 0
     wall_start, cpu_start = time.perf_counter(), time.process_time()
     while not _done(calls >= MIN_CALLS and time.perf_counter() - wall_start >= seconds, lockstep):
         steps += step()
         calls += 1
     cpu_s = torch.tensor(time.process_time() - cpu_start, dtype=torch.float64)
-    if lockstep:
-        dist.all_reduce(cpu_s)
+    if lockstep is not None:
+        dist.all_reduce(cpu_s, group=lockstep)
     return Rate(steps, time.perf_counter() - wall_start, float(cpu_s))
 
 
-def warm_up(step: Callable[[], int], seconds: float, lockstep: bool = False) -> None:
+def warm_up(step: Callable[[], int], seconds: float, lockstep: Any = None) -> None:
     """The warm-up of a timed loop: `step` called three times, then until 10% of `seconds` has passed."""
     warmup_end = time.perf_counter() + 0.1 * seconds
     for _ in range(3):  # whatever the time: lazy initialisation, allocator, cuDNN autotuning, --compile's
@@ -192,7 +194,7 @@ def gpu_busy(device_index: int | None) -> Iterator[dict[str, float]]:
         yield result
         return
     sampler = subprocess.Popen([tool, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                "-i", str(device_index), "-lms", str(GPU_POLL_MS)],
+                                "-i", nvidia_smi_id(device_index), "-lms", str(GPU_POLL_MS)],
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         yield result
@@ -208,10 +210,17 @@ def gpu_busy(device_index: int | None) -> Iterator[dict[str, float]]:
             result["gpu_busy"] = sum(samples) / len(samples) / 100
 
 
-def _done(done: bool, lockstep: bool) -> bool:
-    if lockstep:  # the ranks' clocks differ: agree, or one would wait forever in the next step's all-reduce
+def nvidia_smi_id(device_index: int) -> str:
+    """nvidia-smi's name for torch's CUDA device `device_index`: the entry of CUDA_VISIBLE_DEVICES that torch's
+    index counts (nvidia-smi numbers every GPU of the machine and ignores the variable), else the index itself."""
+    visible = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
+    return visible[device_index] if device_index < len(visible) else str(device_index)
+
+
+def _done(done: bool, lockstep: Any) -> bool:
+    if lockstep is not None:  # the ranks' clocks differ: agree, or one would wait forever in the next step's all-reduce
         flag = torch.tensor(float(done))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=lockstep)
         return bool(flag)
     return done
 
@@ -426,8 +435,10 @@ def bench_learner(config: Config, shape: EnvShape, seconds: float) -> dict[str, 
                 phases_ms[name].append(1000.0 * ms)
             return config.steps_per_update * world_size
 
-        with gpu_busy(_cuda_index(device)) as busy:  # the warm-up's 10% included
-            rate = timed_loop(step, seconds, lockstep=coordinator is not None)
+        lockstep = coordinator.ranks.control if coordinator is not None else None
+        warm_up(step, seconds, lockstep)  # not in the GPU's busy share: a capture or --compile's minute leaves it idle
+        with gpu_busy(_cuda_index(device)) as busy:
+            rate = timed_loop(step, seconds, lockstep, warm=False)
         operations = {}
         if coordinator is None:  # counted after the timing: the ranks' all-reduces are left out of it
             staging.fill(slots)

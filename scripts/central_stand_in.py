@@ -17,9 +17,12 @@ import multiprocessing as mp
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository's impala, run from anywhere
 
 from impala import inference
 from impala.buffers import BufferSpec, create_buffers

@@ -18,9 +18,9 @@ import numpy as np
 
 from impala.buffers import BufferSpec, create_buffers
 from impala.config import Config
+from impala.environment import probe_env
 from impala.ray_pool import RemoteActor, pack_frames, shipped_keys, write_unroll
 from impala.seeding import first_life
-from impala.training import probe_env
 
 ENVS = 8
 
@@ -32,7 +32,7 @@ def main() -> None:
 
 def measure(unroll_length: int) -> None:
     config = Config(env="PongNoFrameskip-v4", envs_per_actor=ENVS, unroll_length=unroll_length)
-    shape, dtype, num_actions = probe_env(config)
+    shape, dtype, num_actions = probe_env(config.env, config.seed)
     actor = RemoteActor(0, config, shape, dtype, num_actions, first_life(0, 0, ENVS))
     try:
         actor.unrolls(-1, [None])

@@ -32,9 +32,9 @@ for i, flags in enumerate(sys.argv[2:], 1):
             last = r
             step = int(r["step"])
             if not marks or step - marks[-1][0] >= 250_000:
-                marks.append((step, float(r["charts/mean_return_100"]), float(r["losses/entropy_loss"])))
+                marks.append((step, float(r["charts/mean_return_100"]), float(r.get("losses/entropy_loss") or "nan")))
     if last:
-        marks.append((int(last["step"]), float(last["charts/mean_return_100"]), float(last["losses/entropy_loss"])))
+        marks.append((int(last["step"]), float(last["charts/mean_return_100"]), float(last.get("losses/entropy_loss") or "nan")))
     print("   " + "  ".join(f"{s/1e6:.2f}M:{m:+.1f}" for s, m, _ in marks))
     print(f"   SPS {float(rows[-1]['charts/SPS']):.0f}")
 PY

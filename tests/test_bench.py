@@ -334,6 +334,7 @@ def test_gpu_busy_is_the_mean_of_nvidia_smis_samples(tmp_path: Path, monkeypatch
                     "echo \"$@\" > \"$d/args.tmp\" && mv \"$d/args.tmp\" \"$d/args\"\nexec sleep 60\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with bench.gpu_busy(1) as busy:
         deadline = time.monotonic() + 10
         while not (tmp_path / "args").exists() and time.monotonic() < deadline:
@@ -348,6 +349,35 @@ def test_gpu_busy_is_the_mean_of_nvidia_smis_samples(tmp_path: Path, monkeypatch
     with bench.gpu_busy(0) as busy:  # no nvidia-smi
         pass
     assert busy == {}
+
+
+def test_nvidia_smi_is_asked_for_the_gpu_that_torch_numbers_under_cuda_visible_devices(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvidia-smi numbers every GPU of the machine; torch's cuda:0 under CUDA_VISIBLE_DEVICES=3 is its GPU 3."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert bench.nvidia_smi_id(1) == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, GPU-8f2c")
+    assert [bench.nvidia_smi_id(i) for i in range(3)] == ["3", "GPU-8f2c", "2"]
+
+
+def test_the_learners_warm_up_comes_before_the_gpus_busy_share_is_sampled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA graph's capture, or --compile's minute of compiling, leaves the GPU idle: sampled with the timed
+    window, it made the compiled learner look half as busy as the eager one."""
+    calls: list[str] = []
+
+    @contextlib.contextmanager
+    def sampled(device_index: int | None) -> Iterator[dict[str, float]]:
+        calls.append("sampling")
+        yield {}
+        calls.append("sampled")
+
+    monkeypatch.setattr(bench, "gpu_busy", sampled)
+    monkeypatch.setattr(bench, "warm_up", lambda step, seconds, lockstep=None: calls.append("warm-up"))
+    monkeypatch.setattr(bench, "timed_loop", lambda step, seconds, lockstep=None, warm=True: (
+        calls.append(f"timed warm={warm}"), step(), bench.Rate(1, 1.0, 1.0))[2])
+    config = Config(env="CartPole-v1", unroll_length=5, batch_size=2, hidden_size=16, disable_cuda=True)
+    bench.bench_learner(config, bench.env_shape(config), seconds=0.1)
+    assert calls == ["warm-up", "sampling", "timed warm=False", "sampled"]
 
 
 def test_end_to_end_command_passes_the_config_then_extra_flags() -> None:
