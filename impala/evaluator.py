@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
@@ -49,6 +50,7 @@ log = logging.getLogger("impala")
 
 EVALUATOR_NICENESS = 19  # evaluation plays with the CPU time actors and learners leave; it is never in their way
 KILLED_JOIN_TIMEOUT_S = 5.0  # how long stopping waits for the killed evaluation process to end
+FINAL_EVALUATION_POLL_S = 0.05  # how often the wait for the final weights' evaluation looks at the evaluator
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Evaluator:
     deaths: RecentDeaths = field(default_factory=RecentDeaths)
     disabled: bool = False
     finished: int = 0  # evaluations received in this session
+    evaluated_step: int | None = None  # the step of the weights the last evaluation received played
     ctx: BaseContext | None = None  # the run's multiprocessing context, which starts `process`
     heartbeat: Any = None  # shared double: time.monotonic() of the evaluator's last sign of progress
     last_hang_check_s: float = field(default_factory=time.monotonic)
@@ -235,6 +238,7 @@ def finish_evaluation(run: EvaluatedRun, evaluator: Evaluator, pending: dict, ga
     game to the limit, and its return alone does not show it.
     """
     evaluator.finished += 1
+    evaluator.evaluated_step = pending["step"]
     returns = games.returns
     mean, std = statistics.fmean(returns), statistics.pstdev(returns)
     scalars = {"eval/episodic_return_mean": mean, "eval/episodic_return_std": std,
@@ -311,6 +315,34 @@ def replace_evaluator(run: EvaluatedRun, evaluator: Evaluator) -> None:
         return
     start_evaluator(run)
     log.warning("Restarted the evaluator (%d deaths %s)", deaths, evaluator.deaths.span())
+
+
+def evaluate_final_weights(run: EvaluatedRun, stopped: Callable[[], bool]) -> None:
+    """At the end of a run that reached --total_steps, with its actors and learners stopped: evaluate its final
+    weights (those of its final checkpoint) too, and keep them as model_best.tar if they are the best; else up to
+    --eval_interval_s of the end of training was never a candidate. The evaluation in flight is waited for first
+    (the evaluator plays one at a time). `stopped()` true (Ctrl-C, SIGTERM), the evaluator dead or killed as hung
+    (--actor_timeout_s) ends the wait: what was not played is dropped, as at any stop."""
+    evaluator = run.evaluator
+    if evaluator is None or evaluator.disabled or evaluator.process is None:
+        return
+    step = run.state.step
+    if not _wait_for_evaluation(run, evaluator, stopped) or step in (evaluator.evaluated_step, run.resumed_step):
+        return
+    log.info("Evaluating the final weights (step %d): %d games (Ctrl-C skips it)", step, run.config.eval_episodes)
+    _request_evaluation(run, evaluator)
+    _wait_for_evaluation(run, evaluator, stopped)
+
+
+def _wait_for_evaluation(run: EvaluatedRun, evaluator: Evaluator, stopped: Callable[[], bool]) -> bool:
+    """Wait until no evaluation is pending (its result taken); False where the wait ended otherwise."""
+    while evaluator.pending is not None:
+        if stopped() or not evaluator.process.is_alive():
+            return False
+        _receive_evaluation(run, evaluator)
+        _kill_if_hung(run, evaluator)
+        time.sleep(FINAL_EVALUATION_POLL_S)
+    return evaluator.process.is_alive()
 
 
 def stop_evaluator(run: EvaluatedRun) -> None:

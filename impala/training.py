@@ -51,7 +51,14 @@ from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, header, kee
 from impala.config import Config, TrainingError, UserError, changed_flags, cpu_quota, first_line, usable_cores
 from impala.distributed import Coordinator
 from impala.environment import is_atari, probe_env
-from impala.evaluator import Evaluator, check_evaluator, make_evaluator, start_evaluator, stop_evaluator
+from impala.evaluator import (
+    Evaluator,
+    check_evaluator,
+    evaluate_final_weights,
+    make_evaluator,
+    start_evaluator,
+    stop_evaluator,
+)
 from impala.inference import InferenceServer, InferenceServers
 from impala.learner import LearnerState
 from impala.learners import Learners, learner_torch_threads, select_device
@@ -682,9 +689,10 @@ def _log_start(run: Run) -> None:
 # -------------------------------------------------------------------------------------- shutdown
 
 
-def shutdown(run: Run, save: bool) -> OSError | None:
+def shutdown(run: Run, save: bool, finished: bool = False) -> OSError | None:
     """Stop acting and learning, save, close: the one ordered path for every way a run ends. Returns why
-    the final checkpoint could not be written, if it could not.
+    the final checkpoint could not be written, if it could not. A run that `finished` (reached --total_steps)
+    has its final weights evaluated first where it evaluates while training (`evaluate_final_weights`).
 
     Bounded in time (learners LEARNER_JOIN_TIMEOUT_S, actors actor_pool.ACTOR_JOIN_TIMEOUT_S, then killed,
     each close after the checkpoint END_CLOSE_TIMEOUT_S); on return no actor process, fork server or queue
@@ -702,6 +710,8 @@ def shutdown(run: Run, save: bool) -> OSError | None:
         except Exception as exc:  # noqa: BLE001 - raised below
             stop_error = exc
         try:
+            if finished:
+                evaluate_final_weights(run, lambda: run.stop.reason is not None)
             stop_evaluator(run)  # logs the last evaluation's result
         except Exception as exc:  # noqa: BLE001 - raised below
             stop_error = stop_error or exc
@@ -819,7 +829,7 @@ def _end(run: Run, reason: str, save: bool) -> OSError | None:
     save_error = None
     try:
         try:
-            save_error = shutdown(run, save=save)
+            save_error = shutdown(run, save=save, finished=reason == "finished")
         except Exception as exc:  # noqa: BLE001 - a fault while stopping (the evaluator's): recorded, raised below
             failure, reason = exc, "error"
         if run.writes_files:

@@ -693,6 +693,7 @@ def test_a_run_evaluates_keeps_its_best_and_test_mode_plays_it(tmp_path: Path) -
     evaluations = events.Scalars(EVAL_TAG)
     assert len(evaluations) >= 2, "evaluations while training, not only at the end"
     assert all(0 <= e.step <= 60_000 for e in evaluations)  # against the step of the weights played
+    assert evaluations[-1].step == 60_000  # the final weights too, once the run reached its total
     assert len(events.Scalars("eval/episodic_return_std")) == len(evaluations)
     lengths = events.Scalars("eval/episode_length_mean")  # CartPole's games: 1 to 500 agent steps
     assert [e.step for e in lengths] == [e.step for e in evaluations] and all(1 <= e.value <= 500 for e in lengths)
@@ -712,6 +713,26 @@ def test_a_run_evaluates_keeps_its_best_and_test_mode_plays_it(tmp_path: Path) -
     assert played.returncode == 0, played.stderr
     assert f"checkpoint at step {saved['step']}; its evaluation while training: {saved['eval_return_mean']:.2f}" \
         in played.stdout
+
+
+def test_the_final_weights_are_not_evaluated_after_a_stop_or_when_their_step_was() -> None:
+    """Ctrl-C during the wait for the evaluation in flight skips the final one; weights evaluated already (the
+    last request's step is the final step) are not played twice."""
+    import types
+
+    from impala.evaluator import Evaluator, evaluate_final_weights
+
+    sent: list[object] = []
+    evaluator = Evaluator(model=None, best=None, pending={"number": 4, "step": 900},  # type: ignore[arg-type]
+                          process=types.SimpleNamespace(is_alive=lambda: True),
+                          connection=types.SimpleNamespace(poll=lambda: False, send=sent.append))
+    run_ = types.SimpleNamespace(evaluator=evaluator, state=types.SimpleNamespace(step=1_000), resumed_step=None,
+                                 config=Config(actor_timeout_s=0))
+    evaluate_final_weights(run_, lambda: True)  # type: ignore[arg-type]
+    assert sent == [] and evaluator.pending == {"number": 4, "step": 900}
+    evaluator.pending, evaluator.evaluated_step = None, 1_000
+    evaluate_final_weights(run_, lambda: False)  # type: ignore[arg-type]
+    assert sent == [] and evaluator.pending is None
 
 
 @pytest.mark.slow
