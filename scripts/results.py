@@ -105,9 +105,10 @@ def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None,
     return process.returncode
 
 
-def greedy_test(env: str, savedir: Path, xpid: str, episodes: int) -> tuple[float, str]:
-    """Test mode's mean return and its line on the games' lengths ("Games lasted A-B agent steps ...")."""
-    command = [sys.executable, "run.py", "--mode", "test", "--env", env, "--savedir", str(savedir), "--xpid", xpid,
+def greedy_test(savedir: Path, xpid: str, episodes: int) -> tuple[float, str]:
+    """Test mode's mean return and its line on the games' lengths ("Games lasted A-B agent steps ..."), on the env
+    the run trained (an --env given to the experiment wins over its own)."""
+    command = [sys.executable, "run.py", "--mode", "test", "--savedir", str(savedir), "--xpid", xpid,  # its own env
                "--test_episodes", str(episodes)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
     if done.returncode != 0:  # no checkpoint yet, for one: run.py's own line says why
@@ -267,8 +268,7 @@ def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str,
             print(f"{xpid}: run.py exited with {code} (its out.log says why); going on with the next game", flush=True)
     record = _read_json(run_dir / ATARI5_RECORD)
     if run_state(run_dir) == "finished" and record.get("greedy_test_episodes") != args.test_episodes:
-        record["greedy_test_mean"], record["greedy_test_lengths"] = greedy_test(env_id, args.savedir, xpid,
-                                                                                args.test_episodes)
+        record["greedy_test_mean"], record["greedy_test_lengths"] = greedy_test(args.savedir, xpid, args.test_episodes)
         record["greedy_test_episodes"] = args.test_episodes
         write_text(run_dir / ATARI5_RECORD, json.dumps(record, indent=2) + "\n", "the greedy test's record")
     if args.keep and (run_dir / "meta.json").is_file():  # before the next game: a session may end during it
@@ -360,11 +360,12 @@ def keep(keep_dir: Path, record: dict) -> dict:
 
 def atari5_medians(rows: list[dict]) -> dict[str, float | None]:
     """Atari-5's predicted Atari-57 median from our training and greedy scores (the mean over seeds of each
-    game) and from CleanRL's; None while a game has no score yet."""
+    game) and from CleanRL's; None while a game has no finished run yet (a run stopped early scores where it
+    stopped: not the result)."""
     result: dict[str, float | None] = {"cleanrl": atari5.cleanrl_predicted_median()}
     for key, column in (("last_100", f"hns_last_{LAST_GAMES}"), ("greedy", "hns_greedy")):
-        by_game = {g.env_id: [r[column] for r in rows if r["env"] == g.env_id and r[column] is not None]
-                   for g in atari5.GAMES}
+        by_game = {g.env_id: [r[column] for r in rows if r["env"] == g.env_id and r[column] is not None
+                              and r["state"] == "finished"] for g in atari5.GAMES}
         complete = all(by_game.values())
         result[key] = atari5.predicted_median({k: float(np.mean(v)) for k, v in by_game.items()}) if complete else None
     return result
@@ -426,7 +427,7 @@ def format_atari5(rows: list[dict], flags: dict) -> str:
     medians = atari5_medians(rows)
     lines += ["", (f"Atari-5 predicted Atari-57 median human-normalised score: ours {_number(medians['last_100'])}% "
               f"(training, last {LAST_GAMES} games), {_number(medians['greedy'])}% (greedy test); CleanRL PPO "
-              f"{_number(medians['cleanrl'])}%. '-': not every game has a score yet. The paper's cross-validated "
+              f"{_number(medians['cleanrl'])}%. '-': not every game has a finished run yet. The paper's cross-validated "
               f"error of the prediction: {atari5.RELATIVE_ERROR_PERCENT}%."), "",
               "| setting | ours | CleanRL ppo_atari_envpool_xla_jax |", "|---|---|---|"]
     seeds = max(1, len(rows) // len(atari5.GAMES))
@@ -590,8 +591,7 @@ def _main() -> int:
             print(f"results: run {xpid} has no checkpoint yet: no greedy test", file=sys.stderr)
             row["greedy_test_mean"] = row["greedy_test_lengths"] = None
         else:
-            row["greedy_test_mean"], row["greedy_test_lengths"] = greedy_test(env, args.savedir, xpid,
-                                                                              args.test_episodes)
+            row["greedy_test_mean"], row["greedy_test_lengths"] = greedy_test(args.savedir, xpid, args.test_episodes)
         rows.append(row)
         print(json.dumps(row), flush=True)
     finals = np.array([r[f"mean_last_{LAST_GAMES}"] for r in rows if r[f"mean_last_{LAST_GAMES}"] is not None])

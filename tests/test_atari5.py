@@ -167,6 +167,8 @@ def test_table_from_finished_run_directories(tmp_path: Path) -> None:
     normalised = {BZ: 50.0, DD: 100 * 18.55 / 2.15, NTG: 0.0, PHX: 100.0, QB: 200.0}
     assert medians["last_100"] == pytest.approx(atari5.predicted_median(normalised))
     assert medians["greedy"] == 0.0  # every greedy test scored exactly random
+    stopped_early = [{**row, "state": "resume"} if row is battle_zone else row for row in rows]
+    assert results.atari5_medians(stopped_early)["last_100"] is None  # its score is where it stopped
     table = results.format_atari5(rows, json.loads((tmp_path / "atari5-BattleZone" / "flags.json").read_text()))
     assert "| Battle Zone | 10,000,000 | 19,773.8 | 2,360.0 (10) | 50.0 / 0.0 | 24,283.75 +- 1,841.94 | 62.9 |" in table
     assert "1.50 h | CPU X, 16 cores, GPU Y |" in table
@@ -327,8 +329,8 @@ def test_a_finished_game_is_tested_greedily_once_and_its_games_lengths_kept(
     kept = tmp_path / "kept"
     for _ in range(2):
         assert _main("atari5", "--games", "Phoenix", "--savedir", str(tmp_path), "--keep", str(kept)) == 0
-    assert len(commands) == 1 and commands[0][1:] == ["run.py", "--mode", "test", "--env", PHX, "--savedir",
-                                                      str(tmp_path), "--xpid", "atari5-Phoenix", "--test_episodes", "10"]
+    assert len(commands) == 1 and commands[0][1:] == ["run.py", "--mode", "test", "--savedir", str(tmp_path),
+                                                      "--xpid", "atari5-Phoenix", "--test_episodes", "10"]
     record = json.loads((kept / "atari5-Phoenix.json").read_text())
     assert (record["greedy_test_mean"], record["greedy_test_episodes"]) == (5123.5, 10)
     assert record["greedy_test_lengths"] == lengths
@@ -350,7 +352,7 @@ def test_a_kept_record_is_not_replaced_by_a_run_with_fewer_steps(tmp_path: Path,
 def test_a_greedy_test_that_fails_ends_the_script_with_run_pys_line(tmp_path: Path) -> None:
     """Test mode refused (here: no run, so no checkpoint): the script ends with run.py's one line, no traceback."""
     with pytest.raises(SystemExit) as stopped:
-        results.greedy_test("CartPole-v1", tmp_path, "never-trained", 1)
+        results.greedy_test(tmp_path, "never-trained", 1)
     assert str(stopped.value).startswith("results: the greedy test of never-trained failed: run.py: error: ")
 
 
