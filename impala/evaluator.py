@@ -51,6 +51,7 @@ log = logging.getLogger("impala")
 EVALUATOR_NICENESS = 19  # evaluation plays with the CPU time actors and learners leave; it is never in their way
 KILLED_JOIN_TIMEOUT_S = 5.0  # how long stopping waits for the killed evaluation process to end
 FINAL_EVALUATION_POLL_S = 0.05  # how often the wait for the final weights' evaluation looks at the evaluator
+FINAL_EVALUATION_MAX_S = 1800.0  # the longest a finished run waits for it (an env that hangs, --actor_timeout_s 0)
 
 
 @dataclass
@@ -322,22 +323,27 @@ def evaluate_final_weights(run: EvaluatedRun, stopped: Callable[[], bool]) -> No
     weights (those of its final checkpoint) too, and keep them as model_best.tar if they are the best; else up to
     --eval_interval_s of the end of training was never a candidate. The evaluation in flight is waited for first
     (the evaluator plays one at a time). `stopped()` true (Ctrl-C, SIGTERM), the evaluator dead or killed as hung
-    (--actor_timeout_s) ends the wait: what was not played is dropped, as at any stop."""
+    (--actor_timeout_s), or FINAL_EVALUATION_MAX_S passed, ends the wait: what was not played is dropped, as at
+    any stop."""
     evaluator = run.evaluator
     if evaluator is None or evaluator.disabled or evaluator.process is None:
         return
-    step = run.state.step
-    if not _wait_for_evaluation(run, evaluator, stopped) or step in (evaluator.evaluated_step, run.resumed_step):
+    step, deadline = run.state.step, time.monotonic() + FINAL_EVALUATION_MAX_S
+    if not _wait_for_evaluation(run, evaluator, stopped, deadline) or step in (evaluator.evaluated_step,
+                                                                                run.resumed_step):
         return
     log.info("Evaluating the final weights (step %d): %d games (Ctrl-C skips it)", step, run.config.eval_episodes)
     _request_evaluation(run, evaluator)
-    _wait_for_evaluation(run, evaluator, stopped)
+    if not _wait_for_evaluation(run, evaluator, stopped, deadline) and time.monotonic() >= deadline:
+        log.warning("The evaluation of the final weights took more than %.0f s: left unfinished",
+                    FINAL_EVALUATION_MAX_S)
 
 
-def _wait_for_evaluation(run: EvaluatedRun, evaluator: Evaluator, stopped: Callable[[], bool]) -> bool:
+def _wait_for_evaluation(run: EvaluatedRun, evaluator: Evaluator, stopped: Callable[[], bool],
+                         deadline: float) -> bool:
     """Wait until no evaluation is pending (its result taken); False where the wait ended otherwise."""
     while evaluator.pending is not None:
-        if stopped() or not evaluator.process.is_alive():
+        if stopped() or not evaluator.process.is_alive() or time.monotonic() >= deadline:
             return False
         _receive_evaluation(run, evaluator)
         _kill_if_hung(run, evaluator)

@@ -715,11 +715,14 @@ def test_a_run_evaluates_keeps_its_best_and_test_mode_plays_it(tmp_path: Path) -
         in played.stdout
 
 
-def test_the_final_weights_are_not_evaluated_after_a_stop_or_when_their_step_was() -> None:
-    """Ctrl-C during the wait for the evaluation in flight skips the final one; weights evaluated already (the
-    last request's step is the final step) are not played twice."""
+def test_the_final_weights_are_not_evaluated_after_a_stop_or_when_their_step_was(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during the wait for the evaluation in flight skips the final one, and so does a wait past
+    FINAL_EVALUATION_MAX_S (an env that hangs with --actor_timeout_s 0); weights evaluated already (the last
+    request's step is the final step) are not played twice."""
     import types
 
+    from impala import evaluator as evaluator_module
     from impala.evaluator import Evaluator, evaluate_final_weights
 
     sent: list[object] = []
@@ -730,6 +733,10 @@ def test_the_final_weights_are_not_evaluated_after_a_stop_or_when_their_step_was
                                  config=Config(actor_timeout_s=0))
     evaluate_final_weights(run_, lambda: True)  # type: ignore[arg-type]
     assert sent == [] and evaluator.pending == {"number": 4, "step": 900}
+    monkeypatch.setattr(evaluator_module, "FINAL_EVALUATION_MAX_S", 0.0)
+    evaluate_final_weights(run_, lambda: False)  # type: ignore[arg-type]
+    assert sent == [] and evaluator.pending == {"number": 4, "step": 900}
+    monkeypatch.undo()
     evaluator.pending, evaluator.evaluated_step = None, 1_000
     evaluate_final_weights(run_, lambda: False)  # type: ignore[arg-type]
     assert sent == [] and evaluator.pending is None
