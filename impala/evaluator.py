@@ -334,7 +334,11 @@ def evaluate_final_weights(run: EvaluatedRun, stopped: Callable[[], bool]) -> No
         return
     log.info("Evaluating the final weights (step %d): %d games (Ctrl-C skips it)", step, run.config.eval_episodes)
     _request_evaluation(run, evaluator)
-    if not _wait_for_evaluation(run, evaluator, stopped, deadline) and time.monotonic() >= deadline:
+    if _wait_for_evaluation(run, evaluator, stopped, deadline):
+        return
+    if stopped():
+        log.info("The evaluation of the final weights is skipped: a stop was asked for (the run has finished)")
+    elif time.monotonic() >= deadline:
         log.warning("The evaluation of the final weights took more than %.0f s: left unfinished",
                     FINAL_EVALUATION_MAX_S)
 

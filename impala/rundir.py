@@ -131,6 +131,9 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
         raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from; "
                         "drop --resume to start a new run")
     checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
+    if config.checkpoint not in ("latest", "best") and start_gone(config.checkpoint, run_dir):
+        log.warning("%s was this run's start and is gone since (--keep_checkpoints prunes the run's own copies): it "
+                    "continues from its own %s", config.checkpoint, checkpoint_path)
     if checkpoint_path is None:
         if config.xpid is not None and restarts_unsaved_run(config, run_dir):
             return run_dir, True, None, None  # its meta.json and logs go on, from step 0
@@ -277,7 +280,20 @@ def resume_checkpoint(config: Config, run_dir: Path) -> Path | None:
     if config.checkpoint == "latest":
         path = run_dir / CHECKPOINT_NAME
         return path if path.is_file() else None
+    if config.checkpoint != "best" and start_gone(config.checkpoint, run_dir):
+        return run_dir / CHECKPOINT_NAME
     return find_checkpoint(run_dir, config.checkpoint)
+
+
+def start_gone(choice: str, run_dir: Path) -> bool:
+    """Whether --checkpoint `choice` (a PATH) is gone, recorded as this run's start (`record_start`), and the run
+    has its own model.tar: a run's model_step_N.tar that --keep_checkpoints pruned since, in a command run again.
+    The run then continues from its model.tar (`repeated_start`), rather than being refused for a missing file."""
+    path = Path(choice).expanduser()
+    if os.path.lexists(path) or not (run_dir / CHECKPOINT_NAME).is_file():
+        return False
+    recorded = _recorded(run_dir, START_KEY)
+    return isinstance(recorded, dict) and recorded.get("checkpoint") == str(path.resolve())
 
 
 def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, claim: bool = False) -> bool:

@@ -445,7 +445,8 @@ def monitor(run: Run) -> str:
             return f"stopped by rank {run.coordinator.stopped_by}"  # it says why in its own log
         if state.step >= config.total_steps:
             _drain_episodes(run)  # the last games and a 100% progress line, at total_steps
-            _log_progress(run, last_log_time, last_log_step, start_time, console_rate)
+            if state.step != last_log_step:  # not where the row of this same pass already is
+                _log_progress(run, last_log_time, last_log_step, start_time, console_rate)
             return "finished"
         _drain_episodes(run)
         run.pool.check()

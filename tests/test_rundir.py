@@ -242,8 +242,9 @@ def test_the_same_command_with_checkpoint_path_run_again_continues_the_run_rathe
 
 
 def test_a_start_already_taken_is_taken_again_only_when_its_file_changed(tmp_path: Path) -> None:
-    """The record holds the start's path and step: another checkpoint written at that path since (model_best.tar
-    after a better evaluation) is a new start; the run's own model.tar gone, the start is all there is."""
+    """The record holds the start's path and step: the start gone since (pruned by --keep_checkpoints), the run
+    goes on from its model.tar; another checkpoint written at that path since (model_best.tar after a better
+    evaluation) is a new start; the run's own model.tar gone, the start is all there is."""
     def state(step: int) -> dict:
         return {"model_state_dict": {}, "flags": {"env": "CartPole-v1"}, "step": step, "model": "mlp",
                 "observation_shape": [4], "num_actions": 2}
@@ -262,6 +263,10 @@ def test_a_start_already_taken_is_taken_again_only_when_its_file_changed(tmp_pat
         return path, checkpoint["step"]
 
     assert chosen() == (run_dir / CHECKPOINT_NAME, 900)
+    kept = start.read_bytes()
+    start.unlink()  # a model_step_N.tar of the run's own, pruned by --keep_checkpoints since
+    assert chosen() == (run_dir / CHECKPOINT_NAME, 900)
+    start.write_bytes(kept)
     save_checkpoint(start, state(600))
     assert chosen() == (start, 600)
     rundir.record_start(run_dir, start, 600)
