@@ -222,6 +222,16 @@ def best_so_far(run_dir: Path) -> tuple[float, int] | None:
     return float(score), int(state["step"])
 
 
+def best_eval_actions(run_dir: Path) -> str | None:
+    """The --eval_actions (greedy or sampled) of the evaluation `run_dir`/model_best.tar records; None without
+    one, or in a file that does not say."""
+    path = run_dir / BEST_CHECKPOINT_NAME
+    if not path.is_file():
+        return None
+    actions = load_checkpoint(path, mmap=True).get("eval_actions")
+    return actions if isinstance(actions, str) else None
+
+
 def link_or_copy(source: Path, target: Path) -> None:
     """`source` also as `target` beside it: a hard link, which costs no copy and survives the next rename over
     `source`, or a copy where links are refused (some network or FUSE file systems). Made under a temporary name

@@ -34,7 +34,7 @@ from impala.actor_pool import (
     prefer_for_the_oom_killer,
     start_process,
 )
-from impala.checkpoint import BEST_CHECKPOINT_NAME, best_so_far, header, save_checkpoint
+from impala.checkpoint import BEST_CHECKPOINT_NAME, best_eval_actions, best_so_far, header, save_checkpoint
 from impala.config import Config
 from impala.evaluate import Games, serve_evaluations
 from impala.learner import LearnerState
@@ -64,6 +64,7 @@ class Evaluator:
 
     model: Net
     best: tuple[float, int] | None  # (mean return, agent step) recorded in model_best.tar
+    best_actions: str | None = None  # the --eval_actions of that evaluation (greedy or sampled)
     process: Any = None  # its multiprocessing.Process
     pidfd: int | None = None  # a pidfd of `process` (Linux 5.3+), to tell its end from the fork server's
     connection: Connection | None = None  # the main end of the pipe to `process`
@@ -103,7 +104,8 @@ def make_evaluator(config: Config, run_dir: Path, observation_shape: tuple[int, 
     model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
     model.share_memory()
     model.eval()
-    return Evaluator(model, best_so_far(run_dir), ctx=ctx, heartbeat=ctx.Value("d", time.monotonic(), lock=False))
+    return Evaluator(model, best_so_far(run_dir), best_eval_actions(run_dir), ctx=ctx,
+                     heartbeat=ctx.Value("d", time.monotonic(), lock=False))
 
 
 def _pipe(evaluator: Evaluator) -> Connection:

@@ -685,6 +685,10 @@ def _log_start(run: Run) -> None:
     if run.evaluator is not None and run.evaluator.best is not None:
         log.info("Best evaluation so far: mean return %.2f at step %d (%s); only a better one replaces it",
                  *run.evaluator.best, BEST_CHECKPOINT_NAME)
+        if run.evaluator.best_actions not in (None, config.eval_actions):
+            log.warning("%s was evaluated with %s actions, this session's evaluations take %s ones: their means "
+                        "are compared with it all the same; move it away to start a new best", BEST_CHECKPOINT_NAME,
+                        run.evaluator.best_actions, config.eval_actions)
 
 
 # -------------------------------------------------------------------------------------- shutdown

@@ -995,3 +995,33 @@ def test_test_modes_video_and_return_stay_apart_from_trainings_evaluations_and_s
     (video,) = test_events.Images("test/video")
     assert video.step == 300 and video.encoded_image_string.startswith(b"GIF")
     assert impala.plotting.find_runs(tmp_path) == ["b"]  # RUN_DIR/test is no run of its own to plot
+
+
+def test_a_best_evaluated_with_other_actions_is_named_at_the_start(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A resumed session with --eval_actions sampled compares its means with a greedy best (or the other way):
+    the start says so, and how to begin a new best."""
+    import logging
+    import types
+
+    from impala import training
+    from impala.checkpoint import best_eval_actions
+
+    assert best_eval_actions(tmp_path) is None
+    save_checkpoint(tmp_path / BEST_CHECKPOINT_NAME, {"model_state_dict": {}, "flags": {}, "step": 100, "num_actions": 2,
+                                                      "observation_shape": [4],
+                                                      "eval_return_mean": 5.0, "eval_actions": "greedy"})
+    assert best_eval_actions(tmp_path) == "greedy"
+    for actions, warned in (("sampled", True), ("greedy", False)):
+        run_ = types.SimpleNamespace(
+            config=Config(eval_actions=actions, disable_cuda=True), resumed_from=None, changed_flags=(),
+            run_dir=tmp_path, buffers={"slot_owner": torch.zeros(8)}, device=torch.device("cpu"), amp=False,
+            coordinator=None,
+            state=types.SimpleNamespace(step=0, updates=0, world_size=1, optimizer_trained_with=""),
+            evaluator=types.SimpleNamespace(best=(5.0, 100), best_actions=best_eval_actions(tmp_path)))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="impala"):
+            training._log_start(run_)  # type: ignore[arg-type]
+        said = (f"{BEST_CHECKPOINT_NAME} was evaluated with greedy actions, this session's evaluations take sampled "
+                "ones: their means are compared with it all the same; move it away to start a new best")
+        assert (said in caplog.text) == warned, caplog.text
