@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
@@ -279,11 +280,16 @@ def returns_figure(curves: Sequence[Curve], colors: Mapping[str, str] | None = N
     `x`: "steps" (agent steps) or "time" (hours of training since each run's first point; every curve needs
     `times`). Uses matplotlib's object API with the Agg canvas: no display, no global backend change.
     """
-    figure = Figure(figsize=(8, 5), layout="constrained")
+    entries = sum(bool(len(c.returns)) + (c.evaluation is not None and bool(len(c.evaluation.steps)))
+                  for c in curves)
+    columns = math.ceil(entries / LEGEND_ROWS)  # beside the axes when there are many entries, else inside
+    outside = entries > LEGEND_INSIDE
+    figure = Figure(figsize=(8 + 3.5 * columns if outside else 8, max(5.0, 0.2 * min(entries, LEGEND_ROWS) + 1)),
+                    layout="constrained")
     axes = figure.add_subplot()
     envs = {c.env for c in curves}
     for i, curve in enumerate(curves):
-        color = (colors or {}).get(curve.name, f"C{i % 10}")
+        color = (colors or {}).get(curve.name, _color(i, len(curves)))
         label = curve.name if len(envs) == 1 or curve.env is None else f"{curve.name} ({curve.env})"
         if len(curve.returns):
             xs = curve.steps if x == "steps" or curve.times is None else curve.times / 3600
@@ -302,8 +308,25 @@ def returns_figure(curves: Sequence[Curve], colors: Mapping[str, str] | None = N
     if x == "steps":
         axes.xaxis.set_major_formatter(EngFormatter())
     axes.grid(alpha=0.3)
-    axes.legend(loc="best")
+    if outside:
+        figure.legend(loc="outside right upper", ncols=columns, fontsize="small")
+    else:
+        axes.legend(loc="best")
     return figure
+
+
+LEGEND_INSIDE = 12  # legend entries the axes hold; more go beside them, LEGEND_ROWS to a column
+LEGEND_ROWS = 30
+
+
+def _color(index: int, count: int) -> tuple[float, ...] | str:
+    """Curve `index` of `count`: matplotlib's ten colours, its twenty of tab20 for up to twenty curves, evenly
+    spaced along turbo beyond (no two runs of a big plot share a colour)."""
+    if count <= 10:
+        return f"C{index}"
+    if count <= 20:
+        return colormaps["tab20"](index)
+    return colormaps["turbo"](index / (count - 1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

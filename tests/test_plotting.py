@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -123,6 +124,24 @@ def test_legend_names_the_runs_and_the_bold_lines_are_smoothed(savedir: Path) ->
     raw, smoothed = axes.get_lines()[:2]
     assert np.std(np.diff(smoothed.get_ydata())) < np.std(np.diff(raw.get_ydata()))
     assert smoothed.get_ydata()[-1] > 400  # the fast run's curve reaches its plateau
+
+
+def test_many_runs_keep_every_name_in_a_legend_beside_the_axes_and_a_colour_each(tmp_path: Path) -> None:
+    """Thirty runs with evaluations: the legend inside the axes squeezed them to nothing (constrained layout gave
+    up, with a warning) and cut its last names off, and colours repeated after ten."""
+    steps = np.arange(0, 1000, 100)
+    curves = [plotting.Curve(f"run{i}", steps, np.full(len(steps), float(i)), "CartPole-v1",
+                             evaluation=plotting.Series(steps[::3], None, np.full(4, float(i)))) for i in range(30)]
+    figure = plotting.returns_figure(curves)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "constrained_layout not applied because axes sizes collapsed to zero"
+        plotting.save_figure(figure, tmp_path / "many.png", "--plot_out", dpi=50)
+    (legend,) = figure.legends
+    names = [t.get_text() for t in legend.get_texts()]
+    assert len(names) == 60 and names[-1] == "run29: evaluation"
+    assert figure.axes[0].get_legend() is None
+    bold = [line for line in figure.axes[0].get_lines() if line.get_linewidth() == 2]
+    assert len({tuple(line.get_color()) for line in bold}) == 30
 
 
 def test_plot_mode_writes_a_png_of_several_runs(savedir: Path, tmp_path: Path,
