@@ -431,6 +431,7 @@ def monitor(run: Run) -> str:
     config, state = run.config, run.state
     last_log_time = last_checkpoint_time = time.monotonic()
     remake_tried = False  # the run directory was found gone at the last look, and a checkpoint tried to make it again
+    resave_tried = False  # so was model.tar alone, and a checkpoint tried to save it again
     start_time = run.started_s if run.started_s is not None else last_log_time
     last_log_step = state.step
     console_rate = RecentRate(last_log_time - start_time, state.step)
@@ -458,11 +459,24 @@ def monitor(run: Run) -> str:
                 _periodic_checkpoint(run)  # and if that fails, with each periodic one
                 last_checkpoint_time = now
             remake_tried = dir_gone
+            model_gone = not dir_gone and _checkpoint_gone(run)
+            if model_gone and not resave_tried:  # a checkpoint at once, not at the next interval's
+                log.warning("%s went while the run went on (deleted, or moved away): saving a checkpoint now",
+                            run.run_dir / CHECKPOINT_NAME)
+                _periodic_checkpoint(run)
+                last_checkpoint_time = now
+            resave_tried = model_gone
             last_log_step, last_log_time = _log_progress(run, last_log_time, last_log_step, start_time, console_rate)
         if now - last_checkpoint_time >= config.checkpoint_interval_s:
             _periodic_checkpoint(run)
             last_checkpoint_time = now
         time.sleep(0.05)
+
+
+def _checkpoint_gone(run: Run) -> bool:
+    """Whether the model.tar this run saved is gone from its directory: a run killed before the next periodic
+    checkpoint would then be refused (meta.json records a checkpoint), its training since the last one lost."""
+    return run.writes_files and run.saved_step is not None and not os.path.lexists(run.run_dir / CHECKPOINT_NAME)
 
 
 def _check_threads(run: Run) -> None:

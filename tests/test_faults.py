@@ -149,6 +149,11 @@ def test_a_run_directory_deleted_while_the_run_goes_on_is_made_again_with_a_chec
         saved = run.wait_for(r"Saved checkpoint at step (\d+)", after=went.end(), timeout=15)
         with pytest.raises(UserError, match="in use by another training"), DirectoryLock() as lock:
             lock.hold(run.run_dir)  # the run holds the new directory as it held the old
+        (run.run_dir / "model.tar").unlink()  # and model.tar alone: saved again at once
+        lost = run.wait_for(r"model.tar went while the run went on \(deleted, or moved away\): saving a checkpoint "
+                            "now", after=saved.end(), timeout=15)
+        saved = run.wait_for(r"Saved checkpoint at step (\d+)", after=lost.end(), timeout=15)
+        assert (run.run_dir / "model.tar").is_file()
         _trains_on_then_stops_in_order(run, int(saved[1]))
     finally:
         run.close()
