@@ -90,6 +90,9 @@ class Learners:
         self.threads: list[threading.Thread] = []
         self.errors: list[Exception] = []
         self.failed_at: float | None = None  # when the first of them came (time.monotonic())
+        # An update that raised (other than for want of device memory), said under `update_lock` before it is let
+        # go: whoever takes the lock next (a checkpoint, an evaluation's copy) finds the weights it may have torn.
+        self.torn = False
         self.pinned = False  # the slots' observations page-locked for the GPU (`buffers.pin_observations`)
         # When each thread took the batch it is working on (absent while it waits for slots): --learner_timeout_s.
         self.busy_since: dict[threading.Thread, float] = {}
@@ -97,7 +100,7 @@ class Learners:
     def weights_whole(self) -> bool:
         """Whether a final checkpoint may save the weights: no thread failed, or only for want of device memory.
         After a bug or `max_bad_updates` non-finite updates the last checkpoint is the one to keep."""
-        return all(isinstance(error, OutOfDeviceMemory) for error in self.errors)
+        return not self.torn and all(isinstance(error, OutOfDeviceMemory) for error in self.errors)
 
     def start(self) -> None:
         """Start the threads; on a GPU, first page-lock the slots' observations for them (`--pin_slots`)."""
@@ -176,12 +179,18 @@ class Learners:
                 if not steps:
                     return
                 update_start = time.perf_counter()
-                stats = self.update(state.model, state.optimizer, state.scheduler, batch, core_state, config,
-                                    self.amp, reducer, self.loss_fn)
-                # update() ends by reading its stats as floats, which waits for the device: on CUDA this phase
-                # also holds the tail of the non-blocking host-to-device copy.
-                publish_start = time.perf_counter()
-                self.pool.publish(state.model, state.updates + 1)
+                try:
+                    stats = self.update(state.model, state.optimizer, state.scheduler, batch, core_state, config,
+                                        self.amp, reducer, self.loss_fn)
+                    # update() ends by reading its stats as floats, which waits for the device: on CUDA this phase
+                    # also holds the tail of the non-blocking host-to-device copy.
+                    publish_start = time.perf_counter()
+                    self.pool.publish(state.model, state.updates + 1)
+                except torch.OutOfMemoryError:
+                    raise  # an allocation that failed: `weights_whole` takes the weights for whole, as it did
+                except BaseException:
+                    self.torn = True  # `_thread` says why, once the lock is let go
+                    raise
                 publish_end = time.perf_counter()
                 state.step += steps
                 state.updates += 1

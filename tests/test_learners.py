@@ -117,3 +117,38 @@ def test_waiting_in_the_vote_for_other_ranks_is_not_the_learners_busy_time() -> 
     # No thread counted the votes as its own time: not the voter, nor the thread waiting for the lock meanwhile.
     assert len(coordinator.busy_while_voting) >= 3 and max(coordinator.busy_while_voting) < 0.4
     assert state.updates >= 2
+
+
+def test_an_update_that_fails_halfway_is_known_to_whoever_takes_the_lock_next() -> None:
+    """An update that raises after writing some weights: the checkpoint waiting for the update lock used to take it
+    first, before the failure was recorded, and saved the torn weights over the last good model.tar. The failure
+    is now said under the lock, so the next holder sees `weights_whole()` false."""
+    config = Config(env="CartPole-v1", unroll_length=T, batch_size=B, num_learner_threads=1, total_steps=10**6,
+                    policy_loss="impala", optimizer="rmsprop", epsilon=0.01, epochs=1, minibatches=1)
+    torch.manual_seed(0)
+    model = Net((4,), 2, "mlp", False, 8)
+    buffers = create_buffers(BufferSpec(B, T, (4,), torch.float32, 2))
+    for key in ("obs", "done", "reward", "truncated", "truncation_value", "action", "policy_logits", "policy_version"):
+        buffers[key].fill_(0)
+    optimizer, scheduler = learner.make_optimizer(model, config)
+    state = LearnerState(model, optimizer, scheduler, ActorLives(0, 0))
+    stop, lock, inside = threading.Event(), threading.Lock(), threading.Event()
+    learners = Learners(config, state, buffers, _Pool(_Slots([0, 1], stop)), torch.device("cpu"), False, None, lock)
+    learners.stop_event = stop
+
+    def torn_update(model: Net, *args: object) -> dict[str, float]:
+        with torch.no_grad():
+            next(model.parameters()).fill_(1234.0)  # part of a step written
+        inside.set()
+        time.sleep(0.3)  # the checkpoint is waiting for the lock meanwhile
+        raise RuntimeError("a bug halfway through the update")
+
+    learners.update = torn_update  # type: ignore[assignment]
+    thread = threading.Thread(target=learners._thread)
+    thread.start()
+    assert inside.wait(timeout=30)
+    with lock:  # as `training.checkpoint` takes it
+        whole_when_taken = learners.weights_whole()
+    thread.join(timeout=30)
+    assert not whole_when_taken and not learners.weights_whole()
+    assert len(learners.errors) == 1 and "halfway" in str(learners.errors[0])
