@@ -406,6 +406,12 @@ class Config:
                             "batches")
         if self.epochs > MAX_EPOCHS:
             problems.append(f"--epochs must be at most {MAX_EPOCHS:,}, got {self.epochs}")
+        for name in ("envs_per_actor", "ray_envs_per_actor"):
+            if getattr(self, name) > MAX_ENVS_PER_ACTOR:
+                problems.append(f"--{name} must be at most {MAX_ENVS_PER_ACTOR:,}, got {getattr(self, name)}: one "
+                                "actor steps its envs in turn, and more of them only make its unrolls later")
+        if self.total_steps > MAX_TOTAL_STEPS:
+            problems.append(f"--total_steps must be at most {MAX_TOTAL_STEPS:,}, got {self.total_steps}")
         for name in ("test_episodes", "eval_episodes"):
             if getattr(self, name) > MAX_EPISODES:
                 problems.append(f"--{name} must be at most {MAX_EPISODES:,}, got {getattr(self, name)}")
@@ -704,6 +710,10 @@ MAX_EPISODES = 1_000
 # the update under way. More overflowed, ran out of memory, or stopped after minutes.
 MAX_EPOCHS = 1_000
 MAX_LOSS_WEIGHT = 1_000.0  # --entropy_cost, --baseline_cost: the policy loss's weight is 1
+# One actor's envs: 100,000 CartPoles made one unroll of 3.2M agent steps, no update for minutes, and an actor
+# that a stop had to kill. ale-py's vector env and EnvPool run a few hundred per process.
+MAX_ENVS_PER_ACTOR = 4_096
+MAX_TOTAL_STEPS = 10**15  # a counter that fits int64 with room; the longest published runs are some 10^10 steps
 MIN_TIMEOUT_S = 1.0  # --actor_timeout_s, --learner_timeout_s other than 0 (never)
 MAX_HIDDEN_SIZE = 65_536  # the Atari net's layer is then 3,136 x 65,536 weights (822 MB); more only failed to allocate
 # Learner threads take turns at the updates: more only stage batches ahead, each holding --batch_size slots. 2,000

@@ -94,6 +94,9 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--inference_wait_ms", "1e30"], r"--inference_wait_ms must be at most 60,000, got 1e\+30"),
     (["--test_episodes", "99999999999999999999"], r"--test_episodes must be at most 1,000, got 9+"),
     (["--eval_episodes", "1001"], r"--eval_episodes must be at most 1,000, got 1001"),
+    (["--envs_per_actor", "100000"], r"--envs_per_actor must be at most 4,096, got 100000: one actor steps"),
+    (["--ray_envs_per_actor", "5000"], r"--ray_envs_per_actor must be at most 4,096, got 5000"),
+    (["--total_steps", "99999999999999999999"], r"--total_steps must be at most 1,000,000,000,000,000, got 9+$"),
     (["--hidden_size", "200000"], r"--hidden_size must be at most 65,536, got 200000"),
     (["--num_actors", "200000"],  # once 200,000 processes started until the memory ran out
      (r"--num_actors 200000: each actor process holds at least 12 MiB of its own \(2343.8 GiB in all\) where this "
