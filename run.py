@@ -19,7 +19,7 @@ import threading
 import time
 from typing import NoReturn
 
-from impala.config import UserError, given_flags, ignored_flags_line, parse_config
+from impala.config import UserError, given_flags, ignored_flags_line, parse_config, unused_training_flags_line
 from impala.stopping import exit_after_runs, ignore_stop_signals
 
 STARTED_S = time.monotonic()  # before torch is imported: a run's elapsed time counts its start-up
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None, started_s: float | None = None) -> int:
             from impala import training
             from impala.stopping import Stopped
 
+            if (unused := unused_training_flags_line(config, given_flags(argv))) is not None:
+                print(unused, file=sys.stderr)
             try:
                 training.train(config, started_s=started_s)
             except Stopped as stopped:

@@ -667,6 +667,21 @@ def ignored_flags_line(mode: str, given: frozenset[str]) -> str | None:
     return f"run.py: --mode {mode} does not use {', '.join('--' + name for name in ignored)}; ignored"
 
 
+# Training flags that count only beside another: given without it, they are ignored, and the start says so.
+ONLY_WITH = (("--ray", ("ray_actors", "ray_envs_per_actor", "ray_steps_per_request", "ray_actor_resource",
+                        "ray_publish_every", "ray_max_policy_lag")),
+             ("--inference central", ("inference_wait_ms", "inference_threads")))
+
+
+def unused_training_flags_line(config: Config, given: frozenset[str]) -> str | None:
+    """One line naming the flags `given` to a training that only another flag, not given, makes count (None when
+    there are none): --ray_actors without --ray would otherwise pass for remote actors asked for."""
+    needed = {"--ray": bool(config.ray), "--inference central": config.inference == "central"}
+    parts = [f"{', '.join('--' + name for name in names if name in given)} only with {flag}"
+             for flag, names in ONLY_WITH if not needed[flag] and given.intersection(names)]
+    return f"run.py: {'; '.join(parts)}: ignored" if parts else None
+
+
 # Flags that name what a session does rather than the run it continues: expected to differ at a resume.
 SESSION_FLAGS = frozenset({"mode", "xpid", "resume", "checkpoint", "savedir", "total_steps", "plot_out",
                            "plot_xpids", "plot_x", "video", "test_episodes"})

@@ -27,6 +27,7 @@ from impala.config import (
     ignored_flags_line,
     parse_config,
     run_path,
+    unused_training_flags_line,
     usable_cores,
 )
 
@@ -492,3 +493,16 @@ def test_flags_test_or_plot_mode_does_not_use_are_named_in_one_line_once_it_is_d
     assert run.main(argv) == 0
     assert capsys.readouterr().err == ""
     assert ignored_flags_line("train", frozenset({"plot_x", "video"})) is None  # training: every flag its own
+
+
+def test_training_flags_that_count_only_beside_another_are_named_when_that_one_is_missing() -> None:
+    """--ray_actors without --ray, --inference_threads without --inference central: accepted, and nothing used
+    them; test and plot mode already named what they ignore."""
+    argv = ["--ray_actors", "3", "--ray_publish_every", "2", "--inference_threads", "2"]
+    assert unused_training_flags_line(parse_config(argv), given_flags(argv)) == (
+        "run.py: --ray_actors, --ray_publish_every only with --ray; --inference_threads only with --inference "
+        "central: ignored")
+    central = [*argv, "--inference", "central", "--env_splits", "2"]
+    assert unused_training_flags_line(parse_config(central), given_flags(central)) == (
+        "run.py: --ray_actors, --ray_publish_every only with --ray: ignored")
+    assert unused_training_flags_line(parse_config([]), given_flags([])) is None
