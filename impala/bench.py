@@ -750,8 +750,13 @@ def run_argv(config: Config, savedir: str, extra: Sequence[str] = ()) -> list[st
     """`python run.py ...` with `config`'s bench flags, except those `extra` sets, then `extra`."""
     overridden = {token[2:].split("=")[0].removeprefix("no-") for token in extra if token.startswith("--")}
     argv = [sys.executable, "run.py", "--savedir", savedir, "--xpid", "bench"]
-    argv += to_flags(config, [name for name in CONFIG_FLAGS if name not in overridden])
+    defaults = Config()
+    argv += to_flags(config, [name for name in CONFIG_FLAGS if name not in overridden and not (
+        name in CENTRAL_ONLY and getattr(config, name) == getattr(defaults, name))])  # unnamed: not said unused
     return argv + list(extra)
+
+
+CENTRAL_ONLY = ("inference_wait_ms", "inference_threads")  # flags of --inference central alone
 
 
 def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "") -> dict[str, Any]:

@@ -392,6 +392,10 @@ def test_end_to_end_command_passes_the_config_then_extra_flags() -> None:
     argv = bench.run_argv(config, "/tmp/x", ["--amp", "--num_actors=3"])
     assert "--no-amp" not in argv and "--amp" in argv and argv[-1] == "--num_actors=3"
     assert "--num_actors" not in argv
+    assert "--inference_threads" not in argv  # at its default: run.py would say it is unused by actor inference
+    _, threads, _ = bench.parse_args(["--env", "CartPole-v1", "--inference_threads", "2"])
+    argv = bench.run_argv(threads, "/tmp/x")
+    assert argv[argv.index("--inference_threads") + 1] == "2"
 
 
 def test_num_actors_auto_reaches_the_bench_as_the_trainer_resolves_it(monkeypatch: pytest.MonkeyPatch) -> None:
