@@ -593,8 +593,9 @@ def checkpoint(run: Run) -> None:
     if not run.run_dir.is_dir():  # deleted or moved away while the run went on
         _remake_run_directory(run)
     with run.update_lock:
-        if not run.learners.weights_whole():  # an update failed while this waited for it: the weights may be torn
-            log.error("Not saving a checkpoint: a learner thread failed inside an update (%s)", _last_saved(run))
+        if not run.learners.weights_whole():  # a learner failed, perhaps inside the update this waited for
+            log.error("Not saving a checkpoint: a learner thread failed, and its weights may be torn (%s)",
+                      _last_saved(run))
             return
         state = run.state.state_dict()
     if run.coordinator is not None:  # the other ranks' actor lives too
