@@ -138,19 +138,21 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
         if config.xpid is not None and restarts_unsaved_run(config, run_dir):
             return run_dir, True, None, None  # its meta.json and logs go on, from step 0
         return run_dir, resuming, None, None
-    checkpoint = load_checkpoint(checkpoint_path)
-    check_compatible(checkpoint, env=config.env, model=model, use_lstm=config.use_lstm,
-                     hidden_size=config.hidden_size, observation_shape=observation_shape,
-                     num_actions=num_actions, path=checkpoint_path)
+
+    def fitting(path: Path) -> dict[str, Any]:
+        checkpoint = load_checkpoint(path)
+        check_compatible(checkpoint, env=config.env, model=model, use_lstm=config.use_lstm,
+                         hidden_size=config.hidden_size, observation_shape=observation_shape,
+                         num_actions=num_actions, path=path)
+        return checkpoint
+
+    checkpoint = fitting(checkpoint_path)
     if repeated_start(run_dir, checkpoint_path, checkpoint["step"]):
         own = run_dir / CHECKPOINT_NAME
         log.warning("%s (step %s) was this run's start already and the run has gone on from it: it continues from "
                     "its own %s (to go back to that checkpoint once more, pass a copy of it)", checkpoint_path,
                     checkpoint["step"], own)
-        checkpoint_path, checkpoint = own, load_checkpoint(own)
-        check_compatible(checkpoint, env=config.env, model=model, use_lstm=config.use_lstm,
-                         hidden_size=config.hidden_size, observation_shape=observation_shape,
-                         num_actions=num_actions, path=checkpoint_path)
+        checkpoint_path, checkpoint = own, fitting(own)
     if int(checkpoint["step"]) >= config.total_steps:
         whose = f"run {run_dir}" if is_own_checkpoint(run_dir, checkpoint_path) else f"checkpoint {checkpoint_path}"
         raise UserError(f"{whose} already reached step {checkpoint['step']} of --total_steps "
@@ -242,7 +244,14 @@ def repeated_start(run_dir: Path, start: Path, step: object) -> bool:
     then continues the run, rather than going back to its start each time and dropping what came after."""
     if is_own_checkpoint(run_dir, start) or not (run_dir / CHECKPOINT_NAME).is_file():
         return False
-    return _recorded(run_dir, START_KEY) == {"checkpoint": str(start.resolve()), "step": step}
+    recorded = _recorded_start(run_dir, start)
+    return recorded is not None and recorded.get("step") == step
+
+
+def _recorded_start(run_dir: Path, start: Path) -> dict[str, Any] | None:
+    """meta.json's record of the run's start (`record_start`) where it names checkpoint `start`, else None."""
+    recorded = _recorded(run_dir, START_KEY)
+    return recorded if isinstance(recorded, dict) and recorded.get("checkpoint") == str(start.resolve()) else None
 
 
 def replaces_own_checkpoint(run_dir: Path, start: Path | None) -> bool:
@@ -292,8 +301,7 @@ def start_gone(choice: str, run_dir: Path) -> bool:
     path = Path(choice).expanduser()
     if os.path.lexists(path) or not (run_dir / CHECKPOINT_NAME).is_file():
         return False
-    recorded = _recorded(run_dir, START_KEY)
-    return isinstance(recorded, dict) and recorded.get("checkpoint") == str(path.resolve())
+    return _recorded_start(run_dir, path) is not None
 
 
 def prepare_run_directory(run_dir: Path, lock: DirectoryLock | None = None, claim: bool = False) -> bool:
