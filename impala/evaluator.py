@@ -80,6 +80,12 @@ class Evaluator:
     last_hang_check_s: float = field(default_factory=time.monotonic)
 
 
+class WholeWeights(Protocol):
+    """Whether the learner's weights may be copied (`learners.Learners`)."""
+
+    def weights_whole(self) -> bool: ...
+
+
 class EvaluatedRun(Protocol):
     """What of a run the evaluator needs (`training.Run`)."""
 
@@ -91,6 +97,9 @@ class EvaluatedRun(Protocol):
     evaluator: Evaluator | None
     coordinator: Coordinator | None
     resumed_step: int | None
+
+    @property
+    def learners(self) -> WholeWeights: ...
 
 
 def make_evaluator(config: Config, run_dir: Path, observation_shape: tuple[int, ...], num_actions: int,
@@ -211,9 +220,13 @@ def _request_evaluation(run: EvaluatedRun, evaluator: Evaluator) -> None:
     """Copy the newest weights into the evaluator's model and ask for an evaluation of them.
 
     The copy is taken under `update_lock`, between two updates, as a checkpoint's is: the weights and the
-    step recorded with them belong together. The learner waits at most for one copy of the weights.
+    step recorded with them belong together. The learner waits at most for one copy of the weights. Weights an
+    update that failed may have torn are not copied: the run ends on that failure, and such weights never become
+    model_best.tar.
     """
     with run.update_lock, torch.no_grad():
+        if not run.learners.weights_whole():
+            return
         for target, source in zip(evaluator.model.state_dict().values(), run.state.model.state_dict().values()):
             target.copy_(source)
         # In the checkpoint: a resumed run's evaluations play games of their own.

@@ -449,7 +449,7 @@ def _fake_run(tmp_path: Path, best: tuple[float, int] | None) -> types.SimpleNam
     evaluator = Evaluator(_net(), best)
     return types.SimpleNamespace(config=Config(env="CartPole-v1", eval_interval_s=1, hidden_size=32), run_dir=tmp_path,
                                  model=model, runlog=RunLog(tmp_path), evaluator=evaluator, coordinator=None,
-                                 resumed_step=None)
+                                 resumed_step=None, learners=types.SimpleNamespace(weights_whole=lambda: True))
 
 
 def _games(returns: list[float], lengths: tuple[int, int] = (120, 80), cut: tuple[bool, bool] = (False, False)
@@ -667,6 +667,40 @@ def test_a_resumed_run_asks_for_no_evaluation_before_its_learner_moves_past_the_
         run_.state.step = 920  # the first update of the session
         check_evaluator(run_)
         assert process_end.recv()[:2] == (5, 920)
+    finally:
+        idle.kill()
+        idle.join()
+        process_end.close()
+        run_.runlog.close()
+
+
+def test_weights_a_failed_update_may_have_torn_are_not_copied_for_an_evaluation(tmp_path: Path) -> None:
+    """A learner whose update raised marks the weights torn under the update lock; an evaluation due before the
+    monitor ends the run must not play them, or keep them as model_best.tar."""
+    ctx = multiprocessing.get_context("fork")
+    run_ = _fake_run(tmp_path, best=None)
+    model = _net()
+    optimizer = torch.optim.Adam(model.parameters())
+    run_.state = LearnerState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+                              ActorLives(seed=0, session=1), step=900, evaluations=4)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(7.0)
+    whole = [False]
+    run_.update_lock, run_.learners = threading.Lock(), types.SimpleNamespace(weights_whole=lambda: whole[0])
+    idle = ctx.Process(target=time.sleep, args=(60,))
+    idle.start()
+    main_end, process_end = ctx.Pipe()
+    run_.evaluator.process, run_.evaluator.connection = idle, main_end
+    run_.evaluator.last_request_s = time.monotonic() - 10  # due, by --eval_interval_s 1
+    try:
+        check_evaluator(run_)
+        assert run_.evaluator.pending is None and not process_end.poll() and run_.state.evaluations == 4
+        assert all(not (parameter == 7.0).all() for parameter in run_.evaluator.model.parameters())
+        whole[0] = True  # the same run with its weights whole: the copy and the request go
+        check_evaluator(run_)
+        assert process_end.recv()[:2] == (5, 900) and run_.state.evaluations == 5
+        assert all((parameter == 7.0).all() for parameter in run_.evaluator.model.parameters())
     finally:
         idle.kill()
         idle.join()
