@@ -11,6 +11,8 @@ import dataclasses
 import math
 import os
 import re
+import shlex
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -540,9 +542,11 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="run.py",
-        usage="%(prog)s [--mode {train,test,plot}] [--env ENV] [--xpid XPID] [FLAG ...]",
+        usage="%(prog)s [--mode {train,test,plot}] [--env ENV] [--xpid XPID] [FLAG ...] [@FILE ...]",
         description="IMPALA: actor processes fill shared rollout buffers, learner threads apply V-trace. Every "
-                    "flag below, by topic, with its default.",
+                    "flag below, by topic, with its default. @FILE stands for the flags written in FILE (words "
+                    "split as a shell does, '#' to the end of a line a comment); a flag given twice takes its "
+                    "last value, so flags after @FILE override the file's.",
         formatter_class=DefaultsHelpFormatter,
     )
     add_flags(parser)
@@ -610,11 +614,44 @@ def torchrun_run_id() -> str | None:
     return run_id if "LOCAL_RANK" in os.environ and run_id not in ("", "none") else None
 
 
+MAX_FLAG_FILE_DEPTH = 8  # @FILE inside @FILE: deeper is taken for a file that names itself
+
+
+def expand_flag_files(argv: Sequence[str], depth: int = 0) -> list[str]:
+    """`argv` with each @FILE replaced by the words of FILE, split as a shell splits them (quotes keep spaces,
+    '#' starts a comment to the end of its line), and any @FILE among them replaced in turn. A file that cannot be
+    read, is not UTF-8 text or has an unclosed quote is a UserError naming it."""
+    words: list[str] = []
+    for arg in argv:
+        if not arg.startswith("@"):
+            words.append(arg)
+            continue
+        path = arg[1:]
+        if depth >= MAX_FLAG_FILE_DEPTH:
+            raise UserError(f"flags file {path}: flags files name one another more than {MAX_FLAG_FILE_DEPTH} deep "
+                            "(does one name itself?)")
+        if problem := path_problem(path) if path else "the name after @ is empty":
+            raise UserError(f"flags file {arg}: {problem}")
+        try:
+            text = Path(path).expanduser().read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"flags file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise UserError(f"flags file {path} is not UTF-8 text") from None
+        try:
+            file_words = shlex.split(text, comments=True)
+        except ValueError as exc:  # No closing quotation, No escaped character
+            raise UserError(f"flags file {path}: {str(exc).lower()}") from None
+        words += expand_flag_files(file_words, depth + 1)
+    return words
+
+
 def parse_config(argv: Sequence[str] | None = None) -> Config:
-    """Flags -> validated Config. Raises UserError naming every problem found."""
+    """Flags (@FILE expanded: `expand_flag_files`) -> validated Config. Raises UserError naming every problem
+    found."""
     parser = build_parser()
     parser.__class__ = OneLineErrorParser
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expand_flag_files(sys.argv[1:] if argv is None else argv))
     values: dict[str, Any] = vars(args)
     values["plot_xpids"] = tuple(values["plot_xpids"] or ())
     problems = []
@@ -640,7 +677,7 @@ def given_flags(argv: Sequence[str] | None = None) -> frozenset[str]:
     parser.__class__ = OneLineErrorParser
     for action in parser._actions:
         action.default = argparse.SUPPRESS
-    return frozenset(vars(parser.parse_args(argv)))
+    return frozenset(vars(parser.parse_args(expand_flag_files(sys.argv[1:] if argv is None else argv))))
 
 
 def config_from_dict(values: dict[str, Any]) -> Config:

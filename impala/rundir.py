@@ -33,7 +33,7 @@ from impala.checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,
 )
-from impala.config import LATEST_NAME, Config, UserError, plain_name, run_path
+from impala.config import LATEST_NAME, Config, UserError, expand_flag_files, plain_name, run_path
 from impala.metrics import move_aside
 from impala.seeding import ActorLives
 
@@ -380,9 +380,17 @@ def write_run_files(config: Config, run_dir: Path, resuming: bool, world_size: i
 def _session_started(meta: dict[str, Any], world_size: int) -> dict[str, Any]:
     """`meta` with this session's start, versions and command."""
     meta.setdefault("starts", []).append(datetime.now(UTC).isoformat(timespec="seconds"))
-    meta.update(versions(), command=" ".join(sys.argv), git_commit=git_commit(), world_size=world_size,
+    meta.update(versions(), command=_command(), git_commit=git_commit(), world_size=world_size,
                 ended=None, end_reason=None)
     return meta
+
+
+def _command() -> str:
+    """This program's command line for meta.json, with each @FILE replaced by its flags (the file may change)."""
+    try:
+        return " ".join([sys.argv[0], *expand_flag_files(sys.argv[1:])])
+    except UserError:  # changed or gone since the flags were read: as it was typed
+        return " ".join(sys.argv)
 
 
 def remake_run_directory(config: Config, run_dir: Path, world_size: int) -> None:

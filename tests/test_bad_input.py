@@ -518,6 +518,15 @@ def test_a_finished_run_is_not_resumed_silently(capsys: pytest.CaptureFixture, t
     assert _snapshot(run_dir) == before
 
 
+def test_a_flags_file_is_read_as_the_flags_it_holds_and_a_missing_one_is_one_line(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    flags = tmp_path / "quick.flags"
+    flags.write_text(" ".join(QUICK) + "\n--env CartPol-v1  # mistyped\n")
+    _fails_with(capsys, [f"@{flags}", "--savedir", str(tmp_path)], r"unknown env id 'CartPol-v1'")
+    _fails_with(capsys, [f"@{tmp_path}/absent.flags"], r"flags file .*absent.flags: No such file or directory$")
+    assert list(tmp_path.iterdir()) == [flags]
+
+
 def test_from_the_command_line_no_traceback(tmp_path: Path) -> None:
     """The same through a real `python run.py`: exit code 2 and exactly one line on stderr."""
     for argv in (["--env", "CartPol-v1"], ["--mode", "test", "--env", "CartPole-v1", "--xpid", "nothing-here"]):

@@ -396,6 +396,41 @@ def test_given_flags_are_the_ones_on_the_command_line_abbreviated_or_not() -> No
     assert given_flags([]) == set()
 
 
+def test_a_flags_file_stands_for_its_flags_and_later_flags_override_it(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cartpole.flags").write_text(
+        "# CartPole, quickly\n--env CartPole-v1 --num_actors 2  # two actors\n"
+        "--envs_per_actor 4\n--xpid 'cart.1'\n@more.flags\n")
+    (tmp_path / "more.flags").write_text('--learning_rate 0.001 --policy_loss "impala"\n--seed 5')
+    monkeypatch.chdir(tmp_path)  # a file inside a file is read from the working directory, as on the command line
+    config = parse_config(["@cartpole.flags", "--seed", "7"])
+    assert config == parse_config(["--env", "CartPole-v1", "--num_actors", "2", "--envs_per_actor", "4", "--xpid",
+                                   "cart.1", "--learning_rate", "0.001", "--policy_loss", "impala", "--seed", "7"])
+    assert config.seed == 7 and config.num_actors == 2
+    assert given_flags(["@cartpole.flags"]) == {"env", "num_actors", "envs_per_actor", "xpid", "learning_rate",
+                                                "policy_loss", "seed"}
+    assert parse_config(["@cartpole.flags", "--num_actors", "3"]).num_actors == 3
+
+
+@pytest.mark.parametrize(("content", "pattern"), [
+    (None, r"^flags file .*absent.flags: No such file or directory$"),
+    (b"--env \xff\xfe", r"^flags file .*bad.flags is not UTF-8 text$"),
+    (b"--xpid 'open", r"^flags file .*bad.flags: no closing quotation$"),
+    (b"--env CartPole-v1 @bad.flags", r"^flags file bad.flags: flags files name one another more than 8 deep"),
+    (b"--num_actors two", r"^argument --num_actors: takes a number >= 0 or auto, got 'two'$"),
+])
+def test_a_flags_file_that_cannot_be_read_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      content: bytes | None, pattern: str) -> None:
+    monkeypatch.chdir(tmp_path)
+    name = "absent.flags" if content is None else "bad.flags"
+    if content is not None:
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(UserError, match=pattern):
+        parse_config([f"@{name}"])
+    with pytest.raises(UserError, match=r"^flags file @: the name after @ is empty$"):
+        parse_config(["@"])
+
+
 def test_changed_flags_name_each_difference_but_the_sessions_own() -> None:
     config = parse_config(["--env", "CartPole-v1", "--num_actors", "2", "--total_steps", "900", "--xpid", "a",
                            "--plot_xpids", "a", "b"])

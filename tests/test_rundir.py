@@ -330,3 +330,19 @@ def test_a_rewind_from_checkpoints_saved_before_evaluation_seeds_were_counted_go
     best = {**shapes, "step": 300, "evaluations": 3}
     rundir._go_on_numbering(best, tmp_path, tmp_path / "model_best.tar", eval_episodes=5)
     assert (best["evaluations"], best["eval_seeds_used"]) == (9, 100)
+
+
+def test_meta_json_records_the_flags_a_flags_file_gave_rather_than_its_name(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file may change or go after the run started: meta.json's command is what was run."""
+    (tmp_path / "run.flags").write_text("--env CartPole-v1  # the env\n--num_actors 2\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["run.py", "@run.flags", "--seed", "3"])
+    run_dir = tmp_path / "runs" / "a"
+    run_dir.mkdir(parents=True)
+    rundir.write_run_files(Config(env="CartPole-v1", num_actors=2, seed=3), run_dir, resuming=False)
+    (tmp_path / "run.flags").unlink()
+    assert json.loads((run_dir / "meta.json").read_text())["command"] == (
+        "run.py --env CartPole-v1 --num_actors 2 --seed 3")
+    rundir.write_run_files(Config(env="CartPole-v1", num_actors=2, seed=3), run_dir, resuming=True)
+    assert json.loads((run_dir / "meta.json").read_text())["command"] == "run.py @run.flags --seed 3"  # as typed
