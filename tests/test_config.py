@@ -255,7 +255,7 @@ def test_help_lists_the_flags_by_topic_in_the_order_of_the_fields() -> None:
     grouped = [name for title in titles for name in groups[title]]
     assert grouped == [f.name for f in dataclasses.fields(Config)]  # every flag once, in the fields' order
     help_text = parser.format_help()
-    assert help_text.startswith("usage: run.py [--mode {train,test,plot}] [--env ENV] [--xpid XPID] [FLAG ...]\n")
+    assert help_text.startswith("usage: run.py [--mode {train,test,plot}] [--env ENV] [--xpid XPID] [FLAG ...] [@FILE ...]\n")
     assert help_text.index("\nacting:\n") < help_text.index("--num_actors") < help_text.index("\nremote actors on")
 
 
