@@ -199,7 +199,7 @@ if os.environ.get("MAIN_THREADS") and sys.argv[:1] == ["run.py"]:
     torch.set_num_threads = _forced
 PY
   # first the captures in two threads at once (`impala/cudagraphs.py`, since 6ea0a69; about 20 s)
-  timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -k "take_turns or failed_capture or inference_threads or one_rank_joins" \
+  timeout 60 python3 -m pytest -m gpu -q -p no:cacheprovider -k "take_turns or failed_capture or inference_threads or one_rank_joins or generator" \
     > "$out/pytest_gpu.txt" 2>&1
   echo "pytest rc $?" >> "$out/pytest_gpu.txt"
   tail -n 3 "$out/pytest_gpu.txt"
