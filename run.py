@@ -20,7 +20,7 @@ import time
 from typing import NoReturn
 
 from impala.config import UserError, given_flags, ignored_flags_line, parse_config, unused_training_flags_line
-from impala.stopping import exit_after_runs, ignore_stop_signals
+from impala.stopping import exit_after_runs, ignore_stop_signals, stop_with_launcher
 
 STARTED_S = time.monotonic()  # before torch is imported: a run's elapsed time counts its start-up
 
@@ -105,6 +105,7 @@ def exit_within(exit_code: int) -> NoReturn:
 
 
 if __name__ == "__main__":
+    stop_with_launcher()  # a torchrun rank whose torchrun is killed stops in order rather than training on alone
     # A crash of this process (a segfault or abort in a library, a GPU driver's) prints every thread's Python
     # stack to stderr before it dies, as the actors' and the evaluator's do: where the learner was, for one.
     faulthandler.enable()

@@ -20,6 +20,8 @@ The programs that start runs (the bench, scripts/results.py) take SIGTERM as Ctr
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import signal
 import threading
 import time
@@ -81,6 +83,28 @@ def ignore_stop_signals() -> None:
     exit into a kill)."""
     for signum in STOP_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent ends
+
+
+def stop_with_launcher() -> None:
+    """Under torchrun, have the kernel send this process SIGTERM once torchrun, its parent, has ended.
+
+    torchrun starts each rank in a session of its own, so a kill -9 of torchrun (of its process group too) or the
+    OOM killer's leaves the ranks training on without it until --total_steps, holding the run directory: the same
+    command run again is refused meanwhile. With this they stop in order, with a final checkpoint, as after a
+    SIGTERM to torchrun. A no-op outside torchrun (TORCHELASTIC_RUN_ID unset) and where prctl is missing. Call it
+    first thing: a torchrun that ended before its first line read the parent goes unnoticed."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "LOCAL_RANK" not in os.environ:
+        return
+    launcher = os.getppid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return
+    if prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0 and os.getppid() != launcher:
+        os.kill(os.getpid(), signal.SIGTERM)  # it ended between the two lines above: no signal will come
 
 
 _exit_after_runs = False  # set by `exit_after_runs`

@@ -4,16 +4,20 @@ one that comes while a run is being built stops it before anything starts, leavi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
 import pytest
-from process_helpers import checkpoint_step
+from process_helpers import REPO_ROOT, checkpoint_step
 
 from impala import actor_pool, stopping, training
 from impala.config import Config
@@ -132,3 +136,50 @@ def test_a_signal_after_the_run_files_are_written_starts_nothing_and_saves_nothi
     meta = json.loads((savedir / "built" / "meta.json").read_text())
     assert (meta["end_reason"], meta["final_step"], len(meta["starts"])) == ("terminated", 200, 2)
 
+
+
+_RANK = """
+import signal, sys, time
+from impala.stopping import stop_with_launcher
+stop_with_launcher()
+signal.signal(signal.SIGTERM, lambda *_: (print("SIGTERM", flush=True), sys.exit(0)))
+print("ready", flush=True)
+time.sleep(30)
+print("no signal", flush=True)
+"""
+
+_LAUNCHER = """
+import os, subprocess, sys, time
+env = {**os.environ, **dict(v.split("=", 1) for v in sys.argv[2:])}
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env=env, start_new_session=True,
+                         stdout=open(os.environ["RANK_OUT"], "w"))
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("torchrun", [True, False])
+def test_a_torchrun_rank_is_sent_sigterm_when_torchrun_is_killed(tmp_path: Path, torchrun: bool) -> None:
+    """torchrun starts each rank in a session of its own: a kill -9 of torchrun's process group leaves them running
+    on without it. Under torchrun the kernel sends a rank SIGTERM when torchrun ends (an orderly stop, a final
+    checkpoint); outside torchrun nothing is asked of it."""
+    out = tmp_path / "rank.out"
+    variables = ["TORCHELASTIC_RUN_ID=none", "LOCAL_RANK=0"] if torchrun else []
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _RANK, *variables], stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "RANK_OUT": str(out),
+                                                "PYTHONPATH": str(REPO_ROOT)})
+    assert launcher.stdout is not None
+    rank_pid = int(launcher.stdout.readline())
+    try:
+        deadline = time.monotonic() + 30
+        while "ready" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + (10 if torchrun else 2)
+        while "SIGTERM" not in out.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert out.read_text().split() == (["ready", "SIGTERM"] if torchrun else ["ready"])
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(rank_pid, signal.SIGKILL)
