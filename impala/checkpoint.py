@@ -115,6 +115,9 @@ def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, An
         raise UserError(f"no checkpoint at {path}; train a run with this --xpid first (or check --savedir)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except FileNotFoundError:  # there a moment ago: not damaged, gone
+        raise UserError(f"checkpoint {path} went away as it was opened (deleted or moved: --keep_checkpoints of a "
+                        "run still training prunes its oldest model_step_N.tar); pass another") from None
     except Exception as exc:  # noqa: BLE001 - torch raises many types for truncated, garbage or unsafe files
         if not zipfile.is_zipfile(path):  # a JSON or CSV file of the run, say: torch's own words are no help there
             reason = "not the archive torch.save writes"

@@ -159,7 +159,8 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
         config = dataclasses.replace(config, env=str(state["flags"]["env"]))
         print(f"Playing {config.env}, the env of the checkpoint")
     recorder = EpisodeRecorder() if config.video else None
-    video_run_dir = (_run_dir(config) or find_checkpoint(None, config.checkpoint).parent) if recorder else None
+    # Without --xpid, beside the file loaded (--keep_checkpoints of a live run may have pruned it since)
+    video_run_dir = (_run_dir(config) or Path(config.checkpoint).expanduser().parent) if recorder else None
     if video_run_dir is not None and config.xpid and not video_run_dir.is_dir():  # --checkpoint PATH of elsewhere
         raise UserError(f"--video: there is no run {config.xpid!r} in {config.savedir} to write the video in; drop "
                         "--xpid to write it beside the checkpoint file")

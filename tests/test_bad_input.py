@@ -291,6 +291,28 @@ def test_test_mode_video_of_a_checkpoint_path_into_a_run_that_does_not_exist_is_
     assert not (tmp_path / "ghost").exists()
 
 
+def test_test_mode_video_of_a_checkpoint_pruned_once_loaded_goes_beside_where_it_was(
+        capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A kept model_step_N.tar of a run still training: --keep_checkpoints may delete it just after test mode
+    loaded it. The games are played and the video written all the same, into the run's test/ directory."""
+    from impala import evaluate
+
+    run_dir = _saved_run(tmp_path, "cartpole")
+    kept = run_dir / "model_step_40.tar"
+    os.replace(run_dir / CHECKPOINT_NAME, kept)
+    load_agent = evaluate.load_agent
+
+    def load_then_prune(*args: object, **kwargs: object) -> object:
+        loaded = load_agent(*args, **kwargs)  # type: ignore[arg-type]
+        kept.unlink()
+        return loaded
+
+    monkeypatch.setattr(evaluate, "load_agent", load_then_prune)
+    assert run.main(["--mode", "test", "--checkpoint", str(kept), "--test_episodes", "1", "--video"]) == 0
+    assert "Mean return over 1 episode: " in capsys.readouterr().out
+    assert list((run_dir / "test").glob("events.out.tfevents.*"))
+
+
 def test_test_mode_video_on_a_full_disk_is_one_line_after_the_results(
         capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from tensorboard.compat.tensorflow_stub.io import gfile

@@ -145,6 +145,18 @@ def test_unreadable_files_are_a_one_line_user_error(tmp_path: Path, content: str
     assert "\n" not in str(error.value)
 
 
+def test_a_checkpoint_deleted_as_it_is_opened_is_called_gone_not_damaged(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """--keep_checkpoints of a run still training can prune a model_step_N.tar between the check that it is there
+    and its opening: an intact file that went, not a truncated one."""
+    path = tmp_path / "model_step_40.tar"
+    monkeypatch.setattr(Path, "is_file", lambda self: True)  # it was there at the check
+    with pytest.raises(UserError) as error:
+        load_checkpoint(path)
+    assert str(error.value) == (f"checkpoint {path} went away as it was opened (deleted or moved: --keep_checkpoints "
+                                "of a run still training prunes its oldest model_step_N.tar); pass another")
+
+
 def test_loading_runs_no_code(tmp_path: Path) -> None:
     path = tmp_path / CHECKPOINT_NAME
     marker = tmp_path / "ran"
