@@ -28,7 +28,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
-from impala.config import Config, UserError, first_line, is_utf8, parse_config, run_path, shown_bytes
+from impala.config import LATEST_NAME, Config, UserError, first_line, is_utf8, parse_config, run_path, shown_bytes
 from impala.events import event_files, read_scalars
 
 RETURN_TAG = "charts/episodic_return"
@@ -160,6 +160,8 @@ def load_curve(savedir: Path, name: str) -> Curve:
     if not run_dir.is_dir():
         existing = find_runs(savedir)
         raise UserError(f"no run {name!r} in {savedir} (runs there: {', '.join(existing) or 'none'})")
+    if name == LATEST_NAME:  # the run it names, in the legend and the lines below
+        name = run_dir.resolve().name
     series, damaged_events = _series_from_events(run_dir, (RETURN_TAG, EVAL_TAG))
     if damaged_events:
         print(damaged_events_line(name, damaged_events))

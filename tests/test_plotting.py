@@ -238,6 +238,13 @@ def test_a_resumed_runs_purged_events_are_plotted_without_a_word_on_stderr(tmp_p
     assert curve.steps.tolist() == [100, 200, 400] and curve.returns.tolist() == [100.0, -200.0, -400.0]
 
 
+def test_the_latest_run_is_drawn_under_its_own_name(savedir: Path) -> None:
+    assert plotting.load_curve(savedir, "latest").name == "fast"  # an older version's symlink
+    (savedir / "latest").unlink()
+    (savedir / "latest").write_text("slow\n")  # the file a run writes now
+    assert plotting.load_curve(savedir, "latest").name == "slow"
+
+
 def test_a_missing_run_names_the_runs_that_exist(savedir: Path) -> None:
     with pytest.raises(UserError, match=r"no run 'nope' .*runs there: csv-only, fast, slow"):
         plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--xpid", "fast", "nope"]))
