@@ -352,8 +352,9 @@ def start_inference(run: Run) -> None:
         return
     servers = run.inference.servers.servers
     if len(servers) > 1:
-        log.info("Central inference: %d threads, each serving %s env splits", len(servers),
-                 "/".join(str(server.max_clients) for server in servers))
+        log.info("Central inference: %d threads serving %s of the %d env splits", len(servers),
+                 " + ".join(str(server.max_clients) for server in servers),
+                 sum(server.max_clients for server in servers))
     for k, server in enumerate(servers):
         name = "inference" if len(servers) == 1 else f"inference-{k}"
         thread = threading.Thread(target=_inference_thread, args=(run.inference, server), name=name, daemon=True)

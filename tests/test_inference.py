@@ -310,7 +310,7 @@ def test_a_run_with_two_inference_threads_serves_each_actor_from_its_own_thread(
     assert result.returncode == 0, result.stderr[-2000:]
     meta = json.loads((tmp_path / "two" / "meta.json").read_text())
     assert meta["end_reason"] == "finished" and meta["final_step"] >= 4000
-    assert "Central inference: 2 threads, each serving 1/1 env splits" in result.stdout + result.stderr
+    assert "Central inference: 2 threads serving 1 + 1 of the 2 env splits" in result.stdout + result.stderr
     rows = list(csv.DictReader(io.StringIO((tmp_path / "two" / "logs.csv").read_text())))
     served = [row for row in rows if row["stats/inference_actors_per_batch"]]
     assert served, rows
