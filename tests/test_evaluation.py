@@ -5,6 +5,7 @@ copies, and --checkpoint picks what test mode and resume load."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -20,8 +21,9 @@ import textwrap
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing import Pipe
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -645,28 +647,24 @@ def test_the_wait_for_a_request_is_not_held_against_the_evaluation_it_asks_for(
         run_.runlog.close()
 
 
-def test_a_resumed_run_asks_for_no_evaluation_before_its_learner_moves_past_the_checkpoints_step(
-        tmp_path: Path) -> None:
-    """The session that saved the checkpoint may have evaluated its weights and logged it at that step, which a
-    resume keeps: the same weights are not evaluated there a second time."""
+@contextlib.contextmanager
+def _evaluation_due(tmp_path: Path) -> Iterator[tuple[types.SimpleNamespace, Connection]]:
+    """A run at step 900 after 4 evaluations, its evaluator an idle process whose next evaluation is due; yields
+    the run and the evaluator's end of the pipe, on which a request arrives."""
     ctx = multiprocessing.get_context("fork")
     run_ = _fake_run(tmp_path, best=None)
     model = _net()
     optimizer = torch.optim.Adam(model.parameters())
     run_.state = LearnerState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
                               ActorLives(seed=0, session=1), step=900, evaluations=4)
-    run_.update_lock, run_.resumed_step = threading.Lock(), 900
+    run_.update_lock = threading.Lock()
     idle = ctx.Process(target=time.sleep, args=(60,))
     idle.start()
     main_end, process_end = ctx.Pipe()
     run_.evaluator.process, run_.evaluator.connection = idle, main_end
     run_.evaluator.last_request_s = time.monotonic() - 10  # due, by --eval_interval_s 1
     try:
-        check_evaluator(run_)
-        assert run_.evaluator.pending is None and not process_end.poll()
-        run_.state.step = 920  # the first update of the session
-        check_evaluator(run_)
-        assert process_end.recv()[:2] == (5, 920)
+        yield run_, process_end
     finally:
         idle.kill()
         idle.join()
@@ -674,26 +672,28 @@ def test_a_resumed_run_asks_for_no_evaluation_before_its_learner_moves_past_the_
         run_.runlog.close()
 
 
+def test_a_resumed_run_asks_for_no_evaluation_before_its_learner_moves_past_the_checkpoints_step(
+        tmp_path: Path) -> None:
+    """The session that saved the checkpoint may have evaluated its weights and logged it at that step, which a
+    resume keeps: the same weights are not evaluated there a second time."""
+    with _evaluation_due(tmp_path) as (run_, process_end):
+        run_.resumed_step = 900
+        check_evaluator(run_)
+        assert run_.evaluator.pending is None and not process_end.poll()
+        run_.state.step = 920  # the first update of the session
+        check_evaluator(run_)
+        assert process_end.recv()[:2] == (5, 920)
+
+
 def test_weights_a_failed_update_may_have_torn_are_not_copied_for_an_evaluation(tmp_path: Path) -> None:
     """A learner whose update raised marks the weights torn under the update lock; an evaluation due before the
     monitor ends the run must not play them, or keep them as model_best.tar."""
-    ctx = multiprocessing.get_context("fork")
-    run_ = _fake_run(tmp_path, best=None)
-    model = _net()
-    optimizer = torch.optim.Adam(model.parameters())
-    run_.state = LearnerState(model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
-                              ActorLives(seed=0, session=1), step=900, evaluations=4)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.fill_(7.0)
-    whole = [False]
-    run_.update_lock, run_.learners = threading.Lock(), types.SimpleNamespace(weights_whole=lambda: whole[0])
-    idle = ctx.Process(target=time.sleep, args=(60,))
-    idle.start()
-    main_end, process_end = ctx.Pipe()
-    run_.evaluator.process, run_.evaluator.connection = idle, main_end
-    run_.evaluator.last_request_s = time.monotonic() - 10  # due, by --eval_interval_s 1
-    try:
+    with _evaluation_due(tmp_path) as (run_, process_end):
+        with torch.no_grad():
+            for parameter in run_.state.model.parameters():
+                parameter.fill_(7.0)
+        whole = [False]
+        run_.learners = types.SimpleNamespace(weights_whole=lambda: whole[0])
         check_evaluator(run_)
         assert run_.evaluator.pending is None and not process_end.poll() and run_.state.evaluations == 4
         assert all(not (parameter == 7.0).all() for parameter in run_.evaluator.model.parameters())
@@ -701,11 +701,6 @@ def test_weights_a_failed_update_may_have_torn_are_not_copied_for_an_evaluation(
         check_evaluator(run_)
         assert process_end.recv()[:2] == (5, 900) and run_.state.evaluations == 5
         assert all((parameter == 7.0).all() for parameter in run_.evaluator.model.parameters())
-    finally:
-        idle.kill()
-        idle.join()
-        process_end.close()
-        run_.runlog.close()
 
 
 # ---------------------------------------------------------------------------------- whole runs
