@@ -131,7 +131,8 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
         raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from; "
                         "drop --resume to start a new run")
     checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
-    if config.checkpoint not in ("latest", "best") and start_gone(config.checkpoint, run_dir):
+    if (checkpoint_path is not None and config.checkpoint not in ("latest", "best")
+            and not os.path.lexists(Path(config.checkpoint).expanduser())):  # a PATH gone: only `start_gone` passes
         log.warning("%s was this run's start and is gone since (--keep_checkpoints prunes the run's own copies): it "
                     "continues from its own %s", config.checkpoint, checkpoint_path)
     if checkpoint_path is None:
