@@ -77,6 +77,7 @@ from impala.actor_pool import keep_freed_memory
 from impala.buffers import BufferSpec, create_buffers, pin_observations, unpin_observations
 from impala.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from impala.config import (
+    ONLY_WITH,
     Config,
     DefaultsHelpFormatter,
     OneLineErrorParser,
@@ -756,7 +757,7 @@ def run_argv(config: Config, savedir: str, extra: Sequence[str] = ()) -> list[st
     return argv + list(extra)
 
 
-CENTRAL_ONLY = ("inference_wait_ms", "inference_threads")  # flags of --inference central alone
+CENTRAL_ONLY = dict(ONLY_WITH)["--inference central"]  # flags of --inference central alone
 
 
 def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "") -> dict[str, Any]:
