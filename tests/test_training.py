@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import re
+import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -337,3 +338,53 @@ def test_an_update_that_ends_while_the_progress_row_waits_for_it_is_counted_whol
     (row_step, scalars), = rows
     assert row_step == 1_500 and "losses/total_loss" in scalars
     assert 500 / (logged_at - start + 0.2) == pytest.approx(scalars["charts/SPS"])
+
+
+class _Limits:
+    """A stand-in for the `resource` module's open-files limit: the limits it reports, what was set."""
+
+    RLIMIT_NOFILE, RLIM_INFINITY = 7, -1
+
+    def __init__(self, soft: int, hard: int) -> None:
+        self.limits = (soft, hard)
+        self.set: tuple[int, int] | None = None
+
+    def getrlimit(self, which: int) -> tuple[int, int]:
+        assert which == self.RLIMIT_NOFILE
+        return self.limits
+
+    def setrlimit(self, which: int, limits: tuple[int, int]) -> None:
+        assert which == self.RLIMIT_NOFILE
+        self.set = limits
+
+
+def test_a_soft_limit_of_open_files_too_low_for_the_actors_is_raised_to_the_hard_one(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    limits = _Limits(soft=1024, hard=524_288)
+    monkeypatch.setattr(training, "resource", limits)
+    training.allow_open_files(Config(num_actors=120))  # 64 + 8 x 120 = 1,024: the soft limit holds them
+    assert limits.set is None
+    with caplog.at_level("INFO", logger="impala"):
+        training.allow_open_files(Config(num_actors=121))
+    assert limits.set == (524_288, 524_288)
+    assert "Raised the limit of open files from 1024 to 524288: the actors of --num_actors 121 need about 1032" in caplog.text
+    limits.set = None
+    training.allow_open_files(Config(ray="auto", num_actors=0, ray_actors=481))  # 64 + 2 x 481 = 1,026
+    assert limits.set == (524_288, 524_288)
+
+
+def test_a_hard_limit_of_open_files_too_low_for_the_actors_is_a_user_error_before_anything_starts(
+        tmp_path: Path) -> None:
+    """Where `ulimit -n` is below what the actors need, the start is one line and exit code 2, not a traceback of
+    "Too many open files" from the middle of starting them (measured: `ulimit -n 40` with 8 actors)."""
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (100, 100))
+
+    result = subprocess.run([sys.executable, "run.py", "--env", "CartPole-v1", "--num_actors", "8", "--savedir",
+                             str(tmp_path), "--xpid", "r", "--total_steps", "1000"], preexec_fn=low_limit,
+                            cwd=Path(__file__).parent.parent, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        ("run.py: error: the actors of --num_actors 8 need about 128 open files, and this process may open 100 at "
+         "most (`ulimit -Hn`): raise that limit, or lower the number of actors")]
+    assert not (tmp_path / "r").exists()
