@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from impala.config import UserError
+from impala.config import UserError, memory_limit
 
 log = logging.getLogger("impala")
 
@@ -94,13 +94,24 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def usable_memory() -> tuple[int, str]:
+    """The memory a run's processes may use together, and the words a message gives it: this machine's, or less
+    where this process's cgroups limit it and its children (`memory_limit`: a container's, a job's), whose kernel
+    kills a process of the run once they are over it."""
+    physical, limit = physical_memory_bytes(), memory_limit()
+    if limit is None or limit >= physical:
+        return physical, f"this machine has {physical / 2**30:.1f} GiB"
+    return limit, (f"this process's memory limit (its cgroup's: a container's, a job's) is {limit / 2**30:.1f} GiB "
+                   f"of the machine's {physical / 2**30:.1f}")
+
+
 LOWER_LOCAL_SLOTS = "--num_buffers, --unroll_length or --envs_per_actor"
 LOWER_REMOTE_SLOTS = "--ray_steps_per_request or --ray_actors"  # each remote actor's object has slots of its own
 
 
 def check_shared_memory(needed_bytes: int, path: str = "/dev/shm", lower: str = LOWER_LOCAL_SLOTS) -> None:
-    """Raise UserError if `path` has too little free space for the rollout buffers; `lower` names the flags that
-    make them fewer or smaller."""
+    """Raise UserError if `path` has too little free space for the rollout buffers, or the memory the run may use
+    (`usable_memory`) is less than they take; `lower` names the flags that make them fewer or smaller."""
     try:
         stat = os.statvfs(path)
     except OSError:
@@ -112,6 +123,11 @@ def check_shared_memory(needed_bytes: int, path: str = "/dev/shm", lower: str = 
             f"the rollout buffers need {needed_bytes / 2**20:.0f} MiB of shared memory, {with_room / 2**20:.0f} MiB "
             f"with the shared models and queues, but {path} has {free / 2**20:.0f} MiB free; in Docker run with "
             f"--shm-size=8g (or --ipc=host), or lower {lower}")
+    memory, memory_words = usable_memory()
+    if with_room > memory:  # a cgroup's limit counts shared memory as any other: the kernel would kill the run
+        raise UserError(
+            f"the rollout buffers need {needed_bytes / 2**20:.0f} MiB of shared memory, {with_room / 2**20:.0f} MiB "
+            f"with the shared models and queues, where {memory_words}: lower {lower}")
 
 
 def create_buffers(spec: BufferSpec, shared: bool = True, lower: str = LOWER_LOCAL_SLOTS) -> Buffers:

@@ -64,24 +64,39 @@ def cpu_quota(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("
     """The CPUs' worth of time this process's cgroups allow it: the smallest quota of its cgroup and of those above
     it (`docker run --cpus`, a Kubernetes CPU limit, systemd's CPUQuota), from cgroup v2's `cpu.max` or v1's
     `cpu.cfs_quota_us` / `cpu.cfs_period_us`; None where none is set or none can be read."""
+    return min(_cgroup_limits(proc_cgroup, root, _cpu_max, "cpu", ("cpu", "cpu,cpuacct", "cpuacct,cpu"), _cfs_quota),
+               default=None)
+
+
+def memory_limit(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The bytes of memory this process's cgroups allow it and its children: the smallest limit of its cgroup and of
+    those above it (`docker run --memory`, a Kubernetes memory limit, systemd's MemoryMax), from cgroup v2's
+    `memory.max` or v1's `memory.limit_in_bytes`; None where none is set or none can be read."""
+    limits = _cgroup_limits(proc_cgroup, root, _memory_max, "memory", ("memory",), _memory_limit_in_bytes)
+    return int(min(limits)) if limits else None
+
+
+def _cgroup_limits(proc_cgroup: Path, root: Path, read_v2: Callable[[Path], float | None], controller: str,
+                   v1_mounts: tuple[str, ...], read_v1: Callable[[Path], float | None]) -> list[float]:
+    """The limits that `read_v2` (cgroup v2) or `read_v1` (v1's `controller`, mounted at one of `v1_mounts` under
+    `root`) finds in this process's cgroup (named in `proc_cgroup`) and in those above it."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
-        return None
-    quotas: list[float] = []
+        return []
+    limits: list[float] = []
     for line in lines:
         fields = line.split(":", 2)  # hierarchy id : controllers : the cgroup's path
         if len(fields) != 3:
             continue
         _, controllers, path = fields
         if controllers == "":  # cgroup v2: one hierarchy
-            quotas += _quotas_up_from(root, path, _cpu_max)
-        elif "cpu" in controllers.split(","):  # cgroup v1: the cpu controller's hierarchy
-            mount = next((root / name for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu") if (root / name).is_dir()),
-                         None)
+            limits += _quotas_up_from(root, path, read_v2)
+        elif controller in controllers.split(","):  # cgroup v1: the controller's hierarchy
+            mount = next((root / name for name in v1_mounts if (root / name).is_dir()), None)
             if mount is not None:
-                quotas += _quotas_up_from(mount, path, _cfs_quota)
-    return min(quotas, default=None)
+                limits += _quotas_up_from(mount, path, read_v1)
+    return limits
 
 
 def _quotas_up_from(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
@@ -115,6 +130,22 @@ def _cfs_quota(directory: Path) -> float | None:
     except (OSError, ValueError):
         return None
     return quota / period if quota > 0 and period > 0 else None  # -1: no quota
+
+
+def _memory_max(directory: Path) -> int | None:
+    try:
+        text = (directory / "memory.max").read_text().strip()
+        return None if text == "max" else int(text)
+    except (OSError, ValueError):
+        return None
+
+
+def _memory_limit_in_bytes(directory: Path) -> int | None:
+    try:
+        limit = int((directory / "memory.limit_in_bytes").read_text())
+    except (OSError, ValueError):
+        return None
+    return limit if 0 < limit < 2**62 else None  # no limit: the largest page count, 9223372036854771712
 
 
 def _num_actors_arg(text: str) -> int:

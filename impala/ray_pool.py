@@ -42,7 +42,7 @@ from impala.actor_pool import (
     RecentDeaths,
     stop_signals_blocked,
 )
-from impala.buffers import Buffers, BufferSpec, create_buffers, physical_memory_bytes
+from impala.buffers import Buffers, BufferSpec, create_buffers, usable_memory
 from impala.config import Config, TrainingError, UserError, first_line, is_head_address
 from impala.environment import is_atari
 from impala.learner import BATCH_KEYS
@@ -849,20 +849,20 @@ def disconnect(connection: tuple[Any, bool | None]) -> None:
         ray.shutdown()
 
 
-# Of this machine's memory, the most --ray local's object store may take: the remote actors, the learner and its
+# Of the memory the run may use, the most --ray local's object store may take: the remote actors, the learner and its
 # slots need the rest, and Ray refuses a store that leaves its tasks less than 5%.
 MAX_LOCAL_STORE_SHARE = 0.5
 
 
 def check_local_store_fits(config: Config, store_bytes: int, unroll_bytes: int) -> None:
     """UserError where --ray local's object store (`local_object_store_bytes`) would take more than
-    MAX_LOCAL_STORE_SHARE of this machine's memory: a --ray_steps_per_request of hundreds of thousands of steps."""
-    memory = physical_memory_bytes()
+    MAX_LOCAL_STORE_SHARE of the memory the run may use (`usable_memory`): a --ray_steps_per_request of hundreds of thousands of steps."""
+    memory, memory_words = usable_memory()
     if store_bytes > MAX_LOCAL_STORE_SHARE * memory:
         raise UserError(f"--ray local: each remote actor's object holds {config.ray_unrolls_per_object:,} unrolls of "
                         f"{unroll_bytes / 2**20:.2f} MiB (--ray_steps_per_request {config.ray_steps_per_request:,}), "
                         f"and the objects in flight of {config.ray_actors} remote actor(s) need an object store of "
-                        f"{store_bytes / 2**30:.1f} GiB where this machine has {memory / 2**30:.1f} GiB: lower "
+                        f"{store_bytes / 2**30:.1f} GiB where {memory_words}: lower "
                         "--ray_steps_per_request or --ray_actors")
 
 

@@ -16,7 +16,7 @@ import torch
 from process_helpers import run_py
 
 import run
-from impala import slots, training
+from impala import buffers, slots, training
 from impala.checkpoint import CHECKPOINT_NAME, save_checkpoint
 from impala.model import Net
 
@@ -464,10 +464,34 @@ def test_a_checkpoint_whose_optimiser_state_or_counters_do_not_fit_is_one_line(
 def test_a_net_too_big_for_the_machines_memory_is_one_line_before_anything_is_allocated(
         capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An MLP's weights grow as --hidden_size squared: 20,000 on CartPole is 400M weights, 6.0 GiB in four copies."""
-    monkeypatch.setattr(training, "physical_memory_bytes", lambda: 4 * 2**30)  # a machine of 4 GiB
+    monkeypatch.setattr(buffers, "physical_memory_bytes", lambda: 4 * 2**30)  # a machine of 4 GiB
+    monkeypatch.setattr(buffers, "memory_limit", lambda: None)
     _fails_with(capsys, [*QUICK, "--hidden_size", "20000", "--savedir", str(tmp_path), "--xpid", "big"],
                 r"the mlp net has 400,180,003 weights, and training holds at least 4 float32 copies of them "
                 r"\(6.0 GiB\) where this machine has 4.0 GiB: lower --hidden_size")
+    assert not (tmp_path / "big").exists()
+
+
+def test_what_a_cgroup_memory_limit_cannot_hold_is_one_line_naming_the_limit(
+        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a container (`docker run --memory`, a Kubernetes limit) the kernel kills a process of the run once the
+    limit is passed, however much memory the machine has: the checks of the net, the actors and the rollout buffers
+    (shared memory counts against the limit too) hold them to the limit."""
+    monkeypatch.setattr(buffers, "physical_memory_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(buffers, "memory_limit", lambda: 4 * 2**30)
+    limit = r"this process's memory limit \(its cgroup's: a container's, a job's\) is 4.0 GiB of the machine's 64.0"
+    _fails_with(capsys, [*QUICK, "--hidden_size", "20000", "--savedir", str(tmp_path), "--xpid", "big"],
+                r"the mlp net has 400,180,003 weights, and training holds at least 4 float32 copies of them "
+                rf"\(6.0 GiB\) where {limit}: lower --hidden_size")
+    monkeypatch.setattr(buffers, "memory_limit", lambda: 2**28)  # 256 MiB
+    limit = limit.replace("4.0 GiB", "0.2 GiB")
+    _fails_with(capsys, [*QUICK, "--num_actors", "30", "--savedir", str(tmp_path), "--xpid", "big"],
+                rf"--num_actors 30: each actor process holds at least 12 MiB of its own \(0.4 GiB in all\) where "
+                rf"{limit}: lower --num_actors, or pass auto \(one per core\)")
+    monkeypatch.setattr(buffers, "memory_limit", lambda: 2**26)  # 64 MiB: room for one actor, not the slots
+    _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "big"],
+                rf"the rollout buffers need 0 MiB of shared memory, 64 MiB with the shared models and queues, "
+                rf"where {limit.replace('0.2 GiB', '0.1 GiB')}: lower --num_buffers, --unroll_length or --envs_per_actor")
     assert not (tmp_path / "big").exists()
 
 

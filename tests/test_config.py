@@ -25,6 +25,7 @@ from impala.config import (
     first_line,
     given_flags,
     ignored_flags_line,
+    memory_limit,
     parse_config,
     run_path,
     unused_training_flags_line,
@@ -122,6 +123,37 @@ def test_the_cpu_quota_is_the_smallest_of_the_process_cgroup_and_those_above_it(
     assert cpu_quota(proc, root) == 4.0
     proc.write_text("0::/docker/abc\n")  # no cgroup namespace: the path is the host's, the mount the container's
     assert cpu_quota(proc, root) == 4.0
+
+
+def test_the_memory_limit_is_the_smallest_of_the_process_cgroup_and_those_above_it(tmp_path: Path) -> None:
+    proc = tmp_path / "cgroup"
+    root = tmp_path / "sys"
+    proc.write_text("0::/kubepods/pod1/container\n")  # cgroup v2
+    _cgroup_files(root, {"kubepods/memory.max": "max\n", "kubepods/pod1/memory.max": "8589934592\n",
+                         "kubepods/pod1/container/memory.max": "max\n"})
+    assert memory_limit(proc, root) == 8 * 2**30  # the pod's limit, above the container's own cgroup
+    _cgroup_files(root, {"kubepods/pod1/container/memory.max": "4294967296\n"})
+    assert memory_limit(proc, root) == 4 * 2**30
+    _cgroup_files(root, {"kubepods/pod1/container/memory.max": "max\n", "kubepods/pod1/memory.max": "max\n"})
+    assert memory_limit(proc, root) is None  # no limit anywhere
+    proc.write_text("0::/\n")  # a container in its own cgroup namespace: its cgroup is the mount point
+    _cgroup_files(root, {"memory.max": "2147483648\n"})
+    assert memory_limit(proc, root) == 2 * 2**30
+
+
+def test_the_memory_limit_of_cgroup_v1_and_what_cannot_be_read(tmp_path: Path) -> None:
+    proc = tmp_path / "cgroup"
+    root = tmp_path / "sys"
+    proc.write_text("5:memory:/jobs/7\n4:cpu,cpuacct:/jobs/7\n0::/\n")  # v1 beside an empty v2 hierarchy
+    _cgroup_files(root, {"memory/jobs/7/memory.limit_in_bytes": "9223372036854771712\n",  # v1's "no limit"
+                         "memory/jobs/memory.limit_in_bytes": "3221225472\n"})
+    assert memory_limit(proc, root) == 3 * 2**30
+    assert cpu_quota(proc, root) is None  # the memory controller's limit is not the cpu controller's
+    _cgroup_files(root, {"memory/jobs/memory.limit_in_bytes": "garbage\n"})
+    assert memory_limit(proc, root) is None
+    assert memory_limit(tmp_path / "missing", root) is None
+    proc.write_text("not a cgroup line\n")
+    assert memory_limit(proc, root) is None
 
 
 def test_the_cpu_quota_of_cgroup_v1_and_what_cannot_be_read(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import torch
 
+from impala import buffers
 from impala.actor_pool import _ledger
 from impala.bench import _tree
 from impala.buffers import BufferSpec, create_buffers
@@ -170,7 +171,8 @@ def test_an_object_store_beyond_half_the_machines_memory_is_refused_before_ray_s
     from impala import ray_pool
 
     ray = pytest.importorskip("ray")
-    monkeypatch.setattr(ray_pool, "physical_memory_bytes", lambda: 2**29)  # a machine of 512 MiB
+    monkeypatch.setattr(buffers, "physical_memory_bytes", lambda: 2**29)  # a machine of 512 MiB
+    monkeypatch.setattr(buffers, "memory_limit", lambda: None)
     argv = [*REMOTE_QUICK, "--unroll_length", "1000", "--savedir", str(tmp_path), "--xpid", "big"]
     err = _one_line_and_exit_2(capsys, [*argv, "--ray_steps_per_request", "2000000"])
     assert re.fullmatch(r"run.py: error: --ray local: each remote actor's object holds 2,000 unrolls of 0.04 MiB "

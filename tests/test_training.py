@@ -388,3 +388,19 @@ def test_a_hard_limit_of_open_files_too_low_for_the_actors_is_a_user_error_befor
         ("run.py: error: the actors of --num_actors 8 need about 128 open files, and this process may open 100 at "
          "most (`ulimit -Hn`): raise that limit, or lower the number of actors")]
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("limit, told", [(None, False), (64 * 2**30, False), (3 * 2**30, True)])
+def test_a_cgroup_memory_limit_below_the_machines_memory_is_told_at_the_start(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, limit: int | None,
+        told: bool) -> None:
+    """Where a container's limit ends a run's process (the kernel's OOM killer, "Killed"), its first lines say what
+    the limit was; a limit at or above the machine's memory limits nothing."""
+    monkeypatch.setattr(training, "physical_memory_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(training, "memory_limit", lambda: limit)
+    config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=4, batch_size=2, hidden_size=8,
+                    disable_cuda=True, savedir=str(tmp_path), xpid="limited")
+    _start_lines(config, caplog)
+    line = ("This process's cgroup limits the memory of the run's processes to 3.0 GiB of the machine's 64.0: past "
+            "it, the kernel kills one of them")
+    assert (line in caplog.text) == told, caplog.text
