@@ -31,13 +31,14 @@ import traceback
 from collections.abc import Callable, Iterator
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing as mp
 
 from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
-from impala.buffers import Buffers
+from impala.buffers import Buffers, usable_memory
 from impala.channels import RecordQueue, SharedFloats, StopFlag, TracebackQueue
 from impala.config import Config, TrainingError
 from impala.inference import InferenceServers
@@ -207,6 +208,7 @@ class LocalActorPool:
         self._servers: dict[int, int | None] = {}  # actor index -> the pid of the fork server that started it
         self._lost_servers: set[int] = set()  # fork servers whose death was counted as a restart
         self.deaths = RecentDeaths()
+        self.oom_kills = OomKills()  # tells an actor killed for want of memory from one killed otherwise
         self._unclaimed: dict[int, str] = {}  # tracebacks of actors not yet seen dead (still exiting)
         self.last_hang_check = time.monotonic()
 
@@ -277,6 +279,7 @@ class LocalActorPool:
         """Replace every actor that died or hung: report it (with the traceback it sent, if any), give its
         slots to its replacement and start that. Too many deaths raise TrainingError instead."""
         self.kill_hung()
+        self.oom_kills.look()  # each check: a kill is dated by the check after it, not by the next death
         dead = [(index, process) for index, process in enumerate(self.processes) if not process.is_alive()]
         if not dead:
             return
@@ -302,7 +305,7 @@ class LocalActorPool:
         return first
 
     def _replace(self, index: int, process: BaseProcess, detail: str, counted: bool = True) -> None:
-        how = exit_description(process.exitcode)
+        how = exit_description(process.exitcode, self.oom_kills.recent())
         log.error("Actor %d (pid %d) died: %s%s", index, process.pid, how, f"\n{detail}" if detail else "")
         progress = self.channels.policy_version.value  # a new version: the learner updated since the last death
         deaths = self.deaths.add(progress) if counted else self.deaths.recent()
@@ -565,11 +568,56 @@ def _ended(pidfd: int, timeout_s: float) -> bool:
     return bool(poller.poll(timeout_s * 1000))
 
 
-def exit_description(exitcode: int | None) -> str:
+def exit_description(exitcode: int | None, oom_kills: int = 0) -> str:
+    """How a child process ended, for the log; `oom_kills`: the processes the kernel's OOM killer ended lately
+    (`OomKills.recent`), which make a SIGKILL most likely one of them."""
     if exitcode is not None and exitcode < 0:
         with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-exitcode).name}"
+            killed = f"killed by {signal.Signals(-exitcode).name}"
+            if exitcode != -signal.SIGKILL or not oom_kills:
+                return killed
+            return (f"{killed}, most likely for want of memory (the kernel's OOM killer ended {oom_kills} "
+                    f"process{'es' if oom_kills > 1 else ''} on this machine in the last {OOM_WINDOW_S:g} s, and "
+                    f"{usable_memory()[1]})")
     return f"exit code {exitcode}"
+
+
+# How long an OOM kill that the count shows stays a likely cause of a child's SIGKILL: the count rises as the kill is
+# sent, and the child is seen dead at a later check, once it has exited (an actor freeing gigabytes takes a while).
+OOM_WINDOW_S = 30.0
+
+
+class OomKills:
+    """The kernel's count of the processes its OOM killer ended (`oom_kill` in /proc/vmstat, Linux 4.13+: the whole
+    machine's, those of a cgroup's memory limit included), looked at on each check of the children to tell one
+    killed for want of memory from one killed by a person or another program: both end by SIGKILL."""
+
+    def __init__(self, vmstat: Path = Path("/proc/vmstat")) -> None:
+        self._vmstat = vmstat
+        self._seen = self._count()
+        self._rises: list[tuple[float, int]] = []  # (when a look saw the count rise, by how much), in the window
+
+    def _count(self) -> int | None:
+        with contextlib.suppress(OSError, ValueError):
+            for line in self._vmstat.read_text().splitlines():
+                name, _, value = line.partition(" ")
+                if name == "oom_kill":
+                    return int(value)
+        return None
+
+    def look(self) -> None:
+        """Read the count (32 us here); a rise since the last look counts as kills of now."""
+        count, now = self._count(), time.monotonic()
+        if count is not None and self._seen is not None and count > self._seen:
+            self._rises.append((now, count - self._seen))
+        self._seen = count
+        self._rises = [(when, rise) for when, rise in self._rises if now - when <= OOM_WINDOW_S]
+
+    def recent(self) -> int:
+        """The OOM killer's kills in the last OOM_WINDOW_S, as far as the looks saw them (this one included); 0
+        where the count is not readable."""
+        self.look()
+        return sum(rise for _, rise in self._rises)
 
 
 def finish_within(timeout_s: float, step: Callable[[], None], what: str) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from impala.actor_pool import (
+    OomKills,
     RecentDeaths,
     die_with_main_process,
     end_if_lost,
@@ -72,6 +73,7 @@ class Evaluator:
     last_request_s: float = field(default_factory=time.monotonic)
     error_text: str = ""  # the traceback a failing evaluator sent before it died
     deaths: RecentDeaths = field(default_factory=RecentDeaths)
+    oom_kills: OomKills = field(default_factory=OomKills)  # tells a death for want of memory from another SIGKILL
     disabled: bool = False
     finished: int = 0  # evaluations received in this session
     evaluated_step: int | None = None  # the step of the weights the last evaluation received played
@@ -169,6 +171,7 @@ def check_evaluator(run: EvaluatedRun) -> None:
         return
     _receive_evaluation(run, evaluator)
     _kill_if_hung(run, evaluator)
+    evaluator.oom_kills.look()
     if not evaluator.process.is_alive():
         replace_evaluator(run, evaluator)
     elif (evaluator.pending is None and time.monotonic() - evaluator.last_request_s >= run.config.eval_interval_s
@@ -321,7 +324,7 @@ def replace_evaluator(run: EvaluatedRun, evaluator: Evaluator) -> None:
     lost = f"the evaluation of step {evaluator.pending['step']} is lost" if evaluator.pending else "no evaluation lost"
     detail = evaluator.error_text.strip()
     log.error("Evaluator (pid %d) died: %s; %s, training goes on%s", process.pid,
-              exit_description(process.exitcode), lost, f"\n{detail}" if detail else "")
+              exit_description(process.exitcode, evaluator.oom_kills.recent()), lost, f"\n{detail}" if detail else "")
     evaluator.pending, evaluator.last_request_s = None, time.monotonic()
     deaths = evaluator.deaths.add(evaluator.finished)  # an evaluation finished since the last death: progress
     if deaths > run.config.max_actor_restarts:
