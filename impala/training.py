@@ -328,28 +328,35 @@ def check_actors_fit(config: Config) -> None:
                     "(--ray auto|HOST:PORT)")
 
 
-# The files run.py holds open (/proc/PID/fd): 32 + 5 per actor, 47 + 7 per actor with --inference central, two
-# inference threads and the evaluator (measured with 2 to 32 CartPole actors), 61 + 1 per remote actor of --ray
-# local; here with room to spare.
-OPEN_FILES_BASE, OPEN_FILES_PER_ACTOR, OPEN_FILES_PER_REMOTE_ACTOR = 64, 8, 2
+# The files run.py holds open (/proc/PID/fd, measured with 2 to 32 CartPole actors): 32 + 5 per actor; with
+# --inference central, S more per actor for its S env splits (34 + 9 per actor with 4), 47 + 7 with 2 and two
+# inference threads and the evaluator; with --ray local, 61 + 1 per remote actor.
+OPEN_FILES_BASE = 48
+
+
+def open_files_needed(config: Config) -> int:
+    """The files run.py holds open once every actor runs, at the least (`OPEN_FILES_BASE` for the rest)."""
+    per_actor = 5 + (config.env_splits if config.inference == "central" else 0)
+    return OPEN_FILES_BASE + per_actor * config.num_actors + (config.ray_actors if config.ray else 0)
 
 
 def allow_open_files(config: Config) -> None:
-    """Raise this process's soft limit of open files to its hard limit where the run's actors could need more than
-    the soft one allows (1,024 on many systems: about 120 local actors), or raise UserError where even the hard limit
-    is too low: the start would otherwise fail in the middle with "Too many open files"."""
-    remote = config.ray_actors if config.ray else 0
-    needed = OPEN_FILES_BASE + OPEN_FILES_PER_ACTOR * config.num_actors + OPEN_FILES_PER_REMOTE_ACTOR * remote
+    """Raise this process's soft limit of open files to its hard limit where the run's actors need more than half
+    the soft one (1,024 on many systems: from 93 actors), room for what they open later; UserError where even
+    the hard limit is below what they need: the start would otherwise fail in the middle with "Too many open
+    files"."""
+    needed = open_files_needed(config)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= needed:
-        return
+    unlimited = resource.RLIM_INFINITY
+    remote = config.ray_actors if config.ray else 0
     actors = f"the actors of --num_actors {config.num_actors}" + (f" and --ray_actors {remote}" if remote else "")
-    if hard != resource.RLIM_INFINITY and hard < needed:
-        raise UserError(f"{actors} need about {needed} open files, and this process may open {hard} at most "
+    if hard != unlimited and hard < needed:
+        raise UserError(f"{actors} need at least {needed} open files, and this process may open {hard} at most "
                         "(`ulimit -Hn`): raise that limit, or lower the number of actors")
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    log.info("Raised the limit of open files from %d to %s: %s need about %d", soft,
-             "unlimited" if hard == resource.RLIM_INFINITY else hard, actors, needed)
+    if soft != unlimited and soft < 2 * needed and (hard == unlimited or hard > soft):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info("Raised the limit of open files from %d to %s: %s need at least %d", soft,
+                 "unlimited" if hard == unlimited else hard, actors, needed)
 
 
 def check_model_fits(model: Net) -> None:
