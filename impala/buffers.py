@@ -94,15 +94,30 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def usable_memory() -> tuple[int, str]:
-    """The memory a run's processes may use together, and the words a message gives it: this machine's, or less
-    where this process's cgroups limit it and its children (`memory_limit`: a container's, a job's), whose kernel
-    kills a process of the run once they are over it."""
+@dataclass(frozen=True)
+class UsableMemory:
+    """The memory a run's processes may use together: this machine's, or less where this process's cgroups limit it
+    and its children (`limit`: a container's, a job's), whose kernel kills a process of the run once they are over
+    it. Its str is the words a message gives it."""
+
+    physical: int
+    limit: int | None  # below `physical`, or None
+
+    @property
+    def bytes(self) -> int:
+        return self.physical if self.limit is None else self.limit
+
+    def __str__(self) -> str:
+        if self.limit is None:
+            return f"this machine has {self.physical / 2**30:.1f} GiB"
+        return (f"this process's memory limit (its cgroup's: a container's, a job's) is {self.limit / 2**30:.1f} GiB "
+                f"of the machine's {self.physical / 2**30:.1f}")
+
+
+def usable_memory() -> UsableMemory:
+    """This machine's memory, and the limit of this process's cgroups (`memory_limit`) where it is below that."""
     physical, limit = physical_memory_bytes(), memory_limit()
-    if limit is None or limit >= physical:
-        return physical, f"this machine has {physical / 2**30:.1f} GiB"
-    return limit, (f"this process's memory limit (its cgroup's: a container's, a job's) is {limit / 2**30:.1f} GiB "
-                   f"of the machine's {physical / 2**30:.1f}")
+    return UsableMemory(physical, limit if limit is not None and limit < physical else None)
 
 
 LOWER_LOCAL_SLOTS = "--num_buffers, --unroll_length or --envs_per_actor"
@@ -123,11 +138,11 @@ def check_shared_memory(needed_bytes: int, path: str = "/dev/shm", lower: str = 
             f"the rollout buffers need {needed_bytes / 2**20:.0f} MiB of shared memory, {with_room / 2**20:.0f} MiB "
             f"with the shared models and queues, but {path} has {free / 2**20:.0f} MiB free; in Docker run with "
             f"--shm-size=8g (or --ipc=host), or lower {lower}")
-    memory, memory_words = usable_memory()
-    if with_room > memory:  # a cgroup's limit counts shared memory as any other: the kernel would kill the run
+    memory = usable_memory()
+    if with_room > memory.bytes:  # a cgroup's limit counts shared memory as any other: the kernel would kill the run
         raise UserError(
             f"the rollout buffers need {needed_bytes / 2**20:.0f} MiB of shared memory, {with_room / 2**20:.0f} MiB "
-            f"with the shared models and queues, where {memory_words}: lower {lower}")
+            f"with the shared models and queues, where {memory}: lower {lower}")
 
 
 def create_buffers(spec: BufferSpec, shared: bool = True, lower: str = LOWER_LOCAL_SLOTS) -> Buffers:

@@ -856,13 +856,14 @@ MAX_LOCAL_STORE_SHARE = 0.5
 
 def check_local_store_fits(config: Config, store_bytes: int, unroll_bytes: int) -> None:
     """UserError where --ray local's object store (`local_object_store_bytes`) would take more than
-    MAX_LOCAL_STORE_SHARE of the memory the run may use (`usable_memory`): a --ray_steps_per_request of hundreds of thousands of steps."""
-    memory, memory_words = usable_memory()
-    if store_bytes > MAX_LOCAL_STORE_SHARE * memory:
+    MAX_LOCAL_STORE_SHARE of the memory the run may use (`usable_memory`): a --ray_steps_per_request of hundreds of
+    thousands of steps."""
+    memory = usable_memory()
+    if store_bytes > MAX_LOCAL_STORE_SHARE * memory.bytes:
         raise UserError(f"--ray local: each remote actor's object holds {config.ray_unrolls_per_object:,} unrolls of "
                         f"{unroll_bytes / 2**20:.2f} MiB (--ray_steps_per_request {config.ray_steps_per_request:,}), "
                         f"and the objects in flight of {config.ray_actors} remote actor(s) need an object store of "
-                        f"{store_bytes / 2**30:.1f} GiB where {memory_words}: lower "
+                        f"{store_bytes / 2**30:.1f} GiB where {memory}: lower "
                         "--ray_steps_per_request or --ray_actors")
 
 

@@ -46,7 +46,6 @@ from impala.buffers import (
     Buffers,
     BufferSpec,
     create_buffers,
-    physical_memory_bytes,
     usable_memory,
 )
 from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, header, keep_step_copy, save_checkpoint
@@ -57,7 +56,6 @@ from impala.config import (
     changed_flags,
     cpu_quota,
     first_line,
-    memory_limit,
     usable_cores,
 )
 from impala.distributed import Coordinator
@@ -308,23 +306,23 @@ def check_actors_fit(config: Config) -> None:
     24 GB)."""
     remote = config.ray_actors if config.ray == "local" else 0
     needed = config.num_actors * ACTOR_OWN_BYTES + remote * RAY_ACTOR_OWN_BYTES
-    memory, memory_words = usable_memory()
-    if needed <= memory:
+    memory = usable_memory()
+    if needed <= memory.bytes:
         return
     filling = math.ceil(config.batch_size / config.envs_per_actor)  # auto's least: a batch's worth of unrolls at once
     if not remote and config.num_actors == filling:  # auto, most likely: --batch_size is what to lower
         raise UserError(f"--num_actors {config.num_actors} (auto is never fewer than --batch_size "
                         f"{config.batch_size} / --envs_per_actor {config.envs_per_actor}): each actor process holds "
                         f"at least {ACTOR_OWN_BYTES // 2**20} MiB of its own ({needed / 2**30:.1f} GiB in all) where "
-                        f"{memory_words}: lower --batch_size, or raise --envs_per_actor")
+                        f"{memory}: lower --batch_size, or raise --envs_per_actor")
     if not remote:
         raise UserError(f"--num_actors {config.num_actors}: each actor process holds at least "
                         f"{ACTOR_OWN_BYTES // 2**20} MiB of its own ({needed / 2**30:.1f} GiB in all) where "
-                        f"{memory_words}: lower --num_actors, or pass auto (one per core)")
+                        f"{memory}: lower --num_actors, or pass auto (one per core)")
     raise UserError(f"--num_actors {config.num_actors} and --ray_actors {remote} (--ray local: on this machine too): "
                     f"each actor process holds at least {ACTOR_OWN_BYTES // 2**20} MiB of its own and each remote "
                     f"one {RAY_ACTOR_OWN_BYTES // 2**20} MiB ({needed / 2**30:.1f} GiB in all) where "
-                    f"{memory_words}: lower --ray_actors or --num_actors, or use a cluster "
+                    f"{memory}: lower --ray_actors or --num_actors, or use a cluster "
                     "(--ray auto|HOST:PORT)")
 
 
@@ -361,14 +359,15 @@ def allow_open_files(config: Config) -> None:
 
 def check_model_fits(model: Net) -> None:
     """Raise UserError where `model` (made on the meta device: no memory of its own) could not be trained in the
-    memory the run may use (`usable_memory`): --hidden_size of an MLP grows it as its square (65,536: 4.3 billion weights, 17 GB a copy)."""
+    memory the run may use (`usable_memory`): --hidden_size of an MLP grows it as its square (65,536: 4.3 billion
+    weights, 17 GB a copy)."""
     weights = sum(p.numel() for p in model.parameters())
     needed = TRAINING_COPIES * 4 * weights  # float32
-    memory, memory_words = usable_memory()
-    if needed > memory:
+    memory = usable_memory()
+    if needed > memory.bytes:
         raise UserError(f"the {model.model} net has {weights:,} weights, and training holds at least "
                         f"{TRAINING_COPIES} float32 copies of them ({needed / 2**30:.1f} GiB) where "
-                        f"{memory_words}: lower --hidden_size")
+                        f"{memory}: lower --hidden_size")
 
 
 def _actor_pool(config: Config, ctx: BaseContext, buffers: Buffers, state: LearnerState, actor_model: Net,
@@ -715,10 +714,10 @@ def _log_start(run: Run) -> None:
     if quota is not None and quota < cores:
         log.info("This process's cgroup caps its CPU time at %.3g cores' worth, of the %d cores it may run on: "
                  "--num_actors auto and the learner's threads count %d", quota, cores, usable_cores())
-    limit, physical = memory_limit(), physical_memory_bytes()
-    if limit is not None and limit < physical:
+    memory = usable_memory()
+    if memory.limit is not None:
         log.info("This process's cgroup limits the memory of the run's processes to %.1f GiB of the machine's %.1f: "
-                 "past it, the kernel kills one of them", limit / 2**30, physical / 2**30)
+                 "past it, the kernel kills one of them", memory.limit / 2**30, memory.physical / 2**30)
     if run.coordinator is not None:
         ranks = run.coordinator.ranks
         log.info("%d learner ranks (torchrun, %s): each with these actors and batch; this one, rank 0, "

@@ -489,9 +489,10 @@ def test_what_a_cgroup_memory_limit_cannot_hold_is_one_line_naming_the_limit(
                 rf"--num_actors 30: each actor process holds at least 12 MiB of its own \(0.4 GiB in all\) where "
                 rf"{limit}: lower --num_actors, or pass auto \(one per core\)")
     monkeypatch.setattr(buffers, "memory_limit", lambda: 2**26)  # 64 MiB: room for one actor, not the slots
+    limit = limit.replace("0.2 GiB", "0.1 GiB")
     _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--xpid", "big"],
                 rf"the rollout buffers need 0 MiB of shared memory, 64 MiB with the shared models and queues, "
-                rf"where {limit.replace('0.2 GiB', '0.1 GiB')}: lower --num_buffers, --unroll_length or --envs_per_actor")
+                rf"where {limit}: lower --num_buffers, --unroll_length or --envs_per_actor")
     assert not (tmp_path / "big").exists()
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from process_helpers import README_CARTPOLE, README_CARTPOLE_RANKS, README_CARTPOLE_STEPS
 
-from impala import training
+from impala import buffers, training
 from impala.config import Config
 from impala.training import learner_torch_threads
 
@@ -404,8 +404,8 @@ def test_a_cgroup_memory_limit_below_the_machines_memory_is_told_at_the_start(
         told: bool) -> None:
     """Where a container's limit ends a run's process (the kernel's OOM killer, "Killed"), its first lines say what
     the limit was; a limit at or above the machine's memory limits nothing."""
-    monkeypatch.setattr(training, "physical_memory_bytes", lambda: 64 * 2**30)
-    monkeypatch.setattr(training, "memory_limit", lambda: limit)
+    monkeypatch.setattr(buffers, "physical_memory_bytes", lambda: 64 * 2**30)
+    monkeypatch.setattr(buffers, "memory_limit", lambda: limit)
     config = Config(env="CartPole-v1", num_actors=1, envs_per_actor=2, unroll_length=4, batch_size=2, hidden_size=8,
                     disable_cuda=True, savedir=str(tmp_path), xpid="limited")
     _start_lines(config, caplog)
