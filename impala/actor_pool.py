@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 from impala.actor import ACTOR_PHASES, ActorChannels, phase_shares, run_actor
 from impala.buffers import Buffers, usable_memory
 from impala.channels import RecordQueue, SharedFloats, StopFlag, TracebackQueue
-from impala.config import Config, TrainingError
+from impala.config import Config, TrainingError, own_cgroup_file
 from impala.inference import InferenceServers
 from impala.model import FlatWeights, Net
 from impala.seeding import ActorLives
@@ -305,7 +305,7 @@ class LocalActorPool:
         return first
 
     def _replace(self, index: int, process: BaseProcess, detail: str, counted: bool = True) -> None:
-        how = exit_description(process.exitcode, self.oom_kills.recent())
+        how = exit_description(process.exitcode, self.oom_kills, process.pid)
         log.error("Actor %d (pid %d) died: %s%s", index, process.pid, how, f"\n{detail}" if detail else "")
         progress = self.channels.policy_version.value  # a new version: the learner updated since the last death
         deaths = self.deaths.add(progress) if counted else self.deaths.recent()
@@ -350,6 +350,7 @@ class LocalActorPool:
             if silent_s > timeout_s and process.is_alive():
                 log.error("Actor %d (pid %d) made no progress for %.0f s (--actor_timeout_s %g); killing it",
                           index, process.pid, silent_s, timeout_s)
+                self.oom_kills.killed_here(process.pid)
                 process.kill()
                 process.join(timeout=5)
                 heartbeats[index] = now  # one report per timeout if even SIGKILL does not end it
@@ -568,17 +569,19 @@ def _ended(pidfd: int, timeout_s: float) -> bool:
     return bool(poller.poll(timeout_s * 1000))
 
 
-def exit_description(exitcode: int | None, oom_kills: int = 0) -> str:
-    """How a child process ended, for the log; `oom_kills`: the processes the kernel's OOM killer ended lately
-    (`OomKills.recent`), which make a SIGKILL most likely one of them."""
+def exit_description(exitcode: int | None, oom_kills: OomKills | None = None, pid: int | None = None) -> str:
+    """How child process `pid` ended, for the log; a SIGKILL soon after the kernel's OOM killer ended processes
+    (`oom_kills`) is most likely one of them, unless this process killed it itself."""
     if exitcode is not None and exitcode < 0:
         with contextlib.suppress(ValueError):
             killed = f"killed by {signal.Signals(-exitcode).name}"
-            if exitcode != -signal.SIGKILL or not oom_kills:
+            recent = oom_kills.recent(pid) if oom_kills is not None and exitcode == -signal.SIGKILL else 0
+            if not recent:
                 return killed
-            return (f"{killed}, most likely for want of memory (the kernel's OOM killer ended {oom_kills} "
-                    f"process{'es' if oom_kills > 1 else ''} on this machine in the last {OOM_WINDOW_S:g} s, and "
-                    f"{usable_memory()[1]})")
+            assert oom_kills is not None
+            return (f"{killed}, most likely for want of memory (the kernel's OOM killer ended {recent} "
+                    f"process{'es' if recent > 1 else ''} {oom_kills.where} in the last {OOM_WINDOW_S:g} s, and "
+                    f"{usable_memory()})")
     return f"exit code {exitcode}"
 
 
@@ -587,36 +590,53 @@ def exit_description(exitcode: int | None, oom_kills: int = 0) -> str:
 OOM_WINDOW_S = 30.0
 
 
-class OomKills:
-    """The kernel's count of the processes its OOM killer ended (`oom_kill` in /proc/vmstat, Linux 4.13+: the whole
-    machine's, those of a cgroup's memory limit included), looked at on each check of the children to tell one
-    killed for want of memory from one killed by a person or another program: both end by SIGKILL."""
+def oom_kill_count_file() -> tuple[Path, str]:
+    """Where the kernel counts the processes its OOM killer ended, and whose they are: this process's own cgroup
+    (v2's `memory.events`, v1's `memory.oom_control`: its children are there too, and nothing else), else the whole
+    machine (/proc/vmstat, Linux 4.13+, where a container's kills are every other container's too)."""
+    own = own_cgroup_file("memory.events", "memory", "memory.oom_control")
+    return (own, "in this process's cgroup") if own is not None else (Path("/proc/vmstat"), "on this machine")
 
-    def __init__(self, vmstat: Path = Path("/proc/vmstat")) -> None:
-        self._vmstat = vmstat
+
+class OomKills:
+    """The kernel's count of the processes its OOM killer ended (`oom_kill_count_file`), looked at on each check of
+    the children to tell one killed for want of memory from one killed by a person or another program: both end by
+    SIGKILL."""
+
+    def __init__(self, count_file: tuple[Path, str] | None = None) -> None:
+        self._file, self.where = count_file if count_file is not None else oom_kill_count_file()
         self._seen = self._count()
         self._rises: list[tuple[float, int]] = []  # (when a look saw the count rise, by how much), in the window
+        self._killed_here: set[int] = set()  # pids this process killed itself (hung): not the OOM killer's
 
     def _count(self) -> int | None:
         with contextlib.suppress(OSError, ValueError):
-            for line in self._vmstat.read_text().splitlines():
+            for line in self._file.read_text().splitlines():
                 name, _, value = line.partition(" ")
                 if name == "oom_kill":
                     return int(value)
         return None
 
+    def killed_here(self, pid: int | None) -> None:
+        """Note that this process is about to kill `pid` itself: its SIGKILL is not the OOM killer's."""
+        if pid is not None:
+            self._killed_here.add(pid)
+
     def look(self) -> None:
-        """Read the count (32 us here); a rise since the last look counts as kills of now."""
+        """Read the count (32 us from /proc/vmstat); a rise since the last look counts as kills of now."""
         count, now = self._count(), time.monotonic()
         if count is not None and self._seen is not None and count > self._seen:
             self._rises.append((now, count - self._seen))
         self._seen = count
         self._rises = [(when, rise) for when, rise in self._rises if now - when <= OOM_WINDOW_S]
 
-    def recent(self) -> int:
+    def recent(self, pid: int | None = None) -> int:
         """The OOM killer's kills in the last OOM_WINDOW_S, as far as the looks saw them (this one included); 0
-        where the count is not readable."""
+        where the count is not readable, or for a `pid` this process killed itself."""
         self.look()
+        if pid is not None and pid in self._killed_here:
+            self._killed_here.discard(pid)
+            return 0
         return sum(rise for _, rise in self._rises)
 
 

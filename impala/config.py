@@ -99,6 +99,31 @@ def _cgroup_limits(proc_cgroup: Path, root: Path, read_v2: Callable[[Path], floa
     return limits
 
 
+def own_cgroup_file(v2_name: str, v1_controller: str, v1_name: str, proc_cgroup: Path = Path("/proc/self/cgroup"),
+                    root: Path = Path("/sys/fs/cgroup")) -> Path | None:
+    """The file `v2_name` (cgroup v2) or `v1_name` (v1, in `v1_controller`'s hierarchy) of this process's own cgroup,
+    where it can be found; None elsewhere (not that of the mount point or an ancestor: a count there is not this
+    process's)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split(":", 2)  # hierarchy id : controllers : the cgroup's path
+        if len(fields) != 3:
+            continue
+        _, controllers, path = fields
+        if controllers == "":
+            candidate = root / path.lstrip("/") / v2_name
+        elif v1_controller in controllers.split(","):
+            candidate = root / v1_controller / path.lstrip("/") / v1_name
+        else:
+            continue
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def _quotas_up_from(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
     """The quotas `read` finds in the cgroup at `path` of the hierarchy mounted at `mount` and in those above it. A
     container that sees its own cgroup at the mount point (no cgroup namespace) starts from there."""

@@ -214,6 +214,7 @@ def _kill_if_hung(run: EvaluatedRun, evaluator: Evaluator) -> None:
     if silent_s > timeout_s and process.is_alive():
         log.error("Evaluator (pid %d) made no progress for %.0f s in the evaluation of step %d (--actor_timeout_s %g); "
                   "killing it", process.pid, silent_s, evaluator.pending["step"], timeout_s)
+        evaluator.oom_kills.killed_here(process.pid)
         process.kill()
         process.join(timeout=5)
         evaluator.heartbeat.value = now  # one report per timeout if even SIGKILL does not end it
@@ -323,8 +324,9 @@ def replace_evaluator(run: EvaluatedRun, evaluator: Evaluator) -> None:
     _pipe(evaluator).close()
     lost = f"the evaluation of step {evaluator.pending['step']} is lost" if evaluator.pending else "no evaluation lost"
     detail = evaluator.error_text.strip()
-    log.error("Evaluator (pid %d) died: %s; %s, training goes on%s", process.pid,
-              exit_description(process.exitcode, evaluator.oom_kills.recent()), lost, f"\n{detail}" if detail else "")
+    how = exit_description(process.exitcode, evaluator.oom_kills, process.pid)
+    log.error("Evaluator (pid %d) died: %s; %s, training goes on%s", process.pid, how, lost,
+              f"\n{detail}" if detail else "")
     evaluator.pending, evaluator.last_request_s = None, time.monotonic()
     deaths = evaluator.deaths.add(evaluator.finished)  # an evaluation finished since the last death: progress
     if deaths > run.config.max_actor_restarts:

@@ -316,34 +316,59 @@ def test_deaths_count_within_the_window_or_in_a_row_without_progress(monkeypatch
 def test_a_sigkill_soon_after_the_oom_killer_struck_is_told_as_most_likely_for_want_of_memory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under a container's memory limit the kernel's OOM killer ends actors with SIGKILL, as a person's `kill -9`
-    would: /proc/vmstat's count tells them apart (measured: Pong's 4 actors under a 700 MiB cgroup limit died 11
+    would: the kernel's count tells them apart (measured: Pong's 4 actors under a 700 MiB cgroup limit died 11
     times, each reported as "killed by SIGKILL" alone). A kill counted by one check stays a likely cause for
-    OOM_WINDOW_S, since the actor it ended may be seen dead by a later check."""
+    OOM_WINDOW_S, since the actor it ended may be seen dead by a later check; a hung actor the pool killed itself
+    is not one."""
+    from impala.buffers import UsableMemory
+
     now = [1000.0]
     monkeypatch.setattr(actor_pool.time, "monotonic", lambda: now[0])
-    monkeypatch.setattr(actor_pool, "usable_memory", lambda: (2**30, "this machine has 1.0 GiB"))
+    monkeypatch.setattr(actor_pool, "usable_memory", lambda: UsableMemory(2**30, None))
     vmstat = tmp_path / "vmstat"
     vmstat.write_text("nr_free_pages 100\noom_kill 5\nnr_zone_active_anon 7\n")
-    kills = actor_pool.OomKills(vmstat)
-    assert kills.recent() == 0
-    assert actor_pool.exit_description(-9, kills.recent()) == "killed by SIGKILL"
+    kills = actor_pool.OomKills((vmstat, "on this machine"))
+    assert actor_pool.exit_description(-9, kills, pid=11) == "killed by SIGKILL"
     vmstat.write_text("nr_free_pages 100\noom_kill 7\n")
     now[0] += 1
     kills.look()  # a check finds the kills before it finds their actors dead
     now[0] += 10
-    assert kills.recent() == 2
-    assert actor_pool.exit_description(-9, kills.recent()) == (
+    assert actor_pool.exit_description(-9, kills, pid=11) == (
         "killed by SIGKILL, most likely for want of memory (the kernel's OOM killer ended 2 processes on this machine "
         "in the last 30 s, and this machine has 1.0 GiB)")
-    assert actor_pool.exit_description(-15, kills.recent()) == "killed by SIGTERM"  # not the OOM killer's signal
-    assert actor_pool.exit_description(1, kills.recent()) == "exit code 1"
+    kills.killed_here(12)  # hung: the pool's own SIGKILL
+    assert actor_pool.exit_description(-9, kills, pid=12) == "killed by SIGKILL"
+    assert actor_pool.exit_description(-15, kills, pid=13) == "killed by SIGTERM"  # not the OOM killer's signal
+    assert actor_pool.exit_description(1, kills, pid=13) == "exit code 1"
     now[0] += actor_pool.OOM_WINDOW_S
-    assert kills.recent() == 0  # an old kill: a SIGKILL now is someone else's
+    assert actor_pool.exit_description(-9, kills, pid=14) == "killed by SIGKILL"  # an old kill: someone else's
     vmstat.write_text("oom_kill 8\n")
-    assert kills.recent() == 1 and "ended 1 process on" in actor_pool.exit_description(-9, 1)
+    assert "ended 1 process on this machine" in actor_pool.exit_description(-9, kills, pid=15)
     vmstat.unlink()  # a kernel before 4.13, or no /proc: no guess
     now[0] += actor_pool.OOM_WINDOW_S + 1
-    assert kills.recent() == 0 and actor_pool.OomKills(vmstat).recent() == 0
+    assert kills.recent() == 0 and actor_pool.OomKills((vmstat, "on this machine")).recent() == 0
+
+
+def test_the_oom_kills_counted_are_those_of_the_process_own_cgroup_where_it_can_be_found(tmp_path: Path) -> None:
+    """A machine's count is every container's: a `kill -9` beside another job's OOM kill would read as this run's."""
+    from impala.config import own_cgroup_file
+
+    proc, root = tmp_path / "cgroup", tmp_path / "sys"
+    proc.write_text("4:memory:/jobs/7\n0::/\n")  # cgroup v1
+    (root / "memory/jobs/7").mkdir(parents=True)
+    (root / "memory/jobs/7/memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
+    found = own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root)
+    assert found == root / "memory/jobs/7/memory.oom_control"
+    assert actor_pool.OomKills((found, "in this process's cgroup"))._count() == 3
+    proc.write_text("4:memory:/host/path/not/mounted/here\n0::/\n")  # no cgroup namespace: not the mount's count
+    assert own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root) is None
+    proc.write_text("0::/kubepods/pod1/c\n")  # cgroup v2
+    (root / "kubepods/pod1/c").mkdir(parents=True)
+    (root / "kubepods/pod1/c/memory.events").write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\n")
+    found = own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root)
+    assert found == root / "kubepods/pod1/c/memory.events"
+    assert actor_pool.OomKills((found, "in this process's cgroup"))._count() == 2
+    assert own_cgroup_file("memory.events", "memory", "memory.oom_control", tmp_path / "missing", root) is None
 
 
 def test_actors_lost_with_one_fork_server_count_one_restart_whichever_check_sees_them() -> None:
@@ -533,7 +558,7 @@ def test_a_paused_main_process_does_not_take_its_actors_for_hung() -> None:
     now = time.monotonic()
     actors = [_FakeActor(), _FakeActor()]
     run = types.SimpleNamespace(config=Config(actor_timeout_s=10), processes=actors, last_hang_check=now - 600,
-                                heartbeats=[now - 600, now - 600])
+                                heartbeats=[now - 600, now - 600], oom_kills=actor_pool.OomKills())
     LocalActorPool.kill_hung(run)
     assert not any(actor.killed for actor in actors)
     assert all(beat >= now for beat in run.heartbeats)
