@@ -367,7 +367,13 @@ def write_run_files(config: Config, run_dir: Path, resuming: bool, world_size: i
     (a resumed session killed before its next checkpoint counts too). A directory that takes no more bytes (a
     full disk, a quota) is a UserError: nothing of the run can be kept there, and nothing in it has changed.
     """
-    meta = _session_started(read_meta(run_dir) if resuming else {}, world_size)
+    meta = read_meta(run_dir) if resuming else {}
+    # Each session records its end; one killed before the run's first checkpoint is told of as it starts again.
+    if meta.get("starts") and "ended" in meta and meta["ended"] is None and "checkpoint_step" in meta:
+        log.warning("The last session of this run, started %s, never recorded its end: it was killed (kill -9, the "
+                    "kernel's OOM killer, a machine lost or powered off); what it did after its last checkpoint is "
+                    "not kept", meta["starts"][-1])
+    meta = _session_started(meta, world_size)
     try:
         _write_json(run_dir / "flags.json", config.to_dict())
         _write_json(run_dir / META_NAME, meta)

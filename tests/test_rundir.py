@@ -346,3 +346,21 @@ def test_meta_json_records_the_flags_a_flags_file_gave_rather_than_its_name(tmp_
         "run.py --env CartPole-v1 --num_actors 2 --seed 3")
     rundir.write_run_files(Config(env="CartPole-v1", num_actors=2, seed=3), run_dir, resuming=True)
     assert json.loads((run_dir / "meta.json").read_text())["command"] == "run.py @run.flags --seed 3"  # as typed
+
+
+def test_a_resume_after_a_session_that_never_recorded_its_end_says_it_was_killed(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A run.py killed whole (kill -9, the OOM killer taking the learner, a lost machine) writes nothing more: the
+    next start is the first to know, and says so, rather than resuming as if the last session had ended in order."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    config = Config(env="CartPole-v1")
+    said = "The last session of this run, started 2026-11-29T10:00:00+00:00, never recorded its end: it was killed"
+    for ended, checkpoint_step, told in [(None, 640, True), ("2026-11-29T11:00:00+00:00", 640, False),
+                                         (None, None, False)]:  # without a checkpoint, a start from step 0 says so
+        meta = {"starts": ["2026-11-29T10:00:00+00:00"], "ended": ended, "checkpoint_step": checkpoint_step}
+        (run_dir / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if v is not None or k == "ended"}))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="impala"):
+            assert rundir.write_run_files(config, run_dir, resuming=True) == 1
+        assert (said in caplog.text) == told, (meta, caplog.text)
