@@ -572,11 +572,11 @@ def _ended(pidfd: int, timeout_s: float) -> bool:
 def exit_description(exitcode: int | None, oom_kills: OomKills | None = None, pid: int | None = None) -> str:
     """How child process `pid` ended, for the log; a SIGKILL soon after the kernel's OOM killer ended processes
     (`oom_kills`) is most likely one of them, unless this process killed it itself."""
+    recent = oom_kills.recent(pid) if oom_kills is not None else 0  # asked at every death, so that it forgets `pid`
     if exitcode is not None and exitcode < 0:
         with contextlib.suppress(ValueError):
             killed = f"killed by {signal.Signals(-exitcode).name}"
-            recent = oom_kills.recent(pid) if oom_kills is not None and exitcode == -signal.SIGKILL else 0
-            if not recent:
+            if exitcode != -signal.SIGKILL or not recent:
                 return killed
             assert oom_kills is not None
             return (f"{killed}, most likely for want of memory (the kernel's OOM killer ended {recent} "

@@ -101,9 +101,10 @@ def _cgroup_limits(proc_cgroup: Path, root: Path, read_v2: Callable[[Path], floa
 
 def own_cgroup_file(v2_name: str, v1_controller: str, v1_name: str, proc_cgroup: Path = Path("/proc/self/cgroup"),
                     root: Path = Path("/sys/fs/cgroup")) -> Path | None:
-    """The file `v2_name` (cgroup v2) or `v1_name` (v1, in `v1_controller`'s hierarchy) of this process's own cgroup,
-    where it can be found; None elsewhere (not that of the mount point or an ancestor: a count there is not this
-    process's)."""
+    """The file `v2_name` (cgroup v2) or `v1_name` (v1, in `v1_controller`'s hierarchy) of this process's own cgroup:
+    at its path under the mount, or at the mount point where that path is not there (a container without a cgroup
+    namespace sees the host's path and its own cgroup mounted, as `_quotas_up_from` takes it); None where there is
+    no such file."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -114,11 +115,13 @@ def own_cgroup_file(v2_name: str, v1_controller: str, v1_name: str, proc_cgroup:
             continue
         _, controllers, path = fields
         if controllers == "":
-            candidate = root / path.lstrip("/") / v2_name
+            mount, name = root, v2_name
         elif v1_controller in controllers.split(","):
-            candidate = root / v1_controller / path.lstrip("/") / v1_name
+            mount, name = root / v1_controller, v1_name
         else:
             continue
+        directory = mount / path.lstrip("/")
+        candidate = (directory if directory.is_dir() else mount) / name
         if candidate.is_file():
             return candidate
     return None

@@ -371,8 +371,8 @@ def write_run_files(config: Config, run_dir: Path, resuming: bool, world_size: i
     # Each session records its end; one killed before the run's first checkpoint is told of as it starts again.
     if meta.get("starts") and "ended" in meta and meta["ended"] is None and "checkpoint_step" in meta:
         log.warning("The last session of this run, started %s, never recorded its end: it was killed (kill -9, the "
-                    "kernel's OOM killer, a machine lost or powered off); what it did after its last checkpoint is "
-                    "not kept", meta["starts"][-1])
+                    "kernel's OOM killer, a machine lost or powered off) or crashed; what it did after the run's last "
+                    "checkpoint (step %s) is not kept", meta["starts"][-1], meta["checkpoint_step"])
     meta = _session_started(meta, world_size)
     try:
         _write_json(run_dir / "flags.json", config.to_dict())
@@ -453,7 +453,8 @@ def _running(pid: int) -> bool:
 
 
 def finish_run_files(run_dir: Path, reason: str, step: int) -> None:
-    """Record in meta.json when and why the run ended (finished, interrupted, terminated, hangup, error) and its step."""
+    """Record in meta.json when and why the run ended (finished, interrupted, terminated, hangup, error, hung) and
+    its step."""
     meta = read_meta(run_dir)
     ended = datetime.now(UTC)
     meta.update(ended=ended.isoformat(timespec="seconds"), end_reason=reason, final_step=step)

@@ -464,7 +464,13 @@ def _end_hung_process(run: Run, thread: threading.Thread, busy_s: float) -> NoRe
               "deadlock. Ending the process now, without a final checkpoint (%s); run it again to resume. Where "
               "the thread is:\n%s", thread.name, busy_s, run.config.learner_timeout_s, _last_saved(run),
               stack.rstrip())
+    if run.writes_files:  # else the next start takes the session for killed; bounded, as the disk may hang too
+        finish_within(HUNG_RECORD_TIMEOUT_S, lambda: _record_end(run.run_dir, "hung", run.state.step),
+                      "the record of the hung session's end")
     os._exit(1)
+
+
+HUNG_RECORD_TIMEOUT_S = 5.0  # how long a process ending for a hung thread waits for meta.json's record of it
 
 
 # --------------------------------------------------------------------------------------- monitor

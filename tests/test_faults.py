@@ -338,6 +338,9 @@ def test_a_sigkill_soon_after_the_oom_killer_struck_is_told_as_most_likely_for_w
         "in the last 30 s, and this machine has 1.0 GiB)")
     kills.killed_here(12)  # hung: the pool's own SIGKILL
     assert actor_pool.exit_description(-9, kills, pid=12) == "killed by SIGKILL"
+    kills.killed_here(16)  # hung, but it exited as it was killed: its pid is forgotten all the same
+    assert actor_pool.exit_description(1, kills, pid=16) == "exit code 1"
+    assert "most likely" in actor_pool.exit_description(-9, kills, pid=16)  # the pid of a later process
     assert actor_pool.exit_description(-15, kills, pid=13) == "killed by SIGTERM"  # not the OOM killer's signal
     assert actor_pool.exit_description(1, kills, pid=13) == "exit code 1"
     now[0] += actor_pool.OOM_WINDOW_S
@@ -360,8 +363,11 @@ def test_the_oom_kills_counted_are_those_of_the_process_own_cgroup_where_it_can_
     found = own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root)
     assert found == root / "memory/jobs/7/memory.oom_control"
     assert actor_pool.OomKills((found, "in this process's cgroup"))._count() == 3
-    proc.write_text("4:memory:/host/path/not/mounted/here\n0::/\n")  # no cgroup namespace: not the mount's count
-    assert own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root) is None
+    proc.write_text("4:memory:/docker/abc\n0::/\n")  # no cgroup namespace: the host's path, the container's mount
+    assert own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root) is None  # none there
+    (root / "memory/memory.oom_control").write_text("oom_kill 4\n")
+    assert own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root) == (
+        root / "memory/memory.oom_control")
     proc.write_text("0::/kubepods/pod1/c\n")  # cgroup v2
     (root / "kubepods/pod1/c").mkdir(parents=True)
     (root / "kubepods/pod1/c/memory.events").write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\n")
@@ -598,8 +604,10 @@ def test_a_learner_hung_inside_an_update_ends_the_process_with_its_stack_keeping
     saved = checkpoint_step(run.run_dir)
     assert 0 < saved <= 14 * 20  # saved before the hang: 14 updates of SMALL_RUN's 20 agent steps at most
     assert (run.run_dir / "out.log").read_text().count("Ending the process now") == 1
-    # Left as a kill -9 leaves a run, which resumes from that checkpoint (test_a_killed_main_process_...).
-    assert json.loads((run.run_dir / "meta.json").read_text())["end_reason"] is None
+    # Its checkpoints left as a kill -9 leaves them, which a run resumes from (test_a_killed_main_process_...); its
+    # end recorded, so that the next start does not take it for killed.
+    meta = json.loads((run.run_dir / "meta.json").read_text())
+    assert meta["end_reason"] == "hung" and meta["ended"] is not None and meta["checkpoint_step"] == saved
 
 
 def test_a_central_inference_thread_hung_inside_a_batch_ends_the_process_too(
