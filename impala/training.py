@@ -177,7 +177,7 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     if config.ray:
         require_ray()  # before anything is written
     check_actors_fit(config)
-    allow_open_files(config)  # before the fork server: the actors' processes inherit the limit
+    allow_process_limits(config)  # before the fork server: the actors' processes inherit the limits
     observation_shape, observation_dtype, num_actions = probe_env(config.env, config.seed)
     torch.manual_seed(config.seed)
     try:
@@ -338,22 +338,34 @@ def open_files_needed(config: Config) -> int:
     return OPEN_FILES_BASE + per_actor * config.num_actors + (config.ray_actors if config.ray else 0)
 
 
-def allow_open_files(config: Config) -> None:
-    """Raise this process's soft limit of open files to its hard limit where the run's actors need more than half
-    the soft one (1,024 on many systems: from 93 actors), room for what they open later; UserError where even
-    the hard limit is below what they need: the start would otherwise fail in the middle with "Too many open
-    files"."""
-    needed = open_files_needed(config)
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    unlimited = resource.RLIM_INFINITY
+# The threads of a run's processes (/proc/PID/task of each): run.py 5-6, the fork server and the resource tracker 1
+# each, an actor 2 (CartPole) or 3 (Atari: ale-py's stepping thread), measured with 4 actors.
+THREADS_BASE, THREADS_PER_ACTOR = 12, 3
+
+
+def allow_process_limits(config: Config) -> None:
+    """Make room for the run's actors in this process's limits (`_allow`): its open files (`open_files_needed`)
+    and its user's processes and threads, which the kernel counts together (the actors' and the rest)."""
     remote = config.ray_actors if config.ray else 0
     actors = f"the actors of --num_actors {config.num_actors}" + (f" and --ray_actors {remote}" if remote else "")
+    _allow(resource.RLIMIT_NOFILE, open_files_needed(config), "open files", "this process may open", "-n", actors)
+    threads = THREADS_BASE + THREADS_PER_ACTOR * config.num_actors + (remote if config.ray == "local" else 0)
+    _allow(resource.RLIMIT_NPROC, threads, "processes and threads", "this user may run", "-u", actors)
+
+
+def _allow(limit: int, needed: int, what: str, may: str, option: str, actors: str) -> None:
+    """Raise the soft `limit` to the hard one where `needed` is more than half of it (room for what is opened or
+    started later, and for the user's other processes where it counts them); UserError where even the hard limit is
+    below `needed`: the start would otherwise fail in the middle ("Too many open files", "can't start new thread",
+    with tracebacks from the actors)."""
+    soft, hard = resource.getrlimit(limit)
+    unlimited = resource.RLIM_INFINITY
     if hard != unlimited and hard < needed:
-        raise UserError(f"{actors} need at least {needed} open files, and this process may open {hard} at most "
-                        "(`ulimit -Hn`): raise that limit, or lower the number of actors")
+        raise UserError(f"{actors} need at least {needed} {what}, and {may} {hard} at most (`ulimit -H{option[1:]}`): "
+                        "raise that limit, or lower the number of actors")
     if soft != unlimited and soft < 2 * needed and (hard == unlimited or hard > soft):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        log.info("Raised the limit of open files from %d to %s: %s need at least %d", soft,
+        resource.setrlimit(limit, (hard, hard))
+        log.info("Raised the limit of %s from %d to %s: %s need at least %d", what, soft,
                  "unlimited" if hard == unlimited else hard, actors, needed)
 
 

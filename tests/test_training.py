@@ -16,7 +16,7 @@ import torch
 from process_helpers import README_CARTPOLE, README_CARTPOLE_RANKS, README_CARTPOLE_STEPS
 
 from impala import buffers, training
-from impala.config import Config
+from impala.config import Config, UserError
 from impala.training import learner_torch_threads
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -341,43 +341,59 @@ def test_an_update_that_ends_while_the_progress_row_waits_for_it_is_counted_whol
 
 
 class _Limits:
-    """A stand-in for the `resource` module's open-files limit: the limits it reports, what was set."""
+    """A stand-in for the `resource` module's limits of open files and of processes: what they are, what was set."""
 
-    RLIMIT_NOFILE, RLIM_INFINITY = 7, -1
+    RLIMIT_NOFILE, RLIMIT_NPROC, RLIM_INFINITY = 7, 6, -1
 
-    def __init__(self, soft: int, hard: int) -> None:
-        self.limits = (soft, hard)
-        self.set: tuple[int, int] | None = None
+    def __init__(self, files: tuple[int, int], processes: tuple[int, int] = (-1, -1)) -> None:
+        self.limits = {self.RLIMIT_NOFILE: files, self.RLIMIT_NPROC: processes}
+        self.set: dict[int, tuple[int, int]] = {}
 
     def getrlimit(self, which: int) -> tuple[int, int]:
-        assert which == self.RLIMIT_NOFILE
-        return self.limits
+        return self.limits[which]
 
     def setrlimit(self, which: int, limits: tuple[int, int]) -> None:
-        assert which == self.RLIMIT_NOFILE
-        self.set = limits
+        self.set[which] = limits
 
 
 def test_a_soft_limit_of_open_files_too_low_for_the_actors_is_raised_to_the_hard_one(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    limits = _Limits(soft=1024, hard=524_288)
+    limits = _Limits(files=(1024, 524_288))
     monkeypatch.setattr(training, "resource", limits)
-    training.allow_open_files(Config(num_actors=92))  # 48 + 5 x 92 = 508: twice that within the soft limit
-    assert limits.set is None
+    training.allow_process_limits(Config(num_actors=92))  # 48 + 5 x 92 = 508: twice that within the soft limit
+    assert limits.set == {}
     with caplog.at_level("INFO", logger="impala"):
-        training.allow_open_files(Config(num_actors=93))
-    assert limits.set == (524_288, 524_288)
+        training.allow_process_limits(Config(num_actors=93))
+    assert limits.set == {limits.RLIMIT_NOFILE: (524_288, 524_288)}
     assert "Raised the limit of open files from 1024 to 524288: the actors of --num_actors 93 need at least 513" \
         in caplog.text
-    limits.set = None
-    training.allow_open_files(Config(num_actors=60, inference="central", env_splits=4))  # 48 + 9 x 60 = 588
-    assert limits.set == (524_288, 524_288)
-    limits.set = None
-    training.allow_open_files(Config(ray="auto", num_actors=0, ray_actors=470))  # 48 + 470 = 518
-    assert limits.set == (524_288, 524_288)
-    limits.limits, limits.set = (90, 90), None  # 48 + 5 x 8 = 88: within the hard limit, which cannot be raised
-    training.allow_open_files(Config(num_actors=8))
-    assert limits.set is None
+    limits.set = {}
+    training.allow_process_limits(Config(num_actors=60, inference="central", env_splits=4))  # 48 + 9 x 60 = 588
+    assert limits.set == {limits.RLIMIT_NOFILE: (524_288, 524_288)}
+    limits.set = {}
+    training.allow_process_limits(Config(ray="auto", num_actors=0, ray_actors=470))  # 48 + 470 = 518
+    assert limits.set == {limits.RLIMIT_NOFILE: (524_288, 524_288)}
+    limits.limits[limits.RLIMIT_NOFILE], limits.set = (90, 90), {}  # 48 + 5 x 8 = 88: fits, and cannot be raised
+    training.allow_process_limits(Config(num_actors=8))
+    assert limits.set == {}
+
+
+def test_a_limit_of_processes_too_low_for_the_actors_is_raised_or_refused_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """`ulimit -u` counts a user's threads too: under 16 with 8 actors, the actors' threads failed to start ("can't
+    start new thread", tracebacks from two actors and the shutdown, exit code 1)."""
+    limits = _Limits(files=(65_536, 65_536), processes=(60, 4096))
+    monkeypatch.setattr(training, "resource", limits)
+    with caplog.at_level("INFO", logger="impala"):
+        training.allow_process_limits(Config(num_actors=8))  # 12 + 3 x 8 = 36, more than half of 60
+    assert limits.set == {limits.RLIMIT_NPROC: (4096, 4096)}
+    assert "Raised the limit of processes and threads from 60 to 4096: the actors of --num_actors 8 need at least 36" \
+        in caplog.text
+    limits.limits[limits.RLIMIT_NPROC] = (16, 16)
+    with pytest.raises(UserError, match=r"^the actors of --num_actors 8 need at least 36 processes and threads, and "
+                                        r"this user may run 16 at most \(`ulimit -Hu`\): raise that limit, or lower "
+                                        r"the number of actors$"):
+        training.allow_process_limits(Config(num_actors=8))
 
 
 def test_a_hard_limit_of_open_files_too_low_for_the_actors_is_a_user_error_before_anything_starts(
