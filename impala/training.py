@@ -339,18 +339,24 @@ def open_files_needed(config: Config) -> int:
 
 
 # The threads of a run's processes (/proc/PID/task of each): run.py 5-6, the fork server and the resource tracker 1
-# each, an actor 2 (CartPole) or 3 (Atari: ale-py's stepping thread), measured with 4 actors.
+# each, an actor 2 (CartPole) or 3 (Atari: ale-py's stepping thread), measured with 4 actors. With --ray, run.py
+# has 31; --ray local's own processes (raylet, GCS, agents) 133, and each remote actor 26 (measured with 2).
 THREADS_BASE, THREADS_PER_ACTOR = 12, 3
+RAY_DRIVER_THREADS, RAY_LOCAL_THREADS, RAY_ACTOR_THREADS = 26, 120, 24
 
 
 def allow_process_limits(config: Config) -> None:
     """Make room for the run's actors in this process's limits (`_allow`): its open files (`open_files_needed`)
-    and its user's processes and threads, which the kernel counts together (the actors' and the rest)."""
+    and, for a user other than root, its user's processes and threads, which the kernel counts together (the
+    run's and the rest)."""
     remote = config.ray_actors if config.ray else 0
     actors = f"the actors of --num_actors {config.num_actors}" + (f" and --ray_actors {remote}" if remote else "")
     _allow(resource.RLIMIT_NOFILE, open_files_needed(config), "open files", "this process may open", "-n", actors)
-    threads = THREADS_BASE + THREADS_PER_ACTOR * config.num_actors + (remote if config.ray == "local" else 0)
-    _allow(resource.RLIMIT_NPROC, threads, "processes and threads", "this user may run", "-u", actors)
+    threads = THREADS_BASE + THREADS_PER_ACTOR * config.num_actors
+    if config.ray:
+        threads += RAY_DRIVER_THREADS + (RAY_LOCAL_THREADS + RAY_ACTOR_THREADS * remote if config.ray == "local" else 0)
+    if os.getuid() != 0:  # the kernel holds root to no such limit (its user namespace's root aside)
+        _allow(resource.RLIMIT_NPROC, threads, "processes and threads", "this user may run", "-u", actors)
 
 
 def _allow(limit: int, needed: int, what: str, may: str, option: str, actors: str) -> None:

@@ -384,11 +384,20 @@ def test_a_limit_of_processes_too_low_for_the_actors_is_raised_or_refused_in_one
     start new thread", tracebacks from two actors and the shutdown, exit code 1)."""
     limits = _Limits(files=(65_536, 65_536), processes=(60, 4096))
     monkeypatch.setattr(training, "resource", limits)
+    monkeypatch.setattr(training.os, "getuid", lambda: 0)
+    training.allow_process_limits(Config(num_actors=8))
+    assert limits.set == {}  # root is held to no such limit: a run as root under a low one works, and is let be
+    monkeypatch.setattr(training.os, "getuid", lambda: 1000)
     with caplog.at_level("INFO", logger="impala"):
         training.allow_process_limits(Config(num_actors=8))  # 12 + 3 x 8 = 36, more than half of 60
     assert limits.set == {limits.RLIMIT_NPROC: (4096, 4096)}
     assert "Raised the limit of processes and threads from 60 to 4096: the actors of --num_actors 8 need at least 36" \
         in caplog.text
+    limits.limits[limits.RLIMIT_NPROC], limits.set = (300, 4096), {}
+    training.allow_process_limits(Config(num_actors=0, ray="auto", ray_actors=2))  # 12 + 26 = 38: room in 300
+    assert limits.set == {}
+    training.allow_process_limits(Config(num_actors=0, ray="local", ray_actors=2))  # Ray's own: 12 + 26 + 120 + 48
+    assert limits.set == {limits.RLIMIT_NPROC: (4096, 4096)}
     limits.limits[limits.RLIMIT_NPROC] = (16, 16)
     with pytest.raises(UserError, match=r"^the actors of --num_actors 8 need at least 36 processes and threads, and "
                                         r"this user may run 16 at most \(`ulimit -Hu`\): raise that limit, or lower "
