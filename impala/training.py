@@ -351,28 +351,31 @@ def allow_process_limits(config: Config) -> None:
     run's and the rest)."""
     remote = config.ray_actors if config.ray else 0
     actors = f"the actors of --num_actors {config.num_actors}" + (f" and --ray_actors {remote}" if remote else "")
-    _allow(resource.RLIMIT_NOFILE, open_files_needed(config), "open files", "this process may open", "-n", actors)
+    _allow(resource.RLIMIT_NOFILE, open_files_needed(config), "open files", "this process may open", "n", actors)
     threads = THREADS_BASE + THREADS_PER_ACTOR * config.num_actors
     if config.ray:
         threads += RAY_DRIVER_THREADS + (RAY_LOCAL_THREADS + RAY_ACTOR_THREADS * remote if config.ray == "local" else 0)
     if os.getuid() != 0:  # the kernel holds root to no such limit (its user namespace's root aside)
-        _allow(resource.RLIMIT_NPROC, threads, "processes and threads", "this user may run", "-u", actors)
+        _allow(resource.RLIMIT_NPROC, threads, "processes and threads", "this user may run", "u", actors)
 
 
-def _allow(limit: int, needed: int, what: str, may: str, option: str, actors: str) -> None:
-    """Raise the soft `limit` to the hard one where `needed` is more than half of it (room for what is opened or
-    started later, and for the user's other processes where it counts them); UserError where even the hard limit is
-    below `needed`: the start would otherwise fail in the middle ("Too many open files", "can't start new thread",
-    with tracebacks from the actors)."""
+RAISED_LIMIT = 65_536  # the most a soft limit is raised to: some programs go through every file number up to it
+
+
+def _allow(limit: int, needed: int, what: str, may: str, letter: str, actors: str) -> None:
+    """Raise the soft `limit` towards the hard one (up to RAISED_LIMIT, or twice `needed` where that is more) where
+    `needed` is more than half of it: room for what is opened or started later, and for the user's other processes
+    where it counts them. UserError where even the hard limit is below `needed`: the start would otherwise fail in
+    the middle ("Too many open files", "can't start new thread", with tracebacks from the actors)."""
     soft, hard = resource.getrlimit(limit)
     unlimited = resource.RLIM_INFINITY
     if hard != unlimited and hard < needed:
-        raise UserError(f"{actors} need at least {needed} {what}, and {may} {hard} at most (`ulimit -H{option[1:]}`): "
+        raise UserError(f"{actors} need at least {needed} {what}, and {may} {hard} at most (`ulimit -H{letter}`): "
                         "raise that limit, or lower the number of actors")
-    if soft != unlimited and soft < 2 * needed and (hard == unlimited or hard > soft):
-        resource.setrlimit(limit, (hard, hard))
-        log.info("Raised the limit of %s from %d to %s: %s need at least %d", what, soft,
-                 "unlimited" if hard == unlimited else hard, actors, needed)
+    raised = max(RAISED_LIMIT, 2 * needed) if hard == unlimited else min(hard, max(RAISED_LIMIT, 2 * needed))
+    if soft != unlimited and soft < 2 * needed and raised > soft:
+        resource.setrlimit(limit, (raised, hard))
+        log.info("Raised the limit of %s from %d to %d: %s need at least %d", what, soft, raised, actors, needed)
 
 
 def check_model_fits(model: Net) -> None:

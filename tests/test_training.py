@@ -358,21 +358,21 @@ class _Limits:
 
 def test_a_soft_limit_of_open_files_too_low_for_the_actors_is_raised_to_the_hard_one(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    limits = _Limits(files=(1024, 524_288))
+    limits = _Limits(files=(1024, 1_048_576))  # Docker's hard limit
     monkeypatch.setattr(training, "resource", limits)
     training.allow_process_limits(Config(num_actors=92))  # 48 + 5 x 92 = 508: twice that within the soft limit
     assert limits.set == {}
     with caplog.at_level("INFO", logger="impala"):
         training.allow_process_limits(Config(num_actors=93))
-    assert limits.set == {limits.RLIMIT_NOFILE: (524_288, 524_288)}
-    assert "Raised the limit of open files from 1024 to 524288: the actors of --num_actors 93 need at least 513" \
+    assert limits.set == {limits.RLIMIT_NOFILE: (65_536, 1_048_576)}  # not a million: some programs go through all
+    assert "Raised the limit of open files from 1024 to 65536: the actors of --num_actors 93 need at least 513" \
         in caplog.text
     limits.set = {}
     training.allow_process_limits(Config(num_actors=60, inference="central", env_splits=4))  # 48 + 9 x 60 = 588
-    assert limits.set == {limits.RLIMIT_NOFILE: (524_288, 524_288)}
+    assert limits.set == {limits.RLIMIT_NOFILE: (65_536, 1_048_576)}
     limits.set = {}
     training.allow_process_limits(Config(ray="auto", num_actors=0, ray_actors=470))  # 48 + 470 = 518
-    assert limits.set == {limits.RLIMIT_NOFILE: (524_288, 524_288)}
+    assert limits.set == {limits.RLIMIT_NOFILE: (65_536, 1_048_576)}
     limits.limits[limits.RLIMIT_NOFILE], limits.set = (90, 90), {}  # 48 + 5 x 8 = 88: fits, and cannot be raised
     training.allow_process_limits(Config(num_actors=8))
     assert limits.set == {}
@@ -390,9 +390,12 @@ def test_a_limit_of_processes_too_low_for_the_actors_is_raised_or_refused_in_one
     monkeypatch.setattr(training.os, "getuid", lambda: 1000)
     with caplog.at_level("INFO", logger="impala"):
         training.allow_process_limits(Config(num_actors=8))  # 12 + 3 x 8 = 36, more than half of 60
-    assert limits.set == {limits.RLIMIT_NPROC: (4096, 4096)}
+    assert limits.set == {limits.RLIMIT_NPROC: (4096, 4096)}  # the hard limit, below 65,536
     assert "Raised the limit of processes and threads from 60 to 4096: the actors of --num_actors 8 need at least 36" \
         in caplog.text
+    limits.limits[limits.RLIMIT_NPROC], limits.set = (60, -1), {}  # no hard limit: raised to 65,536
+    training.allow_process_limits(Config(num_actors=8))
+    assert limits.set == {limits.RLIMIT_NPROC: (65_536, -1)}
     limits.limits[limits.RLIMIT_NPROC], limits.set = (300, 4096), {}
     training.allow_process_limits(Config(num_actors=0, ray="auto", ray_actors=2))  # 12 + 26 = 38: room in 300
     assert limits.set == {}
