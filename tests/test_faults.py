@@ -357,23 +357,23 @@ def test_the_oom_kills_counted_are_those_of_the_process_own_cgroup_where_it_can_
     from impala.config import own_cgroup_file
 
     proc, root = tmp_path / "cgroup", tmp_path / "sys"
-    proc.write_text("4:memory:/jobs/7\n0::/\n")  # cgroup v1
+
+    def own_count(cgroup: str) -> tuple[Path | None, int | None]:
+        """The count file found for a process whose /proc/self/cgroup reads `cgroup`, and the count in it."""
+        proc.write_text(cgroup)
+        found = own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root)
+        return found, None if found is None else actor_pool.OomKills((found, "in this process's cgroup"))._count()
+
     (root / "memory/jobs/7").mkdir(parents=True)
     (root / "memory/jobs/7/memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 3\n")
-    found = own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root)
-    assert found == root / "memory/jobs/7/memory.oom_control"
-    assert actor_pool.OomKills((found, "in this process's cgroup"))._count() == 3
-    proc.write_text("4:memory:/docker/abc\n0::/\n")  # no cgroup namespace: the host's path, the container's mount
-    assert own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root) is None  # none there
+    assert own_count("4:memory:/jobs/7\n0::/\n") == (root / "memory/jobs/7/memory.oom_control", 3)  # cgroup v1
+    # No cgroup namespace: the host's path, the container's own cgroup mounted; there, its count.
+    assert own_count("4:memory:/docker/abc\n0::/\n") == (None, None)
     (root / "memory/memory.oom_control").write_text("oom_kill 4\n")
-    assert own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root) == (
-        root / "memory/memory.oom_control")
-    proc.write_text("0::/kubepods/pod1/c\n")  # cgroup v2
+    assert own_count("4:memory:/docker/abc\n0::/\n") == (root / "memory/memory.oom_control", 4)
     (root / "kubepods/pod1/c").mkdir(parents=True)
     (root / "kubepods/pod1/c/memory.events").write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\n")
-    found = own_cgroup_file("memory.events", "memory", "memory.oom_control", proc, root)
-    assert found == root / "kubepods/pod1/c/memory.events"
-    assert actor_pool.OomKills((found, "in this process's cgroup"))._count() == 2
+    assert own_count("0::/kubepods/pod1/c\n") == (root / "kubepods/pod1/c/memory.events", 2)  # cgroup v2
     assert own_cgroup_file("memory.events", "memory", "memory.oom_control", tmp_path / "missing", root) is None
 
 
