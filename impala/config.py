@@ -80,16 +80,8 @@ def _cgroup_limits(proc_cgroup: Path, root: Path, read_v2: Callable[[Path], floa
                    v1_mounts: tuple[str, ...], read_v1: Callable[[Path], float | None]) -> list[float]:
     """The limits that `read_v2` (cgroup v2) or `read_v1` (v1's `controller`, mounted at one of `v1_mounts` under
     `root`) finds in this process's cgroup (named in `proc_cgroup`) and in those above it."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return []
     limits: list[float] = []
-    for line in lines:
-        fields = line.split(":", 2)  # hierarchy id : controllers : the cgroup's path
-        if len(fields) != 3:
-            continue
-        _, controllers, path = fields
+    for controllers, path in _cgroups(proc_cgroup):
         if controllers == "":  # cgroup v2: one hierarchy
             limits += _quotas_up_from(root, path, read_v2)
         elif controller in controllers.split(","):  # cgroup v1: the controller's hierarchy
@@ -105,15 +97,7 @@ def own_cgroup_file(v2_name: str, v1_controller: str, v1_name: str, proc_cgroup:
     at its path under the mount, or at the mount point where that path is not there (a container without a cgroup
     namespace sees the host's path and its own cgroup mounted, as `_quotas_up_from` takes it); None where there is
     no such file."""
-    try:
-        lines = proc_cgroup.read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        fields = line.split(":", 2)  # hierarchy id : controllers : the cgroup's path
-        if len(fields) != 3:
-            continue
-        _, controllers, path = fields
+    for controllers, path in _cgroups(proc_cgroup):
         if controllers == "":
             mount, name = root, v2_name
         elif v1_controller in controllers.split(","):
@@ -125,6 +109,17 @@ def own_cgroup_file(v2_name: str, v1_controller: str, v1_name: str, proc_cgroup:
         if candidate.is_file():
             return candidate
     return None
+
+
+def _cgroups(proc_cgroup: Path) -> list[tuple[str, str]]:
+    """(controllers, path) of each hierarchy this process's cgroups are in (`proc_cgroup`: /proc/self/cgroup; "" for
+    cgroup v2's controllers); none where it cannot be read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return []
+    fields = [line.split(":", 2) for line in lines]  # hierarchy id : controllers : the cgroup's path
+    return [(controllers, path) for _, controllers, path in (f for f in fields if len(f) == 3)]
 
 
 def _quotas_up_from(mount: Path, path: str, read: Callable[[Path], float | None]) -> list[float]:
