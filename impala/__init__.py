@@ -1,1 +1,12 @@
 """IMPALA / V-trace actor-critic trainer."""
+
+import os
+import sys
+
+# Checked here, before any module of the package is read: they use what Python 3.11 added (datetime.UTC, ...), and
+# without this an older Python fails at an import with a traceback.
+if sys.version_info < (3, 11):  # noqa: UP036 - the check is for the Pythons ruff is told are not used
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c", "-m") else "impala"
+    version = ".".join(str(part) for part in sys.version_info[:3])
+    sys.stderr.write(f"{program}: error: impala needs Python 3.11 or later; this is Python {version}\n")
+    raise SystemExit(2)

@@ -9,11 +9,13 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from process_helpers import run_py
+from process_helpers import REPO_ROOT, run_py
 
 import run
 from impala import buffers, slots, training
@@ -581,6 +583,19 @@ def test_from_the_command_line_no_traceback(tmp_path: Path) -> None:
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("run.py: error: ") and result.stderr.count("\n") == 1, result.stderr
         assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_an_older_python_is_one_line_before_anything_is_read(tmp_path: Path) -> None:
+    """Python 3.10 installs the requirements, then failed at `from datetime import UTC` with a traceback. Here
+    `sys.version_info` is made 3.10's before run.py runs; tried for real with Python 3.10.13 too."""
+    older = ("import runpy, sys; sys.version_info = (3, 10, 13, 'final', 0); "
+             "sys.argv = ['run.py', '--env', 'CartPole-v1', '--savedir', sys.argv[1]]; "
+             "runpy.run_path('run.py', run_name='__main__')")
+    result = subprocess.run([sys.executable, "-c", older, str(tmp_path / "runs")], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert (result.returncode, result.stderr) == (
+        2, "run.py: error: impala needs Python 3.11 or later; this is Python 3.10.13\n"), result.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_under_torchrun_another_ranks_error_names_its_rank(capsys: pytest.CaptureFixture,
