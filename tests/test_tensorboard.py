@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
 import socket
 import subprocess
@@ -42,6 +43,7 @@ EXPECTED_TAGS = {
     "actors": ["slot_wait_share", "policy_share", "env_share", "write_share"],
 }
 ALL_TAGS = [f"{group}/{name}" for group, names in EXPECTED_TAGS.items() for name in names]
+BROKEN_TENSORFLOW = "a TensorFlow whose import fails"
 
 
 @dataclass
@@ -56,12 +58,17 @@ class TrainedRun:
 def trained(tmp_path_factory: pytest.TempPathFactory) -> TrainedRun:
     savedir = tmp_path_factory.mktemp("runs")
     stdout_path = savedir / "stdout.txt"
+    # A user's environment may hold a TensorFlow, here one whose import fails: the run must never import it.
+    site = tmp_path_factory.mktemp("site")
+    (site / "tensorflow").mkdir()
+    (site / "tensorflow" / "__init__.py").write_text(f"raise RuntimeError({BROKEN_TENSORFLOW!r})\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
     with open(stdout_path, "w") as stdout:  # a file, not a terminal: plain progress lines expected
         subprocess.run([sys.executable, "run.py", *TRAIN_FLAGS, "--savedir", str(savedir), "--xpid", "cartpole"],
-                       cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, timeout=180, check=True)
+                       cwd=REPO, env=env, stdout=stdout, stderr=subprocess.STDOUT, timeout=180, check=True)
         subprocess.run([sys.executable, "run.py", "--mode", "test", "--env", "CartPole-v1", "--savedir", str(savedir),
                         "--xpid", "cartpole", "--test_episodes", "2", "--video"],
-                       cwd=REPO, stdout=stdout, stderr=subprocess.STDOUT, timeout=120, check=True)
+                       cwd=REPO, env=env, stdout=stdout, stderr=subprocess.STDOUT, timeout=120, check=True)
     run_dir = savedir / "cartpole"
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0, "tensors": 0})
     events.Reload()
@@ -78,6 +85,13 @@ def test_every_tag_group_has_values_against_agent_steps(trained: TrainedRun) -> 
         steps = [e.step for e in events]
         assert events, tag
         assert all(0 <= s <= TOTAL_STEPS and s % STEPS_PER_UPDATE == 0 for s in steps), (tag, steps)
+
+
+def test_a_broken_tensorflow_installed_beside_it_is_never_imported(trained: TrainedRun) -> None:
+    # The fixture's training and test runs had it first on their path: both ran to their end (a traceback would
+    # have failed the fixture) and wrote their events (here and in the test-mode test), without its error.
+    assert BROKEN_TENSORFLOW not in trained.stdout
+    assert trained.events.Scalars("charts/episodic_return")
 
 
 def test_scalar_values_mean_what_their_names_say(trained: TrainedRun) -> None:
