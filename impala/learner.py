@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import shutil
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -290,6 +292,28 @@ def loss_function(config: Config, device: torch.device, world_size: int = 1) -> 
         return compiled(model, batch, core_state, config, reducer, advantage_moments)
 
     return compiled_loss
+
+
+def check_compiler(device: torch.device) -> None:
+    """`--compile` builds its kernels at the first update: on the CPU with a C++ compiler (torch's own search: $CXX
+    when set at import, else g++), on a GPU with the C compiler Triton builds its launchers with ($CC, gcc or clang).
+    Where there is none (a slim container image) that is a UserError here, before anything is written, rather than
+    torch's traceback once the actors have started."""
+    if device.type == "cuda":
+        if os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang"):
+            return
+        needed, names = "a C compiler, which Triton builds its GPU kernels' launchers with", "gcc or clang on PATH, or $CC"
+    else:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        from torch._inductor.exc import InvalidCxxCompiler
+
+        try:
+            get_cpp_compiler()
+            return
+        except InvalidCxxCompiler:
+            needed, names = "a C++ compiler, which torch.compile builds its CPU kernels with", "g++ on PATH, or $CXX"
+    raise UserError(f"--compile needs {needed}, and none was found ({names}): install one (on Debian or Ubuntu: "
+                    f"apt install g++), or leave out --compile")
 
 
 def compiles_cuda_graphs(config: Config, device: torch.device, world_size: int = 1) -> bool:

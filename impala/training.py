@@ -177,6 +177,8 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
     if config.ray:
         require_ray()  # before anything is written
     check_actors_fit(config)
+    if config.compile:
+        learner.check_compiler(coordinator.ranks.device if coordinator is not None else select_device(config))
     allow_process_limits(config)  # before the fork server: the actors' processes inherit the limits
     observation_shape, observation_dtype, num_actions = probe_env(config.env, config.seed)
     torch.manual_seed(config.seed)

@@ -53,6 +53,19 @@ def event_files_numbered_from_zero(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
 
 
+@pytest.fixture
+def cpp_compiler() -> None:
+    """Skips a test of --compile on the CPU where torch finds no C++ compiler (a slim image), which run.py refuses
+    in one line (tests/test_bad_input.py); it runs wherever one is found."""
+    from impala import learner
+    from impala.config import UserError
+
+    try:
+        learner.check_compiler(torch.device("cpu"))
+    except UserError as exc:
+        pytest.skip(str(exc))
+
+
 @pytest.fixture(scope="session")
 def readme_cartpole(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The savedir of one run of the README's CartPole command to its end (xpid "cartpole"), trained once for

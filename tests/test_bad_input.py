@@ -185,6 +185,19 @@ def test_unwritable_savedir(capsys: pytest.CaptureFixture, tmp_path: Path) -> No
                 r"cannot make the run directory .*a_file/x: .*a_file is not a directory; choose another --savedir")
 
 
+def test_compile_without_a_compiler_is_one_line_before_anything_is_written(
+        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch._inductor import config as inductor_config
+    monkeypatch.setattr(inductor_config.cpp, "cxx", (str(tmp_path / "no-such-g++"),))  # a slim image's (none)
+    saved = _saved_run(tmp_path / "runs", "saved")
+    before = _snapshot(saved)
+    for xpid in ("saved", "new"):
+        _fails_with(capsys, [*QUICK, "--compile", "--disable_cuda", "--savedir", str(tmp_path / "runs"), "--xpid", xpid],
+                    r"error: --compile needs a C\+\+ compiler, .* none was found \(g\+\+ on PATH, or \$CXX\): install "
+                    r"one .*, or leave out --compile$")
+    assert _snapshot(saved) == before and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["saved"]
+
+
 @pytest.mark.parametrize("start", ["path", "best"])
 def test_a_run_continued_from_another_checkpoint_keeps_the_model_tar_it_replaces(tmp_path: Path, start: str) -> None:
     """A rewind (--checkpoint best), or a name reused with --checkpoint PATH: the run's own model.tar, at a later

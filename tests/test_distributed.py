@@ -199,6 +199,7 @@ def _compiled_rank_process(rank: int, init_file: str, out_dir: str) -> None:
     os._exit(0)  # the group is broken: no orderly teardown
 
 
+@pytest.mark.usefixtures("cpp_compiler")
 def test_a_rank_lost_under_compile_is_the_one_line_of_a_lost_rank(tmp_path: Path) -> None:
     """--compile traces the loss; the advantages' all-reduce inside it must still end in the one line (it was a
     raw gloo error with a traceback, the reducer not marked failed)."""

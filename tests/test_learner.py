@@ -1014,6 +1014,7 @@ def test_a_resume_takes_the_optimizers_settings_from_the_flags_given_now() -> No
 
 @pytest.mark.parametrize(("use_lstm", "advantage_norm", "minibatch_mode"),
                          [(False, "minibatch", "unrolls"), (True, "batch", "unrolls"), (False, "minibatch", "samples")])
+@pytest.mark.usefixtures("cpp_compiler")
 def test_the_compiled_step_equals_the_eager_step(use_lstm: bool, advantage_norm: str, minibatch_mode: str) -> None:
     """`--compile`: the loss (forward, V-trace, PPO) and its backward compiled as one region. Two batches of
     2 passes x 2 minibatches with Adam leave the weights and stats the eager step leaves, to float error
