@@ -7,6 +7,7 @@ every actor, and nothing of another test's run.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import signal
@@ -15,6 +16,8 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The IMPALA rule (TorchBeast's loss and optimiser) that the README's CartPole command uses.
@@ -30,6 +33,11 @@ README_CARTPOLE = ("--env", "CartPole-v1", "--num_actors", "2", "--envs_per_acto
                    "--batch_size", "8", "--learning_rate", "0.001", *IMPALA_RULE, "--entropy_cost", "0.01",
                    "--disable_cuda")
 README_CARTPOLE_STEPS = 300_000
+
+
+# For tests that reach Ray's own checks through run.py: without Ray (the README's test install) run.py stops first, at
+# "--ray needs Ray".
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
 
 
 def with_flags(args: tuple[str, ...], **values: str) -> tuple[str, ...]:

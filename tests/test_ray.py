@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import csv
-import importlib.util
 import json
 import logging
 import os
@@ -47,6 +46,7 @@ from tests.process_helpers import (
     Torchrun,
     Training,
     group_processes,
+    needs_ray,
     run_py,
     wait_until_gone,
 )
@@ -117,8 +117,6 @@ def test_a_custom_resource_no_node_offers_is_warned_of_at_once(caplog: pytest.Lo
     assert [record.getMessage() for record in caplog.records] == ([warning] if customs else [])
 
 
-# For tests that reach Ray's own checks through run.py: without Ray, run.py stops first at "--ray needs Ray".
-needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="Ray is not installed")
 REMOTE_QUICK = ["--env", "CartPole-v1", "--num_actors", "1", "--envs_per_actor", "2", "--batch_size", "4",
                 "--hidden_size", "32", "--total_steps", "1000", "--ray", "local", "--ray_actors", "1"]
 
