@@ -186,15 +186,18 @@ def test_unwritable_savedir(capsys: pytest.CaptureFixture, tmp_path: Path) -> No
 
 
 def test_compile_without_a_compiler_is_one_line_before_anything_is_written(
-        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     from torch._inductor import config as inductor_config
-    monkeypatch.setattr(inductor_config.cpp, "cxx", (str(tmp_path / "no-such-g++"),))  # a slim image's (none)
     saved = _saved_run(tmp_path / "runs", "saved")
     before = _snapshot(saved)
-    for xpid in ("saved", "new"):
-        _fails_with(capsys, [*QUICK, "--compile", "--disable_cuda", "--savedir", str(tmp_path / "runs"), "--xpid", xpid],
-                    r"error: --compile needs a C\+\+ compiler, .* none was found \(g\+\+ on PATH, or \$CXX\): install "
-                    r"one .*, or leave out --compile$")
+    # A slim image's compilers: none. (torch's own patch, which monkeypatch's undo would delete from its config.)
+    with inductor_config.patch({"cpp.cxx": (str(tmp_path / "no-such-g++"),)}):
+        for xpid in ("saved", "new"):
+            _fails_with(capsys, [*QUICK, "--compile", "--disable_cuda", "--savedir", str(tmp_path / "runs"),
+                                 "--xpid", xpid],
+                        r"error: --compile needs a C\+\+ compiler, .* none was found \(g\+\+ on PATH, or \$CXX\): "
+                        r"install one .*, or leave out --compile$")
+    assert inductor_config.cpp.cxx != (str(tmp_path / "no-such-g++"),)
     assert _snapshot(saved) == before and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["saved"]
 
 
