@@ -10,6 +10,8 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
+import sysconfig
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -296,24 +298,31 @@ def loss_function(config: Config, device: torch.device, world_size: int = 1) -> 
 
 def check_compiler(device: torch.device) -> None:
     """`--compile` builds its kernels at the first update: on the CPU with a C++ compiler (torch's own search: $CXX
-    when set at import, else g++), on a GPU with the C compiler Triton builds its launchers with ($CC, gcc or clang).
-    Where there is none (a slim container image) that is a UserError here, before anything is written, rather than
-    torch's traceback once the actors have started."""
+    when set at import, else g++), on a GPU with the C compiler Triton builds its launchers with ($CC, gcc or clang),
+    both against Python's C headers. Where either is missing (a slim image; a compiler without python3-dev) that is
+    a UserError here, before anything is written, rather than torch's traceback once the actors have started."""
     if device.type == "cuda":
-        if os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang"):
-            return
-        needed, names = "a C compiler, which Triton builds its GPU kernels' launchers with", "gcc or clang on PATH, or $CC"
+        if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+            _refuse_compile("a C compiler, which Triton builds its GPU kernels' launchers with, and none was found "
+                            "(gcc or clang on PATH, or $CC)", "g++")
     else:
         from torch._inductor.cpp_builder import get_cpp_compiler
         from torch._inductor.exc import InvalidCxxCompiler
 
         try:
             get_cpp_compiler()
-            return
         except InvalidCxxCompiler:
-            needed, names = "a C++ compiler, which torch.compile builds its CPU kernels with", "g++ on PATH, or $CXX"
-    raise UserError(f"--compile needs {needed}, and none was found ({names}): install one (on Debian or Ubuntu: "
-                    f"apt install g++), or leave out --compile")
+            _refuse_compile("a C++ compiler, which torch.compile builds its CPU kernels with, and none was found "
+                            "(g++ on PATH, or $CXX)", "g++")
+    include = Path(sysconfig.get_path("include"))
+    if not (include / "Python.h").is_file():
+        _refuse_compile(f"Python's C headers, which its kernels are built against, and {include} has no Python.h",
+                        f"python{sys.version_info.major}.{sys.version_info.minor}-dev")
+
+
+def _refuse_compile(needs: str, package: str) -> None:
+    raise UserError(f"--compile needs {needs}: install it (on Debian or Ubuntu: apt install {package}), or leave out "
+                    "--compile")
 
 
 def compiles_cuda_graphs(config: Config, device: torch.device, world_size: int = 1) -> bool:

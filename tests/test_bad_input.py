@@ -185,20 +185,37 @@ def test_unwritable_savedir(capsys: pytest.CaptureFixture, tmp_path: Path) -> No
                 r"cannot make the run directory .*a_file/x: .*a_file is not a directory; choose another --savedir")
 
 
+def _refused_compile(capsys: pytest.CaptureFixture, tmp_path: Path, pattern: str) -> None:
+    """--compile refused in one line, for a new run and for a saved one, which is left as it was."""
+    saved = _saved_run(tmp_path / "runs", "saved")
+    before = _snapshot(saved)
+    for xpid in ("saved", "new"):
+        _fails_with(capsys, [*QUICK, "--compile", "--disable_cuda", "--savedir", str(tmp_path / "runs"), "--xpid", xpid],
+                    rf"error: --compile needs {pattern}: install it \(on Debian or Ubuntu: apt install \S+\), or "
+                    r"leave out --compile$")
+    assert _snapshot(saved) == before and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["saved"]
+
+
 def test_compile_without_a_compiler_is_one_line_before_anything_is_written(
         capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     from torch._inductor import config as inductor_config
-    saved = _saved_run(tmp_path / "runs", "saved")
-    before = _snapshot(saved)
     # A slim image's compilers: none. (torch's own patch, which monkeypatch's undo would delete from its config.)
     with inductor_config.patch({"cpp.cxx": (str(tmp_path / "no-such-g++"),)}):
-        for xpid in ("saved", "new"):
-            _fails_with(capsys, [*QUICK, "--compile", "--disable_cuda", "--savedir", str(tmp_path / "runs"),
-                                 "--xpid", xpid],
-                        r"error: --compile needs a C\+\+ compiler, .* none was found \(g\+\+ on PATH, or \$CXX\): "
-                        r"install one .*, or leave out --compile$")
+        _refused_compile(capsys, tmp_path, r"a C\+\+ compiler, .* none was found \(g\+\+ on PATH, or \$CXX\)")
     assert inductor_config.cpp.cxx != (str(tmp_path / "no-such-g++"),)
-    assert _snapshot(saved) == before and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["saved"]
+
+
+@pytest.mark.usefixtures("cpp_compiler")
+def test_compile_without_pythons_headers_is_one_line_before_anything_is_written(
+        capsys: pytest.CaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler, but no python3-dev: torch.compile's kernels include Python.h."""
+    import sysconfig
+    headers = tmp_path / "include"
+    headers.mkdir()
+    real = sysconfig.get_path
+    monkeypatch.setattr(sysconfig, "get_path", lambda name, *args, **kwargs:
+                        str(headers) if name == "include" else real(name, *args, **kwargs))
+    _refused_compile(capsys, tmp_path, rf"Python's C headers, .* and {re.escape(str(headers))} has no Python.h")
 
 
 @pytest.mark.parametrize("start", ["path", "best"])
