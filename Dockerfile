@@ -4,7 +4,7 @@
 #   docker run --gpus all --shm-size=8g -v "$PWD/runs:/app/runs" impala --env PongNoFrameskip-v4
 #
 # Build arguments:
-#   BASE_IMAGE      any Debian-like image with Python 3.11 to 3.13 and the venv module
+#   BASE_IMAGE      any Debian-like image with Python 3.11 to 3.14 and the venv module
 #                   (default: the official slim image).
 #   PIP_EXTRA_ARGS  extra flags for the dependency install, e.g.
 #                   "--find-links /wheels --cert /ca.crt" to take torch from a local wheel folder
