@@ -1056,6 +1056,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
     config = Config(**{name: getattr(args, name) for name in CONFIG_FLAGS})
     if problems := config.validate():
         raise UserError("; ".join(problems))
+    if config.compile and "learner" in only:
+        learner.check_compiler(select_device(config))
     if "e2e" in only:  # each run's flags checked as run.py checks them, before the first run rather than in its row
         extra = shlex.split(args.extra)
         for name, text, flags in [("--extra", args.extra, extra)] + [

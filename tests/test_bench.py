@@ -481,6 +481,17 @@ def test_a_model_the_env_cannot_take_is_one_line_before_a_component_runs(capsys:
     assert err == "bench: error: --model shallow needs image observations [C, H, W], got shape (4,)\n", err
 
 
+def test_compile_without_a_compiler_is_one_line_before_the_learner_runs(capsys: pytest.CaptureFixture,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    from torch._inductor import config as inductor_config
+    monkeypatch.setattr(bench, "run_bench", lambda *args: pytest.fail("a component ran"))
+    with inductor_config.patch({"cpp.cxx": (str(tmp_path / "no-such-g++"),)}):  # run.py's refusal, in the bench
+        assert bench.main(["--only", "learner", "--compile", "--disable_cuda", "--env", "CartPole-v1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("bench: error: --compile needs a C++ compiler, ") and err.count("\n") == 1, err
+
+
 def test_process_tree_cpu_counts_a_grandchild(tmp_path: Path) -> None:
     """A child that only waits for a busy grandchild: the tree's CPU is the grandchild's."""
     busy = "import time\nwhile time.process_time() < 1.0:\n    pass\n"
