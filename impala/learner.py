@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NoReturn, Protocol
 
 import torch
 
@@ -304,7 +304,7 @@ def check_compiler(device: torch.device) -> None:
     if device.type == "cuda":
         if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
             _refuse_compile("a C compiler, which Triton builds its GPU kernels' launchers with, and none was found "
-                            "(gcc or clang on PATH, or $CC)", "g++")
+                            "(gcc or clang on PATH, or $CC)", "install one", "g++")
     else:
         from torch._inductor.cpp_builder import get_cpp_compiler
         from torch._inductor.exc import InvalidCxxCompiler
@@ -313,15 +313,15 @@ def check_compiler(device: torch.device) -> None:
             get_cpp_compiler()
         except InvalidCxxCompiler:
             _refuse_compile("a C++ compiler, which torch.compile builds its CPU kernels with, and none was found "
-                            "(g++ on PATH, or $CXX)", "g++")
+                            "(g++ on PATH, or $CXX)", "install one", "g++")
     include = Path(sysconfig.get_path("include"))
     if not (include / "Python.h").is_file():
         _refuse_compile(f"Python's C headers, which its kernels are built against, and {include} has no Python.h",
-                        f"python{sys.version_info.major}.{sys.version_info.minor}-dev")
+                        "install them", f"python{sys.version_info.major}.{sys.version_info.minor}-dev")
 
 
-def _refuse_compile(needs: str, package: str) -> None:
-    raise UserError(f"--compile needs {needs}: install it (on Debian or Ubuntu: apt install {package}), or leave out "
+def _refuse_compile(needs: str, install: str, package: str) -> NoReturn:
+    raise UserError(f"--compile needs {needs}: {install} (on Debian or Ubuntu: apt install {package}), or leave out "
                     "--compile")
 
 

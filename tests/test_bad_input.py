@@ -191,7 +191,7 @@ def _refused_compile(capsys: pytest.CaptureFixture, tmp_path: Path, pattern: str
     before = _snapshot(saved)
     for xpid in ("saved", "new"):
         _fails_with(capsys, [*QUICK, "--compile", "--disable_cuda", "--savedir", str(tmp_path / "runs"), "--xpid", xpid],
-                    rf"error: --compile needs {pattern}: install it \(on Debian or Ubuntu: apt install \S+\), or "
+                    rf"error: --compile needs {pattern} \(on Debian or Ubuntu: apt install \S+\), or "
                     r"leave out --compile$")
     assert _snapshot(saved) == before and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["saved"]
 
@@ -201,7 +201,8 @@ def test_compile_without_a_compiler_is_one_line_before_anything_is_written(
     from torch._inductor import config as inductor_config
     # A slim image's compilers: none. (torch's own patch, which monkeypatch's undo would delete from its config.)
     with inductor_config.patch({"cpp.cxx": (str(tmp_path / "no-such-g++"),)}):
-        _refused_compile(capsys, tmp_path, r"a C\+\+ compiler, .* none was found \(g\+\+ on PATH, or \$CXX\)")
+        _refused_compile(capsys, tmp_path,
+                         r"a C\+\+ compiler, .* none was found \(g\+\+ on PATH, or \$CXX\): install one")
     assert inductor_config.cpp.cxx != (str(tmp_path / "no-such-g++"),)
 
 
@@ -215,7 +216,8 @@ def test_compile_without_pythons_headers_is_one_line_before_anything_is_written(
     real = sysconfig.get_path
     monkeypatch.setattr(sysconfig, "get_path", lambda name, *args, **kwargs:
                         str(headers) if name == "include" else real(name, *args, **kwargs))
-    _refused_compile(capsys, tmp_path, rf"Python's C headers, .* and {re.escape(str(headers))} has no Python.h")
+    _refused_compile(capsys, tmp_path,
+                     rf"Python's C headers, .* and {re.escape(str(headers))} has no Python.h: install them")
 
 
 @pytest.mark.parametrize("start", ["path", "best"])
