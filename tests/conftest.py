@@ -55,8 +55,8 @@ def event_files_numbered_from_zero(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def cpp_compiler() -> None:
-    """Skips a test of --compile on the CPU where torch finds no C++ compiler (a slim image), which run.py refuses
-    in one line (tests/test_bad_input.py); it runs wherever one is found."""
+    """Skips a test of --compile on the CPU where torch finds no C++ compiler (a slim image) or Python's headers are
+    missing, which run.py refuses in one line (tests/test_bad_input.py); it runs wherever both are found."""
     from impala import learner
     from impala.config import UserError
 

@@ -461,7 +461,8 @@ def _impala_tracebacks(text: str) -> list[str]:
 @needs_ray  # without Ray rank 1 refuses at once, and torchrun may stop rank 0 before it reads the run
 def test_a_rank_that_refuses_the_run_in_its_build_leaves_the_run_directory_as_it_was(tmp_path: Path) -> None:
     """Rank 1 refuses (here its Ray cluster cannot be reached, which takes it a while; on another machine, its shared
-    memory, say) after rank 0 has read the run: rank 0 writes nothing (it added a start and an error to meta.json, and an event file)."""
+    memory, say) after rank 0 has read the run: rank 0 writes nothing (it added a start and an error to meta.json,
+    and an event file)."""
     first = run_py(*SMALL_RANKS, "--savedir", str(tmp_path), "--xpid", "kept", "--total_steps", "400")
     assert first.returncode == 0, first.stderr
     run_dir = tmp_path / "kept"
