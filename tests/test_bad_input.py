@@ -190,7 +190,8 @@ def _refused_compile(capsys: pytest.CaptureFixture, tmp_path: Path, pattern: str
     saved = _saved_run(tmp_path / "runs", "saved")
     before = _snapshot(saved)
     for xpid in ("saved", "new"):
-        _fails_with(capsys, [*QUICK, "--compile", "--disable_cuda", "--savedir", str(tmp_path / "runs"), "--xpid", xpid],
+        argv = [*QUICK, "--compile", "--disable_cuda", "--savedir", str(tmp_path / "runs"), "--xpid", xpid]
+        _fails_with(capsys, argv,
                     rf"error: --compile needs {pattern} \(on Debian or Ubuntu: apt install \S+\), or "
                     r"leave out --compile$")
     assert _snapshot(saved) == before and sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["saved"]
