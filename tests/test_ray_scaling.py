@@ -23,7 +23,8 @@ def _script() -> ModuleType:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--actors", "2", "0"], "--actors and --total_steps take numbers >= 1, got --actors 2 0 --total_steps 40000"),
     (["--total_steps", "-5"], "--actors and --total_steps take numbers >= 1, got --actors 1 2 4 --total_steps -5"),
-    (["--out", "{tmp}/scaling.txt"], "--out {tmp}/scaling.txt: name a figure file (."),  # the formats of the matplotlib installed
+    # then the figure formats of the matplotlib installed
+    (["--out", "{tmp}/scaling.txt"], "--out {tmp}/scaling.txt: name a figure file (."),
     (["--out", "{tmp}/missing/scaling.png"], "--out {tmp}/missing/scaling.png: its directory does not exist"),
 ])
 def test_bad_flags_are_one_line_and_exit_2_before_any_run(
