@@ -208,13 +208,38 @@ def find_checkpoint(run_dir: Path | None, choice: str) -> Path:
     return path
 
 
-def best_so_far(run_dir: Path) -> tuple[float, int] | None:
-    """(mean evaluation return, agent step) recorded in `run_dir`/model_best.tar; None when there is none.
+def best_checkpoint(run_dir: Path, actions: str) -> Path:
+    """The file of `run_dir`'s best agent in evaluations with --eval_actions `actions` (greedy or sampled):
+    model_best.tar where it records those actions (or none: a file from before they were recorded), else
+    model_best_ACTIONS.tar, where a session evaluating with the other actions kept it (`keep_other_best`). The means
+    of greedy and sampled evaluations are not compared: each kind has its own best."""
+    path = run_dir / BEST_CHECKPOINT_NAME
+    if path.is_file() and best_eval_actions(path) in (None, actions):
+        return path
+    kept = run_dir / f"model_best_{actions}.tar"
+    return kept if kept.is_file() or path.is_file() else path  # kept, and model_best.tar since gone: still the best
+
+
+def keep_other_best(run_dir: Path, actions: str) -> Path:
+    """model_best.tar, the best of evaluations with --eval_actions `actions`, renamed to model_best_ACTIONS.tar
+    (-1, -2, ... where that exists: never over another file) for a session of the other actions to take its
+    place; returns the new name. Raises OSError."""
+    path = run_dir / BEST_CHECKPOINT_NAME
+    kept, number = run_dir / f"model_best_{actions}.tar", 0
+    while os.path.lexists(kept):
+        number += 1
+        kept = run_dir / f"model_best_{actions}-{number}.tar"
+    os.rename(path, kept)
+    return kept
+
+
+def best_so_far(path: Path) -> tuple[float, int] | None:
+    """(mean evaluation return, agent step) recorded in best checkpoint `path` (`best_checkpoint`); None when
+    there is none.
 
     The file itself is the record a resumed run compares against, so a best written just before a kill
     is never overwritten by a worse agent, whatever model.tar and meta.json say.
     """
-    path = run_dir / BEST_CHECKPOINT_NAME
     if not path.is_file():
         return None
     state = load_checkpoint(path, mmap=True)
@@ -225,10 +250,9 @@ def best_so_far(run_dir: Path) -> tuple[float, int] | None:
     return float(score), int(state["step"])
 
 
-def best_eval_actions(run_dir: Path) -> str | None:
-    """The --eval_actions (greedy or sampled) of the evaluation `run_dir`/model_best.tar records; None without
-    one, or in a file that does not say."""
-    path = run_dir / BEST_CHECKPOINT_NAME
+def best_eval_actions(path: Path) -> str | None:
+    """The --eval_actions (greedy or sampled) of the evaluation best checkpoint `path` records; None without
+    the file, or in one that does not say."""
     if not path.is_file():
         return None
     actions = load_checkpoint(path, mmap=True).get("eval_actions")

@@ -35,8 +35,16 @@ from impala.actor_pool import (
     prefer_for_the_oom_killer,
     start_process,
 )
-from impala.checkpoint import BEST_CHECKPOINT_NAME, best_eval_actions, best_so_far, header, save_checkpoint
-from impala.config import Config
+from impala.checkpoint import (
+    BEST_CHECKPOINT_NAME,
+    best_checkpoint,
+    best_eval_actions,
+    best_so_far,
+    header,
+    keep_other_best,
+    save_checkpoint,
+)
+from impala.config import Config, UserError
 from impala.evaluate import Games, serve_evaluations
 from impala.learner import LearnerState
 from impala.metrics import RunLog
@@ -64,8 +72,9 @@ class Evaluator:
     """
 
     model: Net
-    best: tuple[float, int] | None  # (mean return, agent step) recorded in model_best.tar
-    best_actions: str | None = None  # the --eval_actions of that evaluation (greedy or sampled)
+    # (mean return, agent step) of the best evaluation with this session's --eval_actions (`best_checkpoint`)
+    best: tuple[float, int] | None
+    best_actions: str | None = None  # the --eval_actions model_best.tar records (greedy or sampled; None: unsaid)
     process: Any = None  # its multiprocessing.Process
     pidfd: int | None = None  # a pidfd of `process` (Linux 5.3+), to tell its end from the fork server's
     connection: Connection | None = None  # the main end of the pipe to `process`
@@ -108,14 +117,15 @@ def make_evaluator(config: Config, run_dir: Path, observation_shape: tuple[int, 
                    ctx: BaseContext) -> Evaluator | None:
     """The evaluator's shared model and the best score so far (None without --eval_interval_s).
 
-    Reads model_best.tar now, in `build`, so a damaged one is refused before anything is written.
+    Reads the best checkpoint now, in `build`, so a damaged one is refused before anything is written.
     """
     if not config.eval_interval_s:
         return None
     model = Net(observation_shape, num_actions, config.model, config.use_lstm, config.hidden_size)
     model.share_memory()
     model.eval()
-    return Evaluator(model, best_so_far(run_dir), best_eval_actions(run_dir), ctx=ctx,
+    best = best_so_far(best_checkpoint(run_dir, config.eval_actions))
+    return Evaluator(model, best, best_eval_actions(run_dir / BEST_CHECKPOINT_NAME), ctx=ctx,
                      heartbeat=ctx.Value("d", time.monotonic(), lock=False))
 
 
@@ -278,7 +288,10 @@ def finish_evaluation(run: EvaluatedRun, evaluator: Evaluator, pending: dict, ga
 def _save_best(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: list[float]) -> None:
     """Write model_best.tar (atomically, as model.tar) and record it in meta.json. A failed write is reported
     and training goes on; the best stays the one in model_best.tar, so the next better evaluation tries again and
-    no worse one replaces it (a failed meta.json leaves the new best in model_best.tar: it is the best)."""
+    no worse one replaces it (a failed meta.json leaves the new best in model_best.tar: it is the best).
+
+    A model_best.tar of evaluations with the other --eval_actions is kept first as model_best_ACTIONS.tar, and the
+    one of this session's actions kept that way before (`best_checkpoint`), which the new best beat, is deleted."""
     mean, std = statistics.fmean(returns), statistics.pstdev(returns)
     state = {
         "model_state_dict": {k: v.detach().clone() for k, v in evaluator.model.state_dict().items()},
@@ -288,17 +301,29 @@ def _save_best(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: 
         "eval_actions": run.config.eval_actions, **header(run.config, evaluator.model),
     }
     path = run.run_dir / BEST_CHECKPOINT_NAME
+    actions = run.config.eval_actions
+    if evaluator.best_actions not in (None, actions):
+        try:
+            kept = keep_other_best(run.run_dir, evaluator.best_actions)
+        except OSError as exc:
+            log.error("Could not keep %s, the best of %s evaluations, aside to save the best of %s ones (step %d, "
+                      "mean return %.2f): %s; training goes on", path, evaluator.best_actions, actions,
+                      pending["step"], mean, exc)
+            return
+        log.info("Kept %s, the best of %s evaluations, as %s", path.name, evaluator.best_actions, kept.name)
+        evaluator.best_actions = None
     before = _inode(path)
     try:
         save_checkpoint(path, state)
     except OSError as exc:
         if _inode(path) != before:  # renamed into place before the error (the directory's sync): it is the best
-            evaluator.best = (mean, pending["step"])
+            evaluator.best, evaluator.best_actions = (mean, pending["step"]), actions
         log.error("Could not save the best agent (step %d, mean return %.2f) to %s: %s; training goes on",
                   pending["step"], mean, path, exc)
         return
-    evaluator.best = (mean, pending["step"])
+    evaluator.best, evaluator.best_actions = (mean, pending["step"]), actions
     log.info("New best evaluation: mean return %.2f at step %d, saved to %s", mean, pending["step"], path)
+    _delete_beaten(run.run_dir / f"model_best_{actions}.tar", mean)
     try:
         record_best(run.run_dir, {"step": pending["step"], "episodic_return_mean": mean,
                                   "episodic_return_std": std, "episodes": len(returns),
@@ -306,6 +331,20 @@ def _save_best(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: 
     except OSError as exc:
         log.error("Could not record the best agent in %s: %s (it is saved in %s)", run.run_dir / "meta.json", exc,
                   path)
+
+
+def _delete_beaten(kept: Path, mean: float) -> None:
+    """Delete `kept`, a best of this session's --eval_actions kept aside (`keep_other_best`), now that model_best.tar
+    holds a better one of the same actions; a failure is reported (model_best.tar is the best all the same)."""
+    try:
+        beaten = best_so_far(kept)
+        if beaten is None or beaten[0] >= mean:
+            return
+        kept.unlink()
+    except (OSError, UserError) as exc:
+        log.error("Could not delete %s, beaten by model_best.tar: %s", kept, exc)
+        return
+    log.info("Deleted %s (mean return %.2f at step %d): the new best beat it", kept.name, *beaten)
 
 
 def _inode(path: Path) -> int | None:

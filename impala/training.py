@@ -48,7 +48,14 @@ from impala.buffers import (
     create_buffers,
     usable_memory,
 )
-from impala.checkpoint import BEST_CHECKPOINT_NAME, CHECKPOINT_NAME, header, keep_step_copy, save_checkpoint
+from impala.checkpoint import (
+    BEST_CHECKPOINT_NAME,
+    CHECKPOINT_NAME,
+    best_checkpoint,
+    header,
+    keep_step_copy,
+    save_checkpoint,
+)
 from impala.config import (
     Config,
     TrainingError,
@@ -692,7 +699,7 @@ def _remake_run_directory(run: Run) -> None:
                 "checkpoints, event files, logs.csv and out.log)", run.run_dir, run.state.step)
     run.saved_step = None
     if run.evaluator is not None:  # model_best.tar went too: the next evaluation's agent is the best in the directory
-        run.evaluator.best = None
+        run.evaluator.best = run.evaluator.best_actions = None
     run.runlog.begin_anew()
     if run.lock is not None:  # held on the directory that went
         run.lock.release()
@@ -778,13 +785,21 @@ def _log_start(run: Run) -> None:
     if run.state.optimizer_trained_with:
         log.warning("The checkpoint was trained with --optimizer %s, this run uses %s: the optimiser starts afresh",
                     run.state.optimizer_trained_with, config.optimizer)
-    if run.evaluator is not None and run.evaluator.best is not None:
-        log.info("Best evaluation so far: mean return %.2f at step %d (%s); only a better one replaces it",
-                 *run.evaluator.best, BEST_CHECKPOINT_NAME)
-        if run.evaluator.best_actions not in (None, config.eval_actions):
-            log.warning("%s was evaluated with %s actions, this session's evaluations take %s ones: their means "
-                        "are compared with it all the same; move it away to start a new best", BEST_CHECKPOINT_NAME,
-                        run.evaluator.best_actions, config.eval_actions)
+    if run.evaluator is not None:
+        _log_best(run.run_dir, run.evaluator, config.eval_actions)
+
+
+def _log_best(run_dir: Path, evaluator: Evaluator, actions: str) -> None:
+    """Which best this session's evaluations must beat (`best_checkpoint`), and where a best of the other
+    --eval_actions stays."""
+    other = evaluator.best_actions not in (None, actions)
+    if evaluator.best is not None:
+        log.info("Best %sevaluation so far: mean return %.2f at step %d (%s); only a better one replaces it",
+                 f"{actions} " if other else "", *evaluator.best, best_checkpoint(run_dir, actions).name)
+    if other:
+        log.info("%s holds the best of %s evaluations; this session's take %s actions, whose means are compared "
+                 "only with each other: a new best of them takes its place, and it is kept as model_best_%s.tar",
+                 BEST_CHECKPOINT_NAME, evaluator.best_actions, actions, evaluator.best_actions)
 
 
 # -------------------------------------------------------------------------------------- shutdown

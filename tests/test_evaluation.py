@@ -126,12 +126,12 @@ def test_find_checkpoint_names_what_is_missing(tmp_path: Path) -> None:
         find_checkpoint(tmp_path, "nowhere.tar")
     save_checkpoint(tmp_path / BEST_CHECKPOINT_NAME, _state(_net(), 40, eval_return_mean=12.5))
     assert find_checkpoint(tmp_path, "best") == tmp_path / BEST_CHECKPOINT_NAME
-    assert best_so_far(tmp_path) == (12.5, 40)
-    assert best_so_far(tmp_path / "elsewhere") is None
+    assert best_so_far(tmp_path / BEST_CHECKPOINT_NAME) == (12.5, 40)
+    assert best_so_far(tmp_path / "elsewhere" / BEST_CHECKPOINT_NAME) is None
     for score in (None, "abc", float("nan")):  # a damaged file: one line, not a traceback at resume
         save_checkpoint(tmp_path / BEST_CHECKPOINT_NAME, _state(_net(), 40, eval_return_mean=score))
         with pytest.raises(UserError, match=r"model_best.tar records no evaluation score \(eval_return_mean "):
-            best_so_far(tmp_path)
+            best_so_far(tmp_path / BEST_CHECKPOINT_NAME)
 
 
 @pytest.mark.parametrize("mode", ["test", "train"])
@@ -1026,31 +1026,88 @@ def test_test_modes_video_and_return_stay_apart_from_trainings_evaluations_and_s
     assert impala.plotting.find_runs(tmp_path) == ["b"]  # RUN_DIR/test is no run of its own to plot
 
 
-def test_a_best_evaluated_with_other_actions_is_named_at_the_start(tmp_path: Path,
-                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    """A resumed session with --eval_actions sampled compares its means with a greedy best (or the other way):
-    the start says so, and how to begin a new best."""
-    import logging
-    import types
+def test_greedy_and_sampled_evaluations_each_keep_their_own_best_across_sessions(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A session evaluating with other --eval_actions than model_best.tar's compares its means only with the best of
+    its own actions: its first best takes model_best.tar and the other kind's is kept as model_best_ACTIONS.tar,
+    which a later session of those actions compares with, takes back, and deletes once beaten."""
+    import multiprocessing
 
     from impala import training
     from impala.checkpoint import best_eval_actions
+    from impala.evaluator import make_evaluator
 
-    assert best_eval_actions(tmp_path) is None
-    save_checkpoint(tmp_path / BEST_CHECKPOINT_NAME, {"model_state_dict": {}, "flags": {}, "step": 100, "num_actions": 2,
-                                                      "observation_shape": [4],
-                                                      "eval_return_mean": 5.0, "eval_actions": "greedy"})
-    assert best_eval_actions(tmp_path) == "greedy"
-    for actions, warned in (("sampled", True), ("greedy", False)):
-        run_ = types.SimpleNamespace(
-            config=Config(eval_actions=actions, disable_cuda=True), resumed_from=None, changed_flags=(),
-            run_dir=tmp_path, buffers={"slot_owner": torch.zeros(8)}, device=torch.device("cpu"), amp=False,
-            coordinator=None,
-            state=types.SimpleNamespace(step=0, updates=0, world_size=1, optimizer_trained_with=""),
-            evaluator=types.SimpleNamespace(best=(5.0, 100), best_actions=best_eval_actions(tmp_path)))
+    best, greedy_kept, sampled_kept = (tmp_path / name for name in (
+        BEST_CHECKPOINT_NAME, "model_best_greedy.tar", "model_best_sampled.tar"))
+    pending = {"number": 1, "step": 100, "updates": 5, "episodes": 9}
+    caplog.set_level(logging.INFO, logger="impala")
+    runs: list[types.SimpleNamespace] = []
+
+    def session(actions: str) -> types.SimpleNamespace:
+        """A fake run of a session evaluating with `actions`, its evaluator made as `build` makes it."""
+        run_ = _fake_run(tmp_path, best=None)
+        runs.append(run_)
+        run_.config = Config(env="CartPole-v1", model="mlp", eval_interval_s=1, hidden_size=32, eval_actions=actions)
+        run_.evaluator = make_evaluator(run_.config, tmp_path, (4,), 2, multiprocessing.get_context("fork"))
         caplog.clear()
-        with caplog.at_level(logging.INFO, logger="impala"):
-            training._log_start(run_)  # type: ignore[arg-type]
-        said = (f"{BEST_CHECKPOINT_NAME} was evaluated with greedy actions, this session's evaluations take sampled "
-                "ones: their means are compared with it all the same; move it away to start a new best")
-        assert (said in caplog.text) == warned, caplog.text
+        training._log_best(tmp_path, run_.evaluator, actions)
+        return run_
+
+    def evaluate(run_: types.SimpleNamespace, step: int, mean: float) -> None:
+        finish_evaluation(run_, run_.evaluator, {**pending, "step": step}, _games([mean, mean]))
+
+    def held(path: Path) -> tuple[str, float, int]:
+        saved = load_checkpoint(path)
+        return saved["eval_actions"], saved["eval_return_mean"], saved["step"]
+
+    greedy = session("greedy")
+    evaluate(greedy, 100, 25.0)
+    assert held(best) == ("greedy", 25.0, 100) and not greedy_kept.exists()
+    first = best.read_bytes()
+
+    sampled = session("sampled")  # resumed with --eval_actions sampled: no sampled best yet
+    assert sampled.evaluator.best is None
+    assert ("model_best.tar holds the best of greedy evaluations; this session's take sampled actions, whose means "
+            "are compared only with each other") in caplog.text
+    evaluate(sampled, 200, 10.0)  # worse than the greedy 25, and the first sampled one: the sampled best
+    assert held(best) == ("sampled", 10.0, 200) and greedy_kept.read_bytes() == first
+    assert best_eval_actions(best) == "sampled" and "Kept model_best.tar, the best of greedy evaluations, as " \
+        "model_best_greedy.tar" in caplog.text
+    evaluate(sampled, 300, 8.0)
+    assert held(best) == ("sampled", 10.0, 200)
+
+    greedy = session("greedy")  # back to greedy: compared with the greedy 25 kept aside
+    assert greedy.evaluator.best == (25.0, 100)
+    assert "Best greedy evaluation so far: mean return 25.00 at step 100 (model_best_greedy.tar)" in caplog.text
+    evaluate(greedy, 400, 20.0)
+    assert held(best) == ("sampled", 10.0, 200) and greedy_kept.read_bytes() == first
+    evaluate(greedy, 500, 30.0)
+    assert held(best) == ("greedy", 30.0, 500) and held(sampled_kept) == ("sampled", 10.0, 200)
+    assert not greedy_kept.exists()  # beaten by the 30
+
+    session("greedy")  # the same actions as model_best.tar: nothing to say of the other kind
+    assert "Best evaluation so far: mean return 30.00 at step 500 (model_best.tar)" in caplog.text
+    assert "holds the best of" not in caplog.text
+    for run_ in runs:
+        run_.runlog.close()
+
+
+def test_a_best_of_other_actions_that_cannot_be_kept_aside_is_not_replaced(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """model_best.tar of greedy evaluations that cannot be renamed (a read-only directory, a full quota) stays as it
+    was: the sampled best is not saved over it, and training goes on."""
+    save_checkpoint(tmp_path / BEST_CHECKPOINT_NAME, _state(_net(), 100, eval_return_mean=25.0, eval_actions="greedy"))
+    before = (tmp_path / BEST_CHECKPOINT_NAME).read_bytes()
+    run_ = _fake_run(tmp_path, best=None)
+    run_.config = Config(env="CartPole-v1", eval_interval_s=1, hidden_size=32, eval_actions="sampled")
+    run_.evaluator.best_actions = "greedy"
+
+    def refuse(source: object, target: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(impala.checkpoint.os, "rename", refuse)
+    finish_evaluation(run_, run_.evaluator, {"number": 1, "step": 200}, _games([10.0, 10.0]))
+    run_.runlog.close()
+    assert (tmp_path / BEST_CHECKPOINT_NAME).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.glob("model*")) == [BEST_CHECKPOINT_NAME]
+    assert run_.evaluator.best is None and "Could not keep " in caplog.text and "Read-only file system" in caplog.text
