@@ -651,7 +651,23 @@ def to_flags(config: Config, names: Sequence[str]) -> list[str]:
 
 def _arg_type(annotation: str) -> Any:
     base = annotation.replace(" | None", "")
-    return {"int": int, "float": float, "str": str}[base]
+    return {"int": whole_number, "float": float, "str": str}[base]
+
+
+def whole_number(text: str) -> int:
+    """An int flag's value: 5000000, 5_000_000, or a whole number in a float's notation, 5e6 (as step counts
+    are written in papers)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not number.is_integer():
+        raise argparse.ArgumentTypeError(f"takes a whole number (such as 5000000 or 5e6), got {text!r}")
+    return int(number)
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

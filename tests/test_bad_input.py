@@ -79,7 +79,7 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--mode", "plot", "--xpid", "a", "--resume"], r"--resume is for --mode train, not --mode plot$"),
     (["--seed", "-5"], r"--seed must be in \[0, 2\^31\) = \[0, 2147483647\], got -5"),
     (["--seed", str(2**31)], r"--seed must be in \[0, 2\^31\) = \[0, 2147483647\], got 2147483648"),
-    (["--unroll_length", "many"], r"invalid int value: 'many'"),
+    (["--unroll_length", "many"], r"--unroll_length: takes a whole number \(such as 5000000 or 5e6\), got 'many'"),
     (["--unroll_length", "1"],  # once every update NaN
      r"PPO normalises its advantages over each minibatch, which batches of 4 x 1 steps cut into 8 minibatches leave"),
     (["--minibatch_mode", "samples", "--minibatches", "20"], r"4 x 5 steps cut into 20 minibatches leave with 1 step"),

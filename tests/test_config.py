@@ -255,6 +255,21 @@ def test_parse_config_reads_every_kind_of_flag() -> None:
     assert config.xpid == "run-1"
 
 
+@pytest.mark.parametrize("value, number", [("5000000", 5_000_000), ("5_000_000", 5_000_000), ("5e6", 5_000_000),
+                                           ("1.5E7", 15_000_000), ("2.0e3", 2000)])
+def test_whole_number_flags_take_a_floats_notation_too(value: str, number: int) -> None:
+    config = parse_config(["--total_steps", value, "--eval_max_steps", value])
+    assert (config.total_steps, config.eval_max_steps) == (number, number)
+    assert type(config.total_steps) is int
+
+
+@pytest.mark.parametrize("value", ["1.5", "2.5e-1", "5M", "inf", "nan", "1e6x", ""])
+def test_a_whole_number_flag_refuses_anything_else_in_one_line(value: str) -> None:
+    with pytest.raises(UserError, match=rf"^argument --total_steps: takes a whole number \(such as 5000000 or 5e6\), "
+                                        rf"got '{value}'$"):
+        parse_config(["--total_steps", value])
+
+
 def test_help_lists_every_field_with_its_default() -> None:
     env = {**os.environ, "COLUMNS": "400"}  # one line per flag, so a default is never wrapped away
     result = subprocess.run([sys.executable, "run.py", "--help"], cwd=REPO_ROOT, env=env,
