@@ -187,14 +187,17 @@ def eval_seeds_used(state: dict[str, Any], eval_episodes: int) -> int:
     return (evaluations + 1) * int(episodes) if evaluations else 0
 
 
-def find_checkpoint(run_dir: Path | None, choice: str) -> Path:
-    """The file `--checkpoint CHOICE` names: latest (`run_dir`/model.tar), best (`run_dir`/model_best.tar)
-    or a path. UserError, one line, for a best or a path that is not there; a missing model.tar is left to
-    `load_checkpoint`, whose message says to train the run first."""
+def find_checkpoint(run_dir: Path | None, choice: str, actions: str = "greedy") -> Path:
+    """The file `--checkpoint CHOICE` names: latest (`run_dir`/model.tar), best (the best agent of evaluations with
+    --eval_actions `actions`, `best_checkpoint`; model_best.tar where there is none of those) or a path. UserError,
+    one line, for a best or a path that is not there; a missing model.tar is left to `load_checkpoint`, whose
+    message says to train the run first."""
     if choice == "latest" and run_dir is not None:
         return run_dir / CHECKPOINT_NAME
     if choice == "best" and run_dir is not None:
-        path = run_dir / BEST_CHECKPOINT_NAME
+        path = best_checkpoint(run_dir, actions)
+        if not path.is_file():
+            path = run_dir / BEST_CHECKPOINT_NAME
         if not path.is_file():
             raise UserError(f"no {BEST_CHECKPOINT_NAME} in {run_dir}: no evaluation finished in that run "
                             "(train it with --eval_interval_s S), or use --checkpoint latest")

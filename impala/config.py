@@ -192,7 +192,8 @@ class Config:
     savedir: str = _flag("runs", "directory that holds one subdirectory per run")
     resume: bool = _flag(False, "continue the run XPID from its last checkpoint (same as re-running its xpid)")
     checkpoint: str = _flag("latest", "the checkpoint test mode plays, or training continues from: latest "
-                            "(model.tar of the run), best (its model_best.tar) or the PATH of a checkpoint file (into a "
+                            "(model.tar of the run), best (its model_best.tar, or the best of --eval_actions where it "
+                            "kept both) or the PATH of a checkpoint file (into a "
                             "new --xpid too); training starts from best or PATH once, then goes on from its model.tar")
     seed: int = _flag(0, "seed for envs, weights and action sampling, in [0, 2^31); every actor life of a run "
                       "gets its own env seeds and sampling stream from it")

@@ -32,7 +32,7 @@ log = logging.getLogger("impala")
 def load_agent(config: Config, env_from_checkpoint: bool = False) -> tuple[Net, dict]:
     """The model `--checkpoint` names (latest or best of SAVEDIR/XPID, or a path), checked against the env (unless
     the env is to be the checkpoint's own)."""
-    path = find_checkpoint(_run_dir(config), config.checkpoint)
+    path = find_checkpoint(_run_dir(config), config.checkpoint, config.eval_actions)
     state = load_checkpoint(path)
     flags = state["flags"]
     if not isinstance(flags.get("env"), str) or not flags["env"]:
@@ -196,7 +196,8 @@ def _print_results(games: Games, state: dict) -> float:
     """Print the games' mean return and lengths; return the mean."""
     returns = games.returns
     mean = float(np.mean(returns))
-    best = (f"; its evaluation while training: {state['eval_return_mean']:.2f}" if "eval_return_mean" in state
+    actions = f"{state['eval_actions']} " if isinstance(state.get("eval_actions"), str) else ""
+    best = (f"; its {actions}evaluation while training: {state['eval_return_mean']:.2f}" if "eval_return_mean" in state
             else "")
     print(f"Mean return over {len(returns)} episode{'s' if len(returns) != 1 else ''}: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
           f"checkpoint at step {state['step']}{best})")

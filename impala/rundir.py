@@ -292,7 +292,7 @@ def resume_checkpoint(config: Config, run_dir: Path) -> Path | None:
         return path if path.is_file() else None
     if config.checkpoint != "best" and start_gone(config.checkpoint, run_dir):
         return run_dir / CHECKPOINT_NAME
-    return find_checkpoint(run_dir, config.checkpoint)
+    return find_checkpoint(run_dir, config.checkpoint, config.eval_actions)
 
 
 def start_gone(choice: str, run_dir: Path) -> bool:

@@ -127,6 +127,13 @@ def test_find_checkpoint_names_what_is_missing(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / BEST_CHECKPOINT_NAME, _state(_net(), 40, eval_return_mean=12.5))
     assert find_checkpoint(tmp_path, "best") == tmp_path / BEST_CHECKPOINT_NAME
     assert best_so_far(tmp_path / BEST_CHECKPOINT_NAME) == (12.5, 40)
+    # --checkpoint best: the best of the session's --eval_actions; model_best.tar where there is none of those
+    save_checkpoint(tmp_path / BEST_CHECKPOINT_NAME, _state(_net(), 40, eval_return_mean=12.5, eval_actions="sampled"))
+    assert find_checkpoint(tmp_path, "best", "greedy") == tmp_path / BEST_CHECKPOINT_NAME
+    save_checkpoint(tmp_path / "model_best_greedy.tar", _state(_net(), 30, eval_return_mean=20.0, eval_actions="greedy"))
+    assert find_checkpoint(tmp_path, "best", "greedy") == tmp_path / "model_best_greedy.tar"
+    assert find_checkpoint(tmp_path, "best", "sampled") == tmp_path / BEST_CHECKPOINT_NAME
+    (tmp_path / "model_best_greedy.tar").unlink()
     assert best_so_far(tmp_path / "elsewhere" / BEST_CHECKPOINT_NAME) is None
     for score in (None, "abc", float("nan")):  # a damaged file: one line, not a traceback at resume
         save_checkpoint(tmp_path / BEST_CHECKPOINT_NAME, _state(_net(), 40, eval_return_mean=score))
@@ -740,8 +747,8 @@ def test_a_run_evaluates_keeps_its_best_and_test_mode_plays_it(tmp_path: Path) -
     played = run_py("--mode", "test", "--env", "CartPole-v1", "--savedir", str(tmp_path), "--xpid", "evaluated",
                     "--checkpoint", "best", "--test_episodes", "3")
     assert played.returncode == 0, played.stderr
-    assert f"checkpoint at step {saved['step']}; its evaluation while training: {saved['eval_return_mean']:.2f}" \
-        in played.stdout
+    assert f"checkpoint at step {saved['step']}; its greedy evaluation while training: " \
+        f"{saved['eval_return_mean']:.2f}" in played.stdout
 
 
 def test_the_final_weights_are_not_evaluated_after_a_stop_or_when_their_step_was(
