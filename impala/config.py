@@ -302,8 +302,8 @@ class Config:
     # Devices and speed.
     disable_cuda: bool = _flag(False, "learn on the CPU even when a GPU is present")
     amp: bool | None = _flag(None, "bfloat16 autocast for the learner and actor inference (weights stay float32); "
-                             "default: on where the device computes bfloat16 natively (recent GPUs, CPUs with "
-                             "AVX512-BF16 or AMX), --no-amp to turn it off", negatable=True)
+                             "default: on where bfloat16 outruns float32 (recent GPUs; CPUs with AMX, and AMD's "
+                             "with AVX512-BF16), --no-amp to turn it off", negatable=True)
     compile: bool = _flag(False, "torch.compile the learner's loss and its backward as one region "
                                  "(replayed as CUDA graphs on a GPU)")
     cuda_graph: bool = _flag(True, "a GPU learner with --optimizer adam replays each update (every gradient step "

@@ -8,6 +8,8 @@ the actors (T = 1) share one forward.
 from __future__ import annotations
 
 import copy
+import functools
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -291,14 +293,46 @@ class CastTorso:
         return self.net
 
 
-def bf16_is_fast(device: torch.device) -> bool:
-    """Whether `device` computes bfloat16 natively, so that autocast speeds it up rather than slows it."""
+def bf16_is_fast(device: torch.device, cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether `device` computes bfloat16 faster than float32, so that autocast speeds it up rather than slows it:
+    a GPU that has it natively; a CPU where oneDNN has bfloat16 kernels and, on x86, `x86_bf16_is_fast`."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+    vendor, flags = _cpu_vendor_and_flags(cpuinfo)
+    return native and x86_bf16_is_fast(vendor, flags) if vendor in ("GenuineIntel", "AuthenticAMD") else native
+
+
+def x86_bf16_is_fast(vendor: str, flags: frozenset[str]) -> bool:
+    """On x86, oneDNN's bfloat16 outruns its float32 with AMX (Intel's Xeons since Sapphire Rapids, the GPU
+    machines' hosts: an actor's forward 1.3 CPU-ms against 2.3), and with AVX512-BF16 on AMD (Zen 4: the learner 1.7x
+    cheaper). Intel's AVX512-BF16 without AMX (Cooper Lake, or a VM that hides AMX) has half the throughput for its
+    bfloat16 dot products: there the learner took 1.6 CPU-ms per agent step in bfloat16 against 1.1 in float32
+    (BENCHMARKS.md)."""
+    return "amx_bf16" in flags or (vendor == "AuthenticAMD" and "avx512_bf16" in flags)
+
+
+@functools.cache
+def _cpu_vendor_and_flags(cpuinfo: Path) -> tuple[str, frozenset[str]]:
+    """The vendor_id and the flags of the first processor in `cpuinfo` (/proc/cpuinfo): "" and none where it says
+    neither (not x86) or cannot be read."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return "", frozenset()
+    vendor, flags = "", frozenset[str]()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        name = name.strip()
+        if name == "vendor_id" and not vendor:
+            vendor = value.strip()
+        elif name == "flags":
+            flags = frozenset(value.split())
+            break
+    return vendor, flags
 
 
 def use_amp(amp: bool | None, device: torch.device, model: str) -> bool:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 
-from impala.model import CastTorso, FlatWeights, Net, sample_actions
+from impala.model import CastTorso, FlatWeights, Net, bf16_is_fast, sample_actions, use_amp
 
 ATARI_SHAPE = (4, 84, 84)
 NUM_ACTIONS = 6
@@ -243,6 +244,34 @@ def test_lstm_state_stays_float32_under_bfloat16_autocast() -> None:
     for actor, learner in zip(state, learner_state):
         torch.testing.assert_close(actor, learner, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(output.policy_logits[0], unrolled.policy_logits[-1], atol=1e-5, rtol=1e-5)
+
+
+def _cpuinfo(path: Path, vendor: str | None, flags: str) -> Path:
+    """A /proc/cpuinfo of two processors, the first with `vendor` (None: no vendor_id line, as on ARM) and `flags`."""
+    first = (f"vendor_id\t: {vendor}\n" if vendor else "") + f"flags\t\t: fpu {flags} sse2\n"
+    path.write_text(f"processor\t: 0\n{first}\nprocessor\t: 1\nvendor_id\t: Other\nflags\t\t: amx_bf16\n")
+    return path
+
+
+@pytest.mark.parametrize(("vendor", "flags", "fast"), [
+    ("GenuineIntel", "avx512_bf16 amx_bf16 amx_tile", True),  # Sapphire Rapids and later: AMX
+    ("GenuineIntel", "avx512f avx512_bf16 avx512_fp16", False),  # AVX512-BF16 alone: float32 outran it here
+    ("AuthenticAMD", "avx512f avx512_bf16", True),  # Zen 4
+    ("AuthenticAMD", "avx2 fma", False),
+    (None, "fp asimd bf16", True),  # not x86 (aarch64's lines): oneDNN's answer alone
+])
+def test_bfloat16_is_on_by_default_only_on_cpus_where_it_outran_float32(tmp_path: Path, vendor: str | None,
+                                                                       flags: str, fast: bool) -> None:
+    native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # this machine's oneDNN has bfloat16 kernels
+    cpuinfo = _cpuinfo(tmp_path / "cpuinfo", vendor, flags)
+    assert bf16_is_fast(torch.device("cpu"), cpuinfo) == (fast and native)
+    assert bf16_is_fast(torch.device("cpu"), tmp_path / "unreadable") == native
+
+
+def test_amp_by_default_where_bfloat16_is_fast_for_convolutional_nets_only() -> None:
+    fast = bf16_is_fast(torch.device("cpu"))
+    assert [use_amp(None, torch.device("cpu"), model) for model in ("shallow", "resnet", "mlp")] == [fast, fast, False]
+    assert use_amp(True, torch.device("cpu"), "mlp") and not use_amp(False, torch.device("cpu"), "shallow")
 
 
 def test_feed_forward_outputs_do_not_depend_on_done() -> None:
