@@ -309,9 +309,8 @@ def bf16_is_fast(device: torch.device, cpuinfo: Path = Path("/proc/cpuinfo")) ->
 def x86_bf16_is_fast(vendor: str, flags: frozenset[str]) -> bool:
     """On x86, oneDNN's bfloat16 outruns its float32 with AMX (Intel's Xeons since Sapphire Rapids, the GPU
     machines' hosts: an actor's forward 1.3 CPU-ms against 2.3), and with AVX512-BF16 on AMD (Zen 4: the learner 1.7x
-    cheaper). Intel's AVX512-BF16 without AMX (Cooper Lake, or a VM that hides AMX) has half the throughput for its
-    bfloat16 dot products: there the learner took 1.6 CPU-ms per agent step in bfloat16 against 1.1 in float32
-    (BENCHMARKS.md)."""
+    cheaper). Not with Intel's AVX512-BF16 alone (Cooper Lake, or a VM that hides AMX): there the learner took 1.6
+    CPU-ms per agent step in bfloat16 against 1.1 in float32 (BENCHMARKS.md)."""
     return "amx_bf16" in flags or (vendor == "AuthenticAMD" and "avx512_bf16" in flags)
 
 
