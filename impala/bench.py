@@ -916,7 +916,7 @@ def machine() -> dict[str, Any]:
             "cpu_count": os.cpu_count(), "cpu_quota": cpu_quota(),
             "torch": torch.__version__, "python": platform.python_version(),
             "device": torch.cuda.get_device_name(0) if cuda else "cpu (no CUDA device)",
-            "cpu_bf16_native": bool(use_amp(None, torch.device("cpu"), "shallow")),
+            "cpu_bf16_by_default": bool(use_amp(None, torch.device("cpu"), "shallow")),
             "hostname": platform.node()}
 
 
