@@ -303,7 +303,9 @@ def bf16_is_fast(device: torch.device, cpuinfo: Path = Path("/proc/cpuinfo")) ->
     except (AttributeError, RuntimeError):
         return False
     vendor, flags = _cpu_vendor_and_flags(cpuinfo)
-    return native and x86_bf16_is_fast(vendor, flags) if vendor in ("GenuineIntel", "AuthenticAMD") else native
+    if vendor in ("GenuineIntel", "AuthenticAMD"):
+        return native and x86_bf16_is_fast(vendor, flags)
+    return native
 
 
 def x86_bf16_is_fast(vendor: str, flags: frozenset[str]) -> bool:
