@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 import torch
 
-from impala.config import Config, UserError, first_line
+from impala.config import EVAL_ACTIONS, Config, UserError, first_line
 
 if TYPE_CHECKING:
     from impala.model import Net
 
 CHECKPOINT_NAME = "model.tar"
 BEST_CHECKPOINT_NAME = "model_best.tar"  # the agent of the best evaluation so far
+BEST_FIX = "restore it, or move it away to start a new best"  # for a best checkpoint that cannot be read
 STEP_CHECKPOINT_PATTERN = re.compile(r"model_step_(\d+)\.tar")  # periodic copies kept with --keep_checkpoints
 _TEMPORARY_GLOB = ".*.tar.tmp-*"  # what `save_checkpoint` and `link_or_copy` write before their rename
 
@@ -103,12 +104,14 @@ def remove_stale_temporaries(directory: str | os.PathLike) -> list[Path]:
     return removed
 
 
-def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, mmap: bool = False,
+                    fix: str = "restore it or start a new run with another --xpid") -> dict[str, Any]:
     """Load a checkpoint as data (`weights_only=True`); with `mmap`, its tensors mapped from the file rather than
     read into memory (for a look at its counters: a second copy of a large model's weights and moments could
     take the memory its training needs).
 
-    A missing, truncated, garbage or foreign file raises UserError with one line naming the file and the fix.
+    A missing, truncated, garbage or foreign file raises UserError with one line naming the file and the fix (for
+    an unreadable one, `fix`).
     """
     path = Path(path)
     if not path.is_file():
@@ -126,7 +129,7 @@ def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, An
         else:
             reason = first_line(exc)[:200]
         raise UserError(f"checkpoint {path} is not a readable checkpoint ({reason}); it may be truncated "
-                        "or not a checkpoint: restore it or start a new run with another --xpid") from None
+                        f"or not a checkpoint: {fix}") from None
     required: dict[str, type | tuple[type, ...]] = {"model_state_dict": dict, "flags": dict, "step": int, "observation_shape": (list, tuple),
                 "num_actions": int}
     if not isinstance(state, dict) or any(not isinstance(state.get(key), kind) for key, kind in required.items()):
@@ -189,19 +192,18 @@ def eval_seeds_used(state: dict[str, Any], eval_episodes: int) -> int:
 
 def find_checkpoint(run_dir: Path | None, choice: str, actions: str = "greedy") -> Path:
     """The file `--checkpoint CHOICE` names: latest (`run_dir`/model.tar), best (the best agent of evaluations with
-    --eval_actions `actions`, `best_checkpoint`; model_best.tar where there is none of those) or a path. UserError,
-    one line, for a best or a path that is not there; a missing model.tar is left to `load_checkpoint`, whose
-    message says to train the run first."""
+    --eval_actions `actions`, `best_checkpoint`; where there is none of those, model_best.tar, else the other
+    actions' best kept aside) or a path. UserError, one line, for a best or a path that is not there; a missing
+    model.tar is left to `load_checkpoint`, whose message says to train the run first."""
     if choice == "latest" and run_dir is not None:
         return run_dir / CHECKPOINT_NAME
     if choice == "best" and run_dir is not None:
-        path = best_checkpoint(run_dir, actions)
-        if not path.is_file():
-            path = run_dir / BEST_CHECKPOINT_NAME
-        if not path.is_file():
-            raise UserError(f"no {BEST_CHECKPOINT_NAME} in {run_dir}: no evaluation finished in that run "
-                            "(train it with --eval_interval_s S), or use --checkpoint latest")
-        return path
+        other = next(kind for kind in EVAL_ACTIONS if kind != actions)
+        for path in (best_checkpoint(run_dir, actions), run_dir / BEST_CHECKPOINT_NAME, kept_best(run_dir, other)):
+            if path.is_file():  # the last: a kill between keeping it aside and the new best's save
+                return path
+        raise UserError(f"no {BEST_CHECKPOINT_NAME} in {run_dir}: no evaluation finished in that run "
+                        "(train it with --eval_interval_s S), or use --checkpoint latest")
     path = Path(choice).expanduser()
     if path.is_dir():
         raise UserError(f"--checkpoint {choice} is a directory; pass a checkpoint file in it (such as "
@@ -211,29 +213,55 @@ def find_checkpoint(run_dir: Path | None, choice: str, actions: str = "greedy") 
     return path
 
 
+def kept_best(run_dir: Path, actions: str) -> Path:
+    """Where the best of evaluations with --eval_actions `actions` is kept while model_best.tar holds the other
+    kind's (`keep_other_best`)."""
+    return run_dir / f"model_best_{actions}.tar"
+
+
 def best_checkpoint(run_dir: Path, actions: str) -> Path:
     """The file of `run_dir`'s best agent in evaluations with --eval_actions `actions` (greedy or sampled):
     model_best.tar where it records those actions (or none: a file from before they were recorded), else
     model_best_ACTIONS.tar, where a session evaluating with the other actions kept it (`keep_other_best`). The means
-    of greedy and sampled evaluations are not compared: each kind has its own best."""
-    path = run_dir / BEST_CHECKPOINT_NAME
-    if path.is_file() and best_eval_actions(path) in (None, actions):
-        return path
-    kept = run_dir / f"model_best_{actions}.tar"
+    of greedy and sampled evaluations are not compared: each kind has its own best. A model_best.tar that cannot be
+    read is passed over for a kept file (it may be the other kind's), and raises UserError where there is none."""
+    path, kept = run_dir / BEST_CHECKPOINT_NAME, kept_best(run_dir, actions)
+    if path.is_file():
+        try:
+            recorded = best_eval_actions(path)
+        except UserError:
+            if kept.is_file():
+                return kept
+            raise
+        if recorded in (None, actions):
+            return path
     return kept if kept.is_file() or path.is_file() else path  # kept, and model_best.tar since gone: still the best
 
 
 def keep_other_best(run_dir: Path, actions: str) -> Path:
-    """model_best.tar, the best of evaluations with --eval_actions `actions`, renamed to model_best_ACTIONS.tar
-    (-1, -2, ... where that exists: never over another file) for a session of the other actions to take its
-    place; returns the new name. Raises OSError."""
-    path = run_dir / BEST_CHECKPOINT_NAME
-    kept, number = run_dir / f"model_best_{actions}.tar", 0
+    """model_best.tar, the best of evaluations with --eval_actions `actions`, renamed to model_best_ACTIONS.tar for a
+    session of the other actions to take its place; returns the new name. Never over another file: where one of
+    that name holds a better or unreadable agent, the new name is model_best_ACTIONS-N.tar (N = 1, 2, ...). One that
+    model_best.tar beat (its clean-up, `_delete_beaten`, cut short by a kill) is replaced. Raises OSError."""
+    path, kept = run_dir / BEST_CHECKPOINT_NAME, kept_best(run_dir, actions)
+    if kept.is_file() and _beats(path, kept):
+        os.replace(path, kept)
+        return kept
+    number = 0
     while os.path.lexists(kept):
         number += 1
         kept = run_dir / f"model_best_{actions}-{number}.tar"
     os.rename(path, kept)
     return kept
+
+
+def _beats(path: Path, other: Path) -> bool:
+    """Whether best checkpoint `path` scores at least as well as `other`; False where either cannot be read."""
+    try:
+        ours, theirs = best_so_far(path), best_so_far(other)
+    except UserError:
+        return False
+    return ours is not None and theirs is not None and ours[0] >= theirs[0]
 
 
 def best_so_far(path: Path) -> tuple[float, int] | None:
@@ -245,11 +273,10 @@ def best_so_far(path: Path) -> tuple[float, int] | None:
     """
     if not path.is_file():
         return None
-    state = load_checkpoint(path, mmap=True)
+    state = load_checkpoint(path, mmap=True, fix=BEST_FIX)
     score = state.get("eval_return_mean")
     if isinstance(score, bool) or not isinstance(score, (int, float)) or math.isnan(score):
-        raise UserError(f"{path} records no evaluation score (eval_return_mean {score!r}); move it away to start a "
-                        "new best")
+        raise UserError(f"{path} records no evaluation score (eval_return_mean {score!r}); {BEST_FIX}")
     return float(score), int(state["step"])
 
 
@@ -258,7 +285,7 @@ def best_eval_actions(path: Path) -> str | None:
     the file, or in one that does not say."""
     if not path.is_file():
         return None
-    actions = load_checkpoint(path, mmap=True).get("eval_actions")
+    actions = load_checkpoint(path, mmap=True, fix=BEST_FIX).get("eval_actions")
     return actions if isinstance(actions, str) else None
 
 

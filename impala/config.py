@@ -42,6 +42,7 @@ def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
 
 AUTO_ACTORS = -1  # --num_actors auto, until __post_init__ puts the number in its place
 CORES_KEPT = 2  # --num_actors auto leaves a core to the learner and one to the main process
+EVAL_ACTIONS = ("greedy", "sampled")  # --eval_actions: each kind keeps its own best agent
 
 
 def auto_num_actors(cores: int, local_ranks: int, batch_size: int, envs_per_actor: int, other_actors: int) -> int:
@@ -336,7 +337,7 @@ class Config:
                                    "the best agent; 0: no evaluation (see README)")
     eval_episodes: int = _flag(10, "full-game episodes (no episodic life, unclipped returns) per evaluation")
     eval_actions: str = _flag("greedy", "actions in evaluations and test mode: greedy (the most likely) or sampled "
-                              "(from the policy, as the actors act)", choices=("greedy", "sampled"))
+                              "(from the policy, as the actors act)", choices=EVAL_ACTIONS)
     eval_max_steps: int = _flag(27_000, "evaluations and test mode: a game of an env without a time limit of its "
                                 "own (gymnasium's max_episode_steps; Atari has its 27,000) is cut after this many agent "
                                 "steps, as a time limit cuts it, so that a policy that never ends a game cannot stall "

@@ -42,6 +42,7 @@ from impala.checkpoint import (
     best_so_far,
     header,
     keep_other_best,
+    kept_best,
     save_checkpoint,
 )
 from impala.config import Config, UserError
@@ -323,7 +324,7 @@ def _save_best(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: 
         return
     evaluator.best, evaluator.best_actions = (mean, pending["step"]), actions
     log.info("New best evaluation: mean return %.2f at step %d, saved to %s", mean, pending["step"], path)
-    _delete_beaten(run.run_dir / f"model_best_{actions}.tar", mean)
+    _delete_beaten(kept_best(run.run_dir, actions), mean)
     try:
         record_best(run.run_dir, {"step": pending["step"], "episodic_return_mean": mean,
                                   "episodic_return_std": std, "episodes": len(returns),

@@ -1118,3 +1118,64 @@ def test_a_best_of_other_actions_that_cannot_be_kept_aside_is_not_replaced(
     assert (tmp_path / BEST_CHECKPOINT_NAME).read_bytes() == before
     assert sorted(p.name for p in tmp_path.glob("model*")) == [BEST_CHECKPOINT_NAME]
     assert run_.evaluator.best is None and "Could not keep " in caplog.text and "Read-only file system" in caplog.text
+
+
+def test_a_beaten_best_left_aside_by_a_cut_clean_up_is_replaced_and_never_outranks_the_best(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A kill between a greedy session's new best and its deletion of the greedy best it beat leaves that beaten
+    model_best_greedy.tar beside model_best.tar. A later sampled session keeps model_best.tar aside over it: the
+    greedy best is not orphaned under another name, and the next greedy session must beat it, not the beaten one."""
+    from impala.evaluator import make_evaluator
+
+    best, greedy_kept = tmp_path / BEST_CHECKPOINT_NAME, tmp_path / "model_best_greedy.tar"
+    save_checkpoint(best, _state(_net(), 500, eval_return_mean=30.0, eval_actions="greedy"))
+    save_checkpoint(greedy_kept, _state(_net(), 100, eval_return_mean=25.0, eval_actions="greedy"))  # beaten, left
+    winner = best.read_bytes()
+    assert find_checkpoint(tmp_path, "best", "greedy") == best
+    sampled = _fake_run(tmp_path, best=None)
+    sampled.config = Config(env="CartPole-v1", model="mlp", eval_interval_s=1, hidden_size=32, eval_actions="sampled")
+    sampled.evaluator = make_evaluator(sampled.config, tmp_path, (4,), 2, multiprocessing.get_context("fork"))
+    caplog.set_level(logging.INFO, logger="impala")
+    finish_evaluation(sampled, sampled.evaluator, {"number": 1, "step": 600}, _games([10.0, 10.0]))
+    sampled.runlog.close()
+    assert sorted(p.name for p in tmp_path.glob("model_best*")) == [BEST_CHECKPOINT_NAME, greedy_kept.name]
+    assert greedy_kept.read_bytes() == winner and load_checkpoint(best)["eval_actions"] == "sampled"
+    assert "Kept model_best.tar, the best of greedy evaluations, as model_best_greedy.tar" in caplog.text
+    greedy = make_evaluator(Config(env="CartPole-v1", model="mlp", eval_interval_s=1, hidden_size=32), tmp_path,
+                            (4,), 2, multiprocessing.get_context("fork"))
+    assert greedy is not None and greedy.best == (30.0, 500)
+    assert find_checkpoint(tmp_path, "best", "greedy") == greedy_kept
+
+
+def test_a_best_kept_aside_that_scores_more_or_cannot_be_read_is_never_replaced(tmp_path: Path) -> None:
+    best, greedy_kept = tmp_path / BEST_CHECKPOINT_NAME, tmp_path / "model_best_greedy.tar"
+    for kept_bytes in (b"", None):  # unreadable; better than model_best.tar
+        for path in tmp_path.glob("model_best*"):
+            path.unlink()
+        save_checkpoint(best, _state(_net(), 500, eval_return_mean=20.0, eval_actions="greedy"))
+        if kept_bytes is None:
+            save_checkpoint(greedy_kept, _state(_net(), 100, eval_return_mean=25.0, eval_actions="greedy"))
+        else:
+            greedy_kept.write_bytes(kept_bytes)
+        before = greedy_kept.read_bytes(), best.read_bytes()
+        assert impala.checkpoint.keep_other_best(tmp_path, "greedy") == tmp_path / "model_best_greedy-1.tar"
+        assert (greedy_kept.read_bytes(), (tmp_path / "model_best_greedy-1.tar").read_bytes()) == before
+        assert not best.exists()
+
+
+def test_the_best_is_found_whatever_state_a_kill_or_a_damaged_file_left(tmp_path: Path) -> None:
+    """--checkpoint best after a kill between keeping model_best.tar aside and saving the new best in its place
+    (only the other kind's kept file is there), and where model_best.tar is damaged: a kept best of the session's
+    actions is played rather than refused; where that is the damaged one, the message says to move it away."""
+    greedy_kept = tmp_path / "model_best_greedy.tar"
+    save_checkpoint(greedy_kept, _state(_net(), 100, eval_return_mean=25.0, eval_actions="greedy"))
+    for actions in ("greedy", "sampled"):
+        assert find_checkpoint(tmp_path, "best", actions) == greedy_kept
+    (tmp_path / BEST_CHECKPOINT_NAME).write_bytes(b"torn")  # then the sampled best, most likely
+    assert find_checkpoint(tmp_path, "best", "greedy") == greedy_kept
+    damaged = r"model_best.tar is not a readable checkpoint .*: restore it, or move it away to start a new best$"
+    with pytest.raises(UserError, match=damaged):
+        find_checkpoint(tmp_path, "best", "sampled")
+    greedy_kept.unlink()
+    with pytest.raises(UserError, match=damaged):
+        find_checkpoint(tmp_path, "best", "greedy")
