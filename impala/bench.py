@@ -86,6 +86,7 @@ from impala.config import (
     cpu_quota,
     env_int,
     parse_config,
+    path_problem,
     to_flags,
     usable_cores,
 )
@@ -758,6 +759,9 @@ def run_argv(config: Config, savedir: str, extra: Sequence[str] = ()) -> list[st
 
 
 CENTRAL_ONLY = dict(ONLY_WITH)["--inference central"]  # flags of --inference central alone
+# What `run_argv` makes each end-to-end run, which --extra and --variants may not change: a new run in a temporary
+# savedir (not a saved run continued, nor one elsewhere written over).
+BENCH_RUN = {"mode": "train", "savedir": "savedir", "xpid": "bench", "resume": False, "checkpoint": "latest"}
 
 
 def bench_end_to_end(config: Config, extra: Sequence[str] = (), variant: str = "") -> dict[str, Any]:
@@ -1048,9 +1052,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
             shlex.split(text)
         except ValueError as exc:
             raise UserError(f"{name} {text!r}: {exc}") from None
+    if args.json == "":  # `--json "$OUT"` with OUT unset
+        raise UserError("--json is empty (an unset shell variable?); pass a path, or leave the flag out")
+    if args.json and (problem := path_problem(args.json)):
+        raise UserError(f"--json {args.json}: {problem}")
     json_path = Path(args.json).expanduser().resolve() if args.json else None
     if json_path is not None and json_path.is_dir():
         raise UserError(f"--json {args.json} is a directory; name a file in it")
+    if json_path is not None and json_path.suffix.lower() != ".json" and os.path.lexists(json_path):
+        raise UserError(f"--json {args.json}: a file of that name is there, and the results would replace it; name "
+                        "a new file, or one ending in .json")
     if json_path is not None and (not json_path.parent.is_dir() or not os.access(json_path.parent, os.W_OK)):
         raise UserError(f"--json {args.json}: its directory does not exist or cannot be written")
     config = Config(**{name: getattr(args, name) for name in CONFIG_FLAGS})
@@ -1064,6 +1075,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, C
                 ("--variants", variant, extra + shlex.split(variant)) for variant in args.variants or []]:
             try:
                 run_config = parse_config(run_argv(config, "savedir", flags)[2:])
+                owned = [flag for flag, value in BENCH_RUN.items() if getattr(run_config, flag) != value]
+                if owned := ["mode"] if "mode" in owned else owned:  # plot mode's --xpid: runs to plot
+                    raise UserError(f"the bench trains a new run of its own, in a temporary directory: leave out "
+                                    f"{', '.join('--' + flag for flag in owned)}")
                 if run_config.env != config.env or run_config.model != config.model:
                     env_shape(run_config)  # the env and model the run would probe first, checked here
             except UserError as exc:

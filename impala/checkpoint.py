@@ -209,7 +209,8 @@ def find_checkpoint(run_dir: Path | None, choice: str, actions: str = "greedy") 
         raise UserError(f"--checkpoint {choice} is a directory; pass a checkpoint file in it (such as "
                         f"{path / CHECKPOINT_NAME}), or name a run with --xpid")
     if not path.is_file():
-        raise UserError(f"--checkpoint {choice}: no such file; pass latest, best or the path of a checkpoint file")
+        what = "not a regular file" if path.exists() else "no such file"  # /dev/null, a pipe
+        raise UserError(f"--checkpoint {choice}: {what}; pass latest, best or the path of a checkpoint file")
     return path
 
 

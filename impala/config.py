@@ -36,6 +36,18 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def say(text: str) -> None:
+    """Print `text` to stdout, whose reader may have gone (`run.py --mode test ... | head -1`): then this line and
+    every later one go to /dev/null, as a command's output does there, and the mode finishes its work (a video to
+    write) rather than ending in a traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
 def _flag(default: Any, help: str, **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **argparse_kwargs})
 
@@ -827,6 +839,10 @@ def plain_name(text: str) -> str:
 
 MAX_NAME_BYTES = 255  # of one file name, on Linux's file systems
 MAX_XPID_CHARS = MAX_NAME_BYTES - 40  # room for what is named after a run (`NAME.rank-R.remote-A.life-L`)
+MAX_ENV_NAME_CHARS = 100  # of the env id in a run's default name (ENV-date-time), room left for the rest
+# Of a path the user names, in bytes: Linux's PATH_MAX (4,096 with its terminating zero), less room for the files of
+# a run under a --savedir (XPID/tensorboard/...) and a run's names.
+MAX_PATH_BYTES = 4095 - 2 * MAX_NAME_BYTES
 MAX_INFERENCE_WAIT_MS = 60_000.0  # a wait for more actors' requests; longer overflowed the selector's timeout
 # Test or evaluation games, played at once, an env each: 1,000 Atari envs take some 1.6 GB and 3 CPU-minutes to make.
 MAX_EPISODES = 1_000
@@ -899,6 +915,9 @@ def path_problem(path: str) -> str | None:
     lengths = [len(os.fsencode(part)) for part in parts]
     if max(lengths, default=0) > MAX_NAME_BYTES:
         return f"a part of it is {max(lengths)} bytes long, more than a file name can be ({MAX_NAME_BYTES})"
+    if (length := len(os.fsencode(str(Path(*parts))))) > MAX_PATH_BYTES:
+        return (f"it is {length:,} bytes long, more than a path can be with a run's files under it "
+                f"({MAX_PATH_BYTES:,})")
     return None
 
 

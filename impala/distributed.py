@@ -36,6 +36,8 @@ import torch.distributed as dist
 
 from impala.config import (
     LATEST_NAME,
+    MAX_ENV_NAME_CHARS,
+    MAX_XPID_CHARS,
     Config,
     TrainingError,
     UserError,
@@ -90,7 +92,11 @@ def default_xpid(config: Config) -> str:
     if run_id is None:
         raise UserError("under torchrun without --standalone or --rdzv-id, pass --xpid NAME: every rank and every "
                         "restart of the job must name the same run")
-    return f"{plain_name(config.env)}-{plain_name(run_id)}"
+    name = f"{plain_name(config.env)[:MAX_ENV_NAME_CHARS]}-{plain_name(run_id)}"
+    if len(name) > MAX_XPID_CHARS:
+        raise UserError(f"under torchrun, the rendezvous id makes the run's default name {len(name)} characters long, "
+                        f"more than a run's name can be ({MAX_XPID_CHARS}); pass --xpid NAME")
+    return name
 
 
 def rank_seed(seed: int, rank: int) -> int:

@@ -20,7 +20,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from impala.checkpoint import find_checkpoint, load_checkpoint
-from impala.config import Config, UserError, run_path
+from impala.config import Config, UserError, run_path, say
 from impala.environment import EnvBatch, is_atari
 from impala.metrics import quiet_event_writer_threads, remove_empty_files, video_summary
 from impala.model import Net
@@ -157,7 +157,7 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
     model, state = load_agent(config, env_from_checkpoint)
     if env_from_checkpoint and state["flags"].get("env") != config.env:
         config = dataclasses.replace(config, env=str(state["flags"]["env"]))
-        print(f"Playing {config.env}, the env of the checkpoint")
+        say(f"Playing {config.env}, the env of the checkpoint")
     recorder = EpisodeRecorder() if config.video else None
     # Without --xpid, beside the file loaded (--keep_checkpoints of a live run may have pruned it since)
     video_run_dir = (_run_dir(config) or Path(config.checkpoint).expanduser().parent) if recorder else None
@@ -171,7 +171,7 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
                      greedy=config.eval_actions == "greedy", on_step=recorder.add if recorder is not None else None,
                      fire_on_life_loss=config.fire_on_life_loss, max_steps=config.eval_max_steps)
     except PlayInterrupted as stopped:  # what had been played, then exit code 130 (no video: a game unfinished)
-        print(f"Stopped by Ctrl-C with {len(stopped.games.returns)} of {config.test_episodes} games ended")
+        say(f"Stopped by Ctrl-C with {len(stopped.games.returns)} of {config.test_episodes} games ended")
         if stopped.games.returns:
             _print_results(stopped.games, state)
         raise
@@ -179,7 +179,7 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
     if recorder is not None and video_run_dir is not None:
         log_dir = write_test_results(video_run_dir, int(state["step"]), games.returns, recorder.frames(),
                                      VIDEO_FPS_ATARI if is_atari(config.env) else VIDEO_FPS_OTHER)
-        print(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {log_dir} "
+        say(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {log_dir} "
               f"(IMAGES tab, {TEST_TAG_PREFIX}/video)")
     return mean
 
@@ -199,9 +199,9 @@ def _print_results(games: Games, state: dict) -> float:
     actions = f"{state['eval_actions']} " if isinstance(state.get("eval_actions"), str) else ""
     best = (f"; its {actions}evaluation while training: {state['eval_return_mean']:.2f}" if "eval_return_mean" in state
             else "")
-    print(f"Mean return over {len(returns)} episode{'s' if len(returns) != 1 else ''}: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
+    say(f"Mean return over {len(returns)} episode{'s' if len(returns) != 1 else ''}: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
           f"checkpoint at step {state['step']}{best})")
-    print(games.summary())
+    say(games.summary())
     return mean
 
 

@@ -28,7 +28,17 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
-from impala.config import LATEST_NAME, Config, UserError, first_line, is_utf8, parse_config, run_path, shown_bytes
+from impala.config import (
+    LATEST_NAME,
+    Config,
+    UserError,
+    first_line,
+    is_utf8,
+    parse_config,
+    run_path,
+    say,
+    shown_bytes,
+)
 from impala.events import event_files, read_scalars
 
 RETURN_TAG = "charts/episodic_return"
@@ -88,7 +98,7 @@ def plot(config: Config) -> Path:
                             "plot them with --plot_x steps")
     out = Path(config.plot_out).expanduser() if config.plot_out else savedir / "returns.png"
     save_figure(returns_figure(curves, x=config.plot_x), out, "--plot_out", dpi=120)
-    print(f"Wrote {out}: episodic return of {', '.join(names)} against "
+    say(f"Wrote {out}: episodic return of {', '.join(names)} against "
           f"{'agent steps' if config.plot_x == 'steps' else 'hours of training'}")
     return out
 
@@ -142,12 +152,12 @@ def _every_curve(savedir: Path, names: Sequence[str]) -> list[Curve]:
     curves = []
     for name in names:
         if not is_utf8(name):  # a directory renamed by hand: its name would fail the legend and every line
-            print(f"Left out: run {shown_bytes(name)} in {savedir}: its name is not UTF-8 text; rename it to plot it")
+            say(f"Left out: run {shown_bytes(name)} in {savedir}: its name is not UTF-8 text; rename it to plot it")
             continue
         try:
             curves.append(load_curve(savedir, name))
         except UserError as exc:
-            print(f"Left out: {exc}")
+            say(f"Left out: {exc}")
     if not curves:
         shown = ", ".join(name if is_utf8(name) else shown_bytes(name) for name in names)
         raise UserError(f"none of the runs in {savedir} ({shown}) has a finished episode to plot yet")
@@ -164,12 +174,12 @@ def load_curve(savedir: Path, name: str) -> Curve:
         name = run_dir.resolve().name
     series, damaged_events = _series_from_events(run_dir, (RETURN_TAG, EVAL_TAG))
     if damaged_events:
-        print(damaged_events_line(name, damaged_events))
+        say(damaged_events_line(name, damaged_events))
     if len(series[RETURN_TAG].steps) == 0 and len(series[EVAL_TAG].steps) == 0:
         from_csv, damaged = series_from_csv(run_dir / "logs.csv", (CSV_RETURN_COLUMN, EVAL_TAG))
         series = {RETURN_TAG: from_csv[CSV_RETURN_COLUMN], EVAL_TAG: from_csv[EVAL_TAG]}
         if damaged:
-            print(damaged_rows_line(name, damaged))
+            say(damaged_rows_line(name, damaged))
     returns, evaluation = series[RETURN_TAG].sorted(), series[EVAL_TAG].sorted()
     if len(returns.steps) == 0 and len(evaluation.steps) == 0:
         raise UserError(f"run {name!r} in {savedir} has no finished episode to plot yet")

@@ -33,7 +33,15 @@ from impala.checkpoint import (
     load_checkpoint,
     remove_stale_temporaries,
 )
-from impala.config import LATEST_NAME, Config, UserError, expand_flag_files, plain_name, run_path
+from impala.config import (
+    LATEST_NAME,
+    MAX_ENV_NAME_CHARS,
+    Config,
+    UserError,
+    expand_flag_files,
+    plain_name,
+    run_path,
+)
 from impala.metrics import move_aside
 from impala.seeding import ActorLives
 
@@ -54,9 +62,9 @@ def run_directory(config: Config) -> tuple[Path, bool]:
     """The run's directory and whether it resumes an existing run. Writes nothing.
 
     Without --xpid the name is ENV-date-time, or ENV-date-time-N where that is taken: a new run, whatever is in
-    SAVEDIR. `prepare_run_directory` claims it."""
+    SAVEDIR (ENV: the env id as a plain name, its first MAX_ENV_NAME_CHARS characters). `prepare_run_directory` claims it."""
     if config.xpid is None:
-        base = f"{plain_name(config.env)}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        base = f"{plain_name(config.env)[:MAX_ENV_NAME_CHARS]}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
         names = (base if n == 1 else f"{base}-{n}" for n in itertools.count(1))
         run_dir = next(path for name in names if not os.path.lexists(path := run_path(config.savedir, name)))
     else:

@@ -89,6 +89,10 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
     (["--savedir", "~runs"], r"--savedir ~runs: ~runs is the home of a user 'runs', and there is none \(did you mean"),
     (["--xpid", "a" * 300], r"--xpid 'a+' must be a plain name \(letters, digits, '.', '_', '-'\) of at most 215 "),
     (["--checkpoint", "/tmp/" + "b" * 300], r"a part of it is 300 bytes long, more than a file name can be \(255\)"),
+    (["--savedir", "/tmp/" + "/".join(["d" * 200] * 21)], (r"--savedir /tmp/d+(/d+)+: it is 4,225 bytes long, more "
+     r"than a path can be with a run's files under it \(3,585\)$")),  # ENAMETOOLONG's traceback in every mode, once
+    (["--mode", "test", "--checkpoint", "/".join(["c" * 200] * 18) + ".tar"], (r"--checkpoint c+(/c+)+\.tar: it is "
+     r"3,621 bytes long, more than a path can be")),
     (["--savedir", " "], r"--savedir must name a directory, got ' '"),
     (["--checkpoint", ""], r"error: --checkpoint is empty \(an unset shell variable\?\); pass a path, or leave"),
     (["--mode", "plot", "--plot_out", ""], r"error: --plot_out is empty \(an unset shell variable\?\)"),

@@ -426,6 +426,16 @@ def test_unknown_component_is_a_user_error(capsys: pytest.CaptureFixture) -> Non
     (["--extra", "--xpid 'a"], r"--extra \"--xpid 'a\": No closing quotation"),
     (["--variants", "", "--seed '3"], r"--variants \"--seed '3\": No closing quotation"),
     (["--json", "/nonexistent-dir/b.json"], r"--json /nonexistent-dir/b.json: its directory does not exist"),
+    (["--json", ""], r"--json is empty \(an unset shell variable\?\); pass a path, or leave the flag out"),
+    (["--json", "~nouser/b.json"], r"--json ~nouser/b.json: ~nouser is the home of a user 'nouser', and there is none"),
+    (["--json", "/tmp/" + "/".join(["d" * 200] * 21) + "/b.json"], r"it is 4,\d{3} bytes long, more than a path"),
+    # the run a bench's end-to-end row trains is its own: it never continues or writes over a saved one
+    (["--extra", "--savedir /tmp/runs --xpid mine"], (r"--extra '--savedir /tmp/runs --xpid mine': the bench trains a "
+     r"new run of its own, in a temporary directory: leave out --savedir, --xpid$")),
+    (["--variants", "", " --resume", "--extra=--checkpoint=best"], (r"--extra '--checkpoint=best': .*leave out "
+     r"--checkpoint$")),
+    (["--variants", "", " --resume"], r"--variants ' --resume': .*leave out --resume$"),
+    (["--extra", "--mode plot"], r"--extra '--mode plot': .*leave out --mode$"),
     # run.py's own flags, checked as run.py checks them before the first end-to-end run, not in their row later
     (["--extra=--bogus"], r"--extra '--bogus': unrecognized arguments: --bogus"),
     (["--variants", "", "--num_actors x"], r"--variants '--num_actors x': argument --num_actors: takes a number"),
@@ -581,3 +591,18 @@ def test_a_row_says_what_its_run_could_not_do_and_did_otherwise() -> None:
                                "load_average_start": [0.0, 0.0, 0.0], "wall_provisional": False,
                                "components": {}, "ceiling": None, "end_to_end": [row]})
     assert "  the run fell back: Could not capture the update as a CUDA graph (boom); updating without one\n" in text
+
+
+def test_bench_json_never_replaces_a_file_that_is_not_json(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """`--json RUN/model.tar`, a slip of the shell's completion: refused, the checkpoint as it was; a .json file of
+    an earlier bench is replaced, as asked."""
+    checkpoint = tmp_path / "model.tar"
+    checkpoint.write_bytes(b"weights")
+    assert bench.main(["--env", "CartPole-v1", "--only", "env", "--seconds", "0.2", "--json", str(checkpoint)]) == 2
+    assert capsys.readouterr().err == (f"bench: error: --json {checkpoint}: a file of that name is there, and the "
+                                       "results would replace it; name a new file, or one ending in .json\n")
+    assert checkpoint.read_bytes() == b"weights"
+    earlier = tmp_path / "bench.json"
+    earlier.write_text("{}")
+    assert bench.main(["--env", "CartPole-v1", "--only", "env", "--seconds", "0.2", "--json", str(earlier)]) == 0
+    assert json.loads(earlier.read_text())["components"]["env"]["steps_per_s"] > 0

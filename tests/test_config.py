@@ -588,3 +588,17 @@ def test_training_flags_that_count_only_beside_another_are_named_when_that_one_i
     assert unused_training_flags_line(parse_config(central), given_flags(central)) == (
         "run.py: --ray_actors, --ray_publish_every only with --ray: ignored")
     assert unused_training_flags_line(parse_config([]), given_flags([])) is None
+
+
+def test_say_goes_on_quietly_once_the_reader_of_stdout_is_gone() -> None:
+    """`run.py --mode test ... | head -1`: the lines after the reader left go nowhere, and the mode's work after
+    them (a video to write) is done, rather than a BrokenPipeError's traceback."""
+    script = ("import sys; from impala.config import say; sys.stdin.read(); "
+              "[say('a line of results') for _ in range(3)]; print('went on', file=sys.stderr)")
+    child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, cwd=REPO_ROOT)
+    assert child.stdout is not None and child.stdin is not None and child.stderr is not None
+    child.stdout.close()  # the reader is gone before the first line
+    child.stdin.close()
+    assert child.wait(timeout=60) == 0
+    assert child.stderr.read() == b"went on\n"

@@ -124,6 +124,8 @@ def test_find_checkpoint_names_what_is_missing(tmp_path: Path) -> None:
         find_checkpoint(tmp_path, "best")
     with pytest.raises(UserError, match=r"--checkpoint nowhere.tar: no such file"):
         find_checkpoint(tmp_path, "nowhere.tar")
+    with pytest.raises(UserError, match=r"--checkpoint /dev/null: not a regular file; pass latest, best or the path"):
+        find_checkpoint(tmp_path, "/dev/null")
     save_checkpoint(tmp_path / BEST_CHECKPOINT_NAME, _state(_net(), 40, eval_return_mean=12.5))
     assert find_checkpoint(tmp_path, "best") == tmp_path / BEST_CHECKPOINT_NAME
     assert best_so_far(tmp_path / BEST_CHECKPOINT_NAME) == (12.5, 40)

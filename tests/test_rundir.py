@@ -181,6 +181,18 @@ def test_a_default_name_that_is_taken_gets_the_next_number_and_is_claimed_as_new
         prepare_run_directory(run_dir, claim=True)
 
 
+def test_a_default_name_keeps_the_first_hundred_characters_of_a_long_env_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An env registered by a module under a long id (`my_envs:LLL...-v0`): its name in full made the run
+    directory's name longer than a file name can be, a traceback at the start."""
+    monkeypatch.setattr("impala.rundir.datetime", _FrozenClock)
+    env = "my_envs:" + "L" * 230 + "-v0"
+    run_dir, resuming = run_directory(Config(env=env, savedir=str(tmp_path)))
+    assert (run_dir, resuming) == (tmp_path / f"my_envs_{'L' * 92}-20260102-030405", False)
+    prepare_run_directory(run_dir, claim=True)
+    assert run_dir.is_dir()
+
+
 def test_trainings_started_together_without_a_name_each_get_a_run_of_their_own(tmp_path: Path) -> None:
     """`for seed in 1 2 3; do python run.py --seed $seed & done`: the same second, the same default name. All three
     used to choose it; the first to create it trained, the others stopped with "in use by another training"."""
