@@ -137,6 +137,9 @@ def load_checkpoint(path: str | os.PathLike, mmap: bool = False,
     if state["num_actions"] < 1 or not all(isinstance(size, int) and size >= 1 for size in state["observation_shape"]):
         raise UserError(f"checkpoint {path} is not an impala checkpoint (its model has {state['num_actions']} actions "
                         f"and observations {tuple(state['observation_shape'])})")
+    if isinstance(state["step"], bool) or state["step"] < 0:  # True trained on "at step True"; -5 to step 2015
+        raise UserError(f"checkpoint {path} is not an impala checkpoint (its step {state['step']!r} is not a count of "
+                        "agent steps)")
     if not mmap:  # mapped: a look at the counters, the weights not used
         for key, tensor in state["model_state_dict"].items():
             if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not tensor.isfinite().all():

@@ -218,7 +218,9 @@ def _nan_weights(state: dict) -> dict:
      "is not an impala checkpoint (its model has 0 actions and observations (4,))"),
     (lambda state: {**state, "observation_shape": [4, 0]},
      "is not an impala checkpoint (its model has 2 actions and observations (4, 0))"),
-], ids=["nan weights", "no actions", "empty observations"])
+    (lambda state: {**state, "step": -5}, "is not an impala checkpoint (its step -5 is not a count of agent steps)"),
+    (lambda state: {**state, "step": True}, "is not an impala checkpoint (its step True is not a count of agent steps)"),
+], ids=["nan weights", "no actions", "empty observations", "negative step", "step True"])
 def test_a_checkpoint_whose_model_cannot_act_is_one_line_and_exit_2(capsys: pytest.CaptureFixture, tmp_path: Path,
                                                                     mode: str, damage: Any, said: str) -> None:
     path = tmp_path / "damaged.tar"
