@@ -126,6 +126,9 @@ def save_figure(figure: Figure, out: Path, flag: str, dpi: int) -> None:
         out.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(tmp, dpi=dpi, format=out.suffix[1:].lower())
         os.replace(tmp, out)
+    except (FileExistsError, NotADirectoryError):  # mkdir's "File exists" for a file where a directory should be
+        raise UserError(f"cannot write the plot {out}: a part of its directory's path is not a directory (a file, or "
+                        "a link that leads to none)") from None
     except OSError as exc:
         raise UserError(f"cannot write the plot {out}: {exc.strerror or exc}") from None
     except RuntimeError as exc:  # a format whose writer needs a program this machine lacks (.pgf: LaTeX)

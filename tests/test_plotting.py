@@ -207,6 +207,19 @@ def test_a_plot_that_cannot_be_written_leaves_the_previous_one_whole(savedir: Pa
     assert out.read_bytes() == before and not list(savedir.glob(".cmp.png.tmp-*"))
 
 
+def test_a_plot_under_a_file_or_a_link_to_nowhere_says_so(savedir: Path) -> None:
+    """Once "File exists", mkdir's words for a file where a directory should be."""
+    checkpoint = savedir / "model.tar"
+    checkpoint.write_bytes(b"weights")
+    (savedir / "nowhere").symlink_to(savedir / "nowhere")  # a link to itself
+    for out in (checkpoint / "cmp.png", savedir / "nowhere" / "cmp.png"):
+        config = parse_config(["--mode", "plot", "--savedir", str(savedir), "--plot_out", str(out)])
+        with pytest.raises(UserError, match=r"^cannot write the plot .*cmp.png: a part of its directory's path is not "
+                                            r"a directory \(a file, or a link that leads to none\)$"):
+            plotting.plot(config)
+    assert checkpoint.read_bytes() == b"weights"
+
+
 def test_a_format_whose_writer_this_machine_lacks_is_one_line(savedir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """matplotlib lists .pgf among its formats, but writes it with LaTeX: without it, one line, no file."""
     monkeypatch.setenv("PATH", str(savedir))  # no xelatex on it
