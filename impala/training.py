@@ -247,8 +247,12 @@ def build(config: Config, coordinator: Coordinator | None = None, stop: StopRequ
                 _save_start(run_dir, config, state, checkpoint.get("recent_returns", []))
             if checkpoint_path is not None and not is_own_checkpoint(run_dir, checkpoint_path):
                 _record_start(run_dir, checkpoint_path, state.step)
-            runlog = RunLog(run_dir, purge_step=_purge_step(resuming, resumed_step))
-            runlog.flags({**config.to_dict(), "world_size": world_size}, state.step)  # the ranks that trained
+            purge_step = _purge_step(resuming, resumed_step)
+            runlog = RunLog(run_dir, purge_step=purge_step)
+            # At the purge's step: where a session ends before its first checkpoint, the next one drops them with the
+            # rest of what it logged, rather than adding a second entry at the checkpoint's step.
+            runlog.flags({**config.to_dict(), "world_size": world_size},  # and the ranks that trained
+                         state.step if purge_step is None else purge_step)
         if coordinator is not None:
             session = coordinator.share_state(state, session, config)  # every rank starts from rank 0's weights
         state.lives.session = session

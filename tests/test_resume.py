@@ -141,6 +141,19 @@ def test_a_resume_keeps_what_the_run_logged_at_its_checkpoints_step_and_logs_not
     assert merged[:len(first_games)] == first_games, "no game of the first session is lost"
 
 
+def test_each_session_that_trained_on_leaves_its_flags_once_in_tensorboard(tmp_path: Path) -> None:
+    """A session that ended before its first checkpoint (killed, or stopped without a save) leaves nothing in the
+    logs once the run resumes: its flags go with the rest, rather than stacking up at the checkpoint's step."""
+    run_dir = training.train(_cartpole(tmp_path, 400))
+    for _ in range(2):  # two sessions that ended before they saved
+        run = training.build(dataclasses.replace(_cartpole(tmp_path, 800), resume=True))
+        training.shutdown(run, save=False)
+    training.train(dataclasses.replace(_cartpole(tmp_path, 800), resume=True))
+    events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    assert [event.step for event in events.Tensors("flags/text_summary")] == [0, 401]
+
+
 def _scalars(path: Path, tag: str) -> list[tuple[int, float]]:
     events = EventAccumulator(str(path), size_guidance={"scalars": 0})  # every point
     events.Reload()
