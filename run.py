@@ -14,10 +14,16 @@ import contextlib
 import ctypes
 import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
 from typing import NoReturn
+
+# A shell's background job starts with Ctrl-C ignored; its run takes Ctrl-C all the same (`stop_requests`), and so
+# before the run's own handler is in, as in a terminal: from the first line on, not after the imports.
+if __name__ == "__main__" and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from impala.config import UserError, given_flags, ignored_flags_line, parse_config, unused_training_flags_line
 from impala.stopping import exit_after_runs, ignore_stop_signals, stop_with_launcher

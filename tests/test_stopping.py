@@ -183,3 +183,40 @@ def test_a_torchrun_rank_is_sent_sigterm_when_torchrun_is_killed(tmp_path: Path,
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(rank_pid, signal.SIGKILL)
+
+
+def test_a_background_jobs_ctrl_c_before_the_runs_handler_is_in_ends_it_with_130(tmp_path: Path) -> None:
+    """A shell starts a background job (`python run.py ... &`) with Ctrl-C ignored. The run's handler takes it all
+    the same, but that is in only once torch is imported: a Ctrl-C before then (here, while the flags file is
+    read: a FIFO, so the run waits there) was dropped, and the run trained to its end."""
+    flags = tmp_path / "flags"
+    os.mkfifo(flags)
+    child = subprocess.Popen(["bash", "-c", 'trap "" INT; exec "$0" run.py "$1"', sys.executable, f"@{flags}"],
+                             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while _waits_on(child.pid) != "wait_for_partner" and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.05)  # until it opens the flags file: run.py's first lines ran, torch is not imported
+        assert _waits_on(child.pid) == "wait_for_partner", "the run never opened its flags file"
+        assert not _ignores_sigint(child.pid), "the run still ignores Ctrl-C"
+        child.send_signal(signal.SIGINT)
+        _, err = child.communicate(timeout=60)
+        assert child.returncode == 130 and "Traceback" not in err, err
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def _waits_on(pid: int) -> str:
+    """Where in the kernel process `pid` sleeps (wait_for_partner: opening a FIFO that no writer has open)."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/wchan").read_text()
+    return ""
+
+
+def _ignores_sigint(pid: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+    raise AssertionError(f"no SigIgn in /proc/{pid}/status")
