@@ -302,17 +302,17 @@ def _save_best(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: 
         "eval_actions": run.config.eval_actions, **header(run.config, evaluator.model),
     }
     path = run.run_dir / BEST_CHECKPOINT_NAME
-    actions = run.config.eval_actions
-    if evaluator.best_actions not in (None, actions):
+    actions, other, kept_aside = run.config.eval_actions, evaluator.best_actions, None
+    if other is not None and other != actions:
         try:
-            kept = keep_other_best(run.run_dir, evaluator.best_actions)
+            kept = keep_other_best(run.run_dir, other)
         except OSError as exc:
             log.error("Could not keep %s, the best of %s evaluations, aside to save the best of %s ones (step %d, "
                       "mean return %.2f): %s; training goes on", path, evaluator.best_actions, actions,
                       pending["step"], mean, exc)
             return
         log.info("Kept %s, the best of %s evaluations, as %s", path.name, evaluator.best_actions, kept.name)
-        evaluator.best_actions = None
+        evaluator.best_actions, kept_aside = None, (other, kept.name)
     before = _inode(path)
     try:
         save_checkpoint(path, state)
@@ -328,7 +328,7 @@ def _save_best(run: EvaluatedRun, evaluator: Evaluator, pending: dict, returns: 
     try:
         record_best(run.run_dir, {"step": pending["step"], "episodic_return_mean": mean,
                                   "episodic_return_std": std, "episodes": len(returns),
-                                  "actions": run.config.eval_actions, "checkpoint": BEST_CHECKPOINT_NAME})
+                                  "actions": run.config.eval_actions, "checkpoint": BEST_CHECKPOINT_NAME}, kept_aside)
     except OSError as exc:
         log.error("Could not record the best agent in %s: %s (it is saved in %s)", run.run_dir / "meta.json", exc,
                   path)

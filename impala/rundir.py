@@ -471,9 +471,23 @@ def finish_run_files(run_dir: Path, reason: str, step: int) -> None:
     _write_json(run_dir / META_NAME, meta)
 
 
-def record_best(run_dir: Path, best: dict[str, float | int | str]) -> None:
-    """Record the best evaluation so far (step, mean and spread of its returns) in meta.json, atomically."""
-    _record(run_dir, "best_evaluation", best)
+def record_best(run_dir: Path, best: dict[str, Any], kept: tuple[str, str] | None = None) -> None:
+    """Record the best evaluation so far (step, mean and spread of its returns, its --eval_actions and its file) in
+    meta.json, atomically: as `best_evaluation` (model_best.tar's) and, with the other actions' best,
+    in `best_evaluations`. `kept`: the actions and file name of the other kind's best where it was just kept aside
+    (`checkpoint.keep_other_best`) for this one."""
+    meta = read_meta(run_dir)
+    earlier, bests = meta.get("best_evaluation"), meta.get("best_evaluations")
+    bests = bests if isinstance(bests, dict) else {}
+    if kept is not None:
+        other, name = kept
+        record = bests.get(other, earlier)  # a run from before `best_evaluations`: model_best.tar's was that one
+        if isinstance(record, dict) and record.get("actions") == other:
+            bests[other] = {**record, "checkpoint": name}
+    meta["best_evaluation"] = best
+    if isinstance(actions := best.get("actions"), str):
+        meta["best_evaluations"] = {**bests, actions: best}
+    _write_json(run_dir / META_NAME, meta)
 
 
 def _recorded(run_dir: Path, key: str) -> Any:

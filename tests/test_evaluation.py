@@ -1095,6 +1095,11 @@ def test_greedy_and_sampled_evaluations_each_keep_their_own_best_across_sessions
     evaluate(greedy, 500, 30.0)
     assert held(best) == ("greedy", 30.0, 500) and held(sampled_kept) == ("sampled", 10.0, 200)
     assert not greedy_kept.exists()  # beaten by the 30
+    meta = json.loads((tmp_path / "meta.json").read_text())  # each kind's best, and the file it is in
+    assert {actions: (record["step"], record["episodic_return_mean"], record["checkpoint"])
+            for actions, record in meta["best_evaluations"].items()} == {
+        "greedy": (500, 30.0, BEST_CHECKPOINT_NAME), "sampled": (200, 10.0, "model_best_sampled.tar")}
+    assert meta["best_evaluation"] == meta["best_evaluations"]["greedy"]
 
     session("greedy")  # the same actions as model_best.tar: nothing to say of the other kind
     assert "Best evaluation so far: mean return 30.00 at step 500 (model_best.tar)" in caplog.text
