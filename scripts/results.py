@@ -97,9 +97,10 @@ def train(name: str, seed: int, savedir: Path, xpid: str, minutes: float | None,
     except subprocess.TimeoutExpired:
         process.send_signal(signal.SIGINT)  # a stopped run writes its checkpoint and ends in order
         process.wait()
-    except KeyboardInterrupt as exc:  # the terminal's Ctrl-C reached the run too: let it save before we stop
-        if isinstance(exc, Terminated):  # SIGTERM may have come to this process alone: the run gets it too (a run
-            process.terminate()          # that had it already takes its first and ignores the second)
+    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM: let the run save before we stop
+        # The signal may have come to this process alone (`kill PID`): the run gets it too (a run that had it
+        # already, from the terminal's Ctrl-C to the whole group, takes its first and ignores the second).
+        process.send_signal(signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
         process.wait()
         raise
     return process.returncode
@@ -201,8 +202,8 @@ def run_state(run_dir: Path) -> str:
     checkpoint to continue from: run.py resumes it given the same --xpid) or "new" (train from the start; run.py
     refuses a directory whose meta.json records a checkpoint that is gone)."""
     meta, flags = _read_json(run_dir / "meta.json"), _read_json(run_dir / "flags.json")
-    if meta.get("end_reason") == "finished" and (meta.get("final_step") or 0) >= flags.get("total_steps", float("inf")):
-        return "finished"
+    if (meta.get("final_step") or 0) >= flags.get("total_steps", float("inf")):  # a stop that came with the last update
+        return "finished"                                                          # too: run.py trains it no further
     return "resume" if (run_dir / "model.tar").is_file() else "new"
 
 
@@ -260,8 +261,9 @@ def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str,
         try:
             code = train("atari5", seed, args.savedir, xpid, args.minutes, run_flags, ["--env", env_id, *ATARI5_FLAGS])
         finally:  # on Ctrl-C and SIGTERM too (code None), once the run has stopped in order
-            save_session(args, run_dir, env_id, seed, time.monotonic() - start, state, machine,
-                         ending=code is None or code in (2, 143))
+            if code != 2:  # run.py's bad input: it changed nothing, and no session is recorded either
+                save_session(args, run_dir, env_id, seed, time.monotonic() - start, state, machine,
+                             ending=code is None or code == 143)
         if code in (2, 143):  # bad input fails every game alike; SIGTERM means stop
             raise SystemExit(code)
         if code not in (0, 130):  # 130: stopped by --minutes, resumable
@@ -535,6 +537,9 @@ def _main() -> int:
                              "committed): a game kept as finished is not trained again, and the table and figure "
                              "take it from there where its run directory is not on this machine")
     args, run_flags = parser.parse_known_args()
+    args.savedir = args.savedir.expanduser().absolute()  # run.py runs in the repository, this script where it was started
+    if args.keep is not None and args.keep.exists() and not args.keep.is_dir():  # before hours of training
+        parser.error(f"--keep {args.keep} is a file; name a directory (made where it does not exist)")
     for name in ("seeds", "test_episodes"):  # no seed would overwrite the figure with an empty one
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -606,6 +611,8 @@ def _main() -> int:
 
 
 if __name__ == "__main__":
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # a shell's background job: Ctrl-C stops it all the same
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with sigterm_as_ctrl_c():
             sys.exit(main())

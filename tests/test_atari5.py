@@ -3,11 +3,13 @@ of scripts/results.py on run directories written the way run.py writes them (no 
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib.util
 import json
 import math
 import runpy
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -142,6 +144,9 @@ def test_a_finished_game_is_skipped_and_an_unfinished_one_resumed(tmp_path: Path
     crashed = _finished_run(tmp_path, "crashed", BZ, [1.0], end_reason="error", checkpoint=False)
     assert [results.run_state(d) for d in (done, stopped, short, crashed)] == ["finished", "resume", "finished", "new"]
     assert results.run_state(tmp_path / "never") == "new"
+    last = _finished_run(tmp_path, "last", BZ, [1.0], total_steps=5000, end_reason="interrupted")
+    (last / "meta.json").write_text(json.dumps({"end_reason": "interrupted", "final_step": 5120}))
+    assert results.run_state(last) == "finished"  # the stop came with its last update: run.py trains it no further
     assert results.atari5_xpid("atari5", BZ, 0, 1) == "atari5-BattleZone"
     assert results.atari5_xpid("a5", QB, 2, 3) == "a5-Qbert-s2"
 
@@ -234,6 +239,39 @@ def test_games_picks_which_games_train(tmp_path: Path, monkeypatch: pytest.Monke
         assert exit_info.value.code == 2 and "got Pong" in capsys.readouterr().err
     finally:
         sys.argv = argv
+
+
+def test_a_relative_savedir_is_the_callers_not_the_repositorys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys) -> None:
+    """run.py runs in the repository: a --savedir relative to where the script was started is made absolute before
+    it is passed on, so the runs and the table that reads them are in one place."""
+    savedirs = []
+    monkeypatch.setattr(results, "run_atari5_game", lambda args, *rest: savedirs.append(args.savedir))
+    monkeypatch.chdir(tmp_path)
+    assert _main("atari5", "--games", "Qbert", "--savedir", "runs") == 0
+    assert savedirs == [tmp_path / "runs"] and (tmp_path / "runs" / "atari5.md").is_file()
+
+
+def test_a_keep_that_is_a_file_is_refused_before_any_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys) -> None:
+    monkeypatch.setattr(results, "run_atari5_game", lambda *args: pytest.fail("a game trained"))
+    (tmp_path / "kept").write_text("notes")
+    with pytest.raises(SystemExit) as exit_info:
+        _main("atari5", "--savedir", str(tmp_path / "runs"), "--keep", str(tmp_path / "kept"))
+    assert exit_info.value.code == 2
+    assert f"--keep {tmp_path / 'kept'} is a file; name a directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+
+
+def test_run_pys_bad_input_records_no_session(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mistyped run.py flag passed through (exit 2: nothing changed) leaves the game's atari5.json as it was."""
+    run_dir = _finished_run(tmp_path, "atari5-Qbert", QB, [1.0], end_reason="interrupted")
+    monkeypatch.setattr(results, "train", lambda *args: 2)
+    monkeypatch.setattr(results, "machine_description", lambda: "a machine")
+    args = argparse.Namespace(savedir=tmp_path, keep=None, minutes=None, test_episodes=1)
+    with pytest.raises(SystemExit) as exit_info:
+        results.run_atari5_game(args, ["--bogus_flag", "1"], QB, 0, "atari5-Qbert")
+    assert exit_info.value.code == 2 and not (run_dir / results.ATARI5_RECORD).exists()
 
 
 @pytest.mark.parametrize("flags", [["--seeds", "0"], ["--test_episodes", "0"], ["--minutes", "0"], ["--minutes", "nan"]])
@@ -425,8 +463,22 @@ class _Run:
             raise self.stop()
         return self.returncode
 
-    def terminate(self) -> None:
-        pass
+    def send_signal(self, signum: int) -> None:
+        self.signalled = signum
+
+
+@pytest.mark.parametrize(("stop", "signum"), [(KeyboardInterrupt, signal.SIGINT), (Terminated, signal.SIGTERM)])
+def test_a_stop_that_came_to_the_script_alone_is_passed_on_to_its_run(
+        monkeypatch: pytest.MonkeyPatch, stop: type[BaseException], signum: int) -> None:
+    """`kill -INT PID` of a background results.py (or SIGTERM): the run gets the same signal and stops in order
+    before the script ends, rather than training on unseen (a terminal's Ctrl-C, which reached the run too, is
+    the run's second signal then, which it ignores)."""
+    runs: list[_Run] = []
+    monkeypatch.setattr(_Run, "stop", stop)
+    monkeypatch.setattr(subprocess, "Popen", lambda *args, **kwargs: runs.append(_Run(*args, **kwargs)) or runs[-1])
+    with pytest.raises(stop):
+        results.train("atari5", 0, Path("runs"), "x", None, [], ["--env", PHX])
+    assert runs[0].signalled == signum and runs[0].waits == 2  # waited for it once signalled
 
 
 @pytest.mark.parametrize(("stop", "returncode", "code", "last_line"), [
