@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None, started_s: float | None = None) -> int:
             except Stopped as stopped:
                 return stopped.exit_code
             except training.TrainingError as exc:
-                print(f"run.py: training failed: {exc}", file=sys.stderr)
+                print(f"run.py: training failed{_rank()}: {exc}", file=sys.stderr)
                 return 1
         else:
             given = given_flags(argv)
@@ -65,13 +65,18 @@ def main(argv: list[str] | None = None, started_s: float | None = None) -> int:
             if (ignored := ignored_flags_line(config.mode, given)) is not None:
                 print(ignored, file=sys.stderr)  # after the mode's work: an error is one line
     except UserError as exc:
-        rank = os.environ.get("RANK", "0") if "LOCAL_RANK" in os.environ else "0"  # a torchrun rank, or alone
-        where = "" if rank == "0" else f" (rank {rank})"  # which machine, where only another rank's failed
-        print(f"run.py: error{where}: {' '.join(str(exc).splitlines())}", file=sys.stderr)  # one line, always
+        print(f"run.py: error{_rank()}: {' '.join(str(exc).splitlines())}", file=sys.stderr)  # one line, always
         return 2
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _rank() -> str:
+    """" (rank R)" in a torchrun rank other than 0, else "": which process a line is from, where only another
+    rank's failed."""
+    rank = os.environ.get("RANK", "0") if "LOCAL_RANK" in os.environ else "0"
+    return "" if rank == "0" else f" (rank {rank})"
 
 
 def exit_within(exit_code: int) -> NoReturn:

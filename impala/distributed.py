@@ -225,10 +225,13 @@ def leave(coordinator: Coordinator | None) -> None:
 
 def _lost(what: str, exc: Exception) -> TrainingError:
     """The one line a rank ends with when a collective fails: another rank died, hung or was stopped."""
-    text = first_line(exc)
-    text = re.sub(r"^\[[^\]]*\] ", "", text).split(". ")[0]  # gloo's "[file:line] Read error ...: reason. Hint"
-    return TrainingError(f"another learner process stopped answering ({what}: {text[:160]}): it died or was "
+    return TrainingError(f"another learner process stopped answering ({what}: {_lost_text(exc)}): it died or was "
                          "stopped, see its own output")
+
+
+def _lost_text(exc: Exception) -> str:
+    """What a failed collective says, in short: gloo's "[file:line] Read error ...: reason. Hint" as its reason."""
+    return re.sub(r"^\[[^\]]*\] ", "", first_line(exc)).split(". ")[0][:160]
 
 
 class GradientReducer:
@@ -374,8 +377,9 @@ class Coordinator:
         the run's files only then, so a rank that refused (and exited, saying why) leaves them as they were."""
         try:
             dist.barrier(group=self.ranks.control)
-        except RuntimeError as exc:
-            raise _lost("the ranks' build, before the run's files are written", exc) from exc
+        except RuntimeError as exc:  # most likely a rank that refused the run: its own line says why
+            raise TrainingError(f"another learner process ended before the run began, most likely refusing it "
+                                f"(its own line says why): {_lost_text(exc)}") from exc
 
     def share_state(self, state: LearnerState, session: int, config: Config) -> int:
         """Rank 0 sends its learner state (weights, optimiser, counters: a checkpoint's content) and its

@@ -41,6 +41,7 @@ from impala.config import (
     expand_flag_files,
     plain_name,
     run_path,
+    torchrun_run_id,
 )
 from impala.metrics import move_aside
 from impala.seeding import ActorLives
@@ -136,8 +137,11 @@ def open_run(config: Config, model: str, observation_shape: tuple[int, ...], num
     if lock is not None and config.xpid is not None and run_dir.is_dir():  # a default name is new: claimed later
         lock.hold(run_dir)  # before its checkpoint is read: another training may be writing it
     if config.resume and not resuming:
+        named = (f"; under torchrun the run's default name {run_dir.name} comes from its rendezvous id, a new one in "
+                 "each launch with --standalone: pass --xpid NAME of the run to continue"
+                 if torchrun_run_id() is not None and run_dir.name.endswith(plain_name(str(torchrun_run_id()))) else "")
         raise UserError(f"--resume: no checkpoint at {run_dir / CHECKPOINT_NAME} to continue from; "
-                        "drop --resume to start a new run")
+                        f"drop --resume to start a new run{named}")
     checkpoint_path = resume_checkpoint(config, run_dir)  # model.tar, or --checkpoint best|PATH
     if (checkpoint_path is not None and config.checkpoint not in ("latest", "best")
             and not os.path.lexists(Path(config.checkpoint).expanduser())):  # a PATH gone: only `start_gone` passes

@@ -648,3 +648,21 @@ def test_under_torchrun_another_ranks_error_names_its_rank(capsys: pytest.Captur
                 prefix="run.py: error (rank 9): ")
     monkeypatch.setenv("RANK", "0")
     _fails_with(capsys, [*QUICK, "--savedir", str(tmp_path), "--env", "CartPol-v1"], "unknown env id 'CartPol-v1'")
+
+
+def test_under_torchrun_another_ranks_failure_names_its_rank(capsys: pytest.CaptureFixture,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose run failed (another rank gone, most often) says which it is: its line comes before or after the
+    line of the rank that refused the run, which says why."""
+    from impala import training
+
+    def lost(config: object, started_s: object = None) -> None:
+        raise training.TrainingError("another learner process ended before the run began")
+
+    monkeypatch.setattr(training, "train", lost)
+    for rank, said in (("1", " (rank 1)"), ("0", "")):
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        monkeypatch.setenv("RANK", rank)
+        assert run.main([*QUICK]) == 1
+        assert capsys.readouterr().err == (f"run.py: training failed{said}: another learner process ended before "
+                                           "the run began\n")

@@ -474,8 +474,8 @@ def test_a_rank_that_refuses_the_run_in_its_build_leaves_the_run_directory_as_it
                           timeout=240, check=False)
     assert done.returncode != 0
     assert "run.py: error (rank 1): --ray " in done.stderr, done.stderr
-    assert "another learner process stopped answering (the ranks' build, before the run's files are written" \
-        in done.stderr, done.stderr
+    assert ("run.py: training failed: another learner process ended before the run began, most likely refusing it "
+            "(its own line says why): ") in done.stderr, done.stderr
     assert {path.name: path.read_bytes() for path in run_dir.iterdir() if path.is_file()} == before
 
 
