@@ -89,13 +89,16 @@ def plot(config: Config) -> Path:
     names = named or find_runs(savedir)
     if not names:
         raise UserError(f"no runs to plot in {savedir}; train one first or pass --savedir DIR")
-    curves = [load_curve(savedir, name) for name in names] if named else _every_curve(savedir, names)
-    names = [curve.name for curve in curves]
-    if config.plot_x == "time":
-        without = [c.name for c in curves if c.times is None]
-        if without:
+    curves = [load_curve(savedir, name) for name in named] if named else _every_curve(savedir, names)
+    curves = list({curve.name: curve for curve in curves}.values())  # `latest` and the run it names: one curve
+    if config.plot_x == "time" and (without := [c.name for c in curves if c.times is None]):
+        if named or len(without) == len(curves):
             raise UserError(f"run(s) {', '.join(without)} have no TensorBoard event files, so no wall times: "
                             "plot them with --plot_x steps")
+        for name in without:  # of every run in SAVEDIR, as a run with nothing to plot is
+            say(f"Left out: run {name!r} in {savedir} has no TensorBoard event files, so no wall times")
+        curves = [c for c in curves if c.times is not None]
+    names = [curve.name for curve in curves]
     out = Path(config.plot_out).expanduser() if config.plot_out else savedir / "returns.png"
     save_figure(returns_figure(curves, x=config.plot_x), out, "--plot_out", dpi=120)
     say(f"Wrote {out}: episodic return of {', '.join(names)} against "
@@ -183,6 +186,9 @@ def load_curve(savedir: Path, name: str) -> Curve:
         series = {RETURN_TAG: from_csv[CSV_RETURN_COLUMN], EVAL_TAG: from_csv[EVAL_TAG]}
         if damaged:
             say(damaged_rows_line(name, damaged))
+        if aside := sorted(p.name for p in run_dir.glob("logs.csv.unreadable*")):
+            say(f"Run {name}: not plotted: {', '.join(aside)}, its logs.csv set aside as damaged when the run "
+                "resumed (kept as it was, for a hand to mend)")
     returns, evaluation = series[RETURN_TAG].sorted(), series[EVAL_TAG].sorted()
     if len(returns.steps) == 0 and len(evaluation.steps) == 0:
         raise UserError(f"run {name!r} in {savedir} has no finished episode to plot yet")
@@ -199,10 +205,15 @@ def _series_from_events(run_dir: Path, tags: Sequence[str]) -> tuple[dict[str, S
     def seconds(points: list[tuple[int, float, float]]) -> np.ndarray:
         return scalars.active_s(np.array([p[1] for p in points])) - scalars.active_s(np.array([start]))[0]
 
-    series = {tag: Series(np.array([p[0] for p in points], np.int64), seconds(points),
-                          np.array([p[2] for p in points], np.float64)) if points else Series.empty()
-              for tag, points in scalars.points.items()}
-    return series, scalars.damaged
+    def numbers(points: list[tuple[int, float, float]]) -> Series:
+        """The points whose value is a number in range: one NaN would blank the rolling mean from there on."""
+        points = [p for p in points if math.isfinite(p[2]) and abs(p[2]) <= MAX_VALUE]
+        if not points:
+            return Series.empty()
+        return Series(np.array([p[0] for p in points], np.int64), seconds(points),
+                      np.array([p[2] for p in points], np.float64))
+
+    return {tag: numbers(points) for tag, points in scalars.points.items()}, scalars.damaged
 
 
 def damaged_events_line(name: str, damaged: Sequence[tuple[Path, int]]) -> str:
@@ -303,31 +314,39 @@ def returns_figure(curves: Sequence[Curve], colors: Mapping[str, str] | None = N
                     layout="constrained")
     axes = figure.add_subplot()
     envs = {c.env for c in curves}
+    handles, labels = [], []  # given to the legend as they are: a run named `_x` is not left out of it
     for i, curve in enumerate(curves):
         color = (colors or {}).get(curve.name, _color(i, len(curves)))
-        label = curve.name if len(envs) == 1 or curve.env is None else f"{curve.name} ({curve.env})"
+        label = _text(curve.name if len(envs) == 1 or curve.env is None else f"{curve.name} ({curve.env})")
         if len(curve.returns):
             xs = curve.steps if x == "steps" or curve.times is None else curve.times / 3600
             window = smoothing_window(len(curve.returns))
             axes.plot(xs, curve.returns, color=color, alpha=0.2, linewidth=0.8)
-            axes.plot(xs, smooth(curve.returns, window), color=color, linewidth=2, label=label)
+            handles += axes.plot(xs, smooth(curve.returns, window), color=color, linewidth=2)
+            labels.append(label)
         evaluation = curve.evaluation
         if evaluation is not None and len(evaluation.steps):
             xs = evaluation.steps if x == "steps" or evaluation.times is None else evaluation.times / 3600
-            axes.plot(xs, evaluation.values, color=color, linestyle="--", marker="o", markersize=3, linewidth=1.2,
-                      label=f"{label}: evaluation")
+            handles += axes.plot(xs, evaluation.values, color=color, linestyle="--", marker="o", markersize=3,
+                                 linewidth=1.2)
+            labels.append(f"{label}: evaluation")
     single_env = next(iter(envs)) if len(envs) == 1 else None
-    axes.set_title("Episodic return" + (f": {single_env}" if single_env else ""))
+    axes.set_title("Episodic return" + (f": {_text(single_env)}" if single_env else ""))
     axes.set_xlabel("agent steps" if x == "steps" else "hours of training since the run's first point")
     axes.set_ylabel("episodic return (bold: rolling mean; dashed: evaluations)")
     if x == "steps":
         axes.xaxis.set_major_formatter(EngFormatter())
     axes.grid(alpha=0.3)
     if outside:
-        figure.legend(loc="outside right upper", ncols=columns, fontsize="small")
+        figure.legend(handles, labels, loc="outside right upper", ncols=columns, fontsize="small")
     else:
-        axes.legend(loc="best")
+        axes.legend(handles, labels, loc="best")
     return figure
+
+
+def _text(name: str) -> str:
+    """A run's or env's name as matplotlib shows it, character for character: `$` opens no formula."""
+    return name.replace("$", r"\$")
 
 
 LEGEND_INSIDE = 12  # legend entries the axes hold; more go beside them, LEGEND_ROWS to a column

@@ -311,9 +311,61 @@ def test_evaluations_are_drawn_with_the_training_return_against_steps_or_wall_ti
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_wall_time_needs_event_files(savedir: Path) -> None:
+def test_wall_time_needs_event_files(savedir: Path, capsys: pytest.CaptureFixture) -> None:
+    """A run named without event files is refused; of every run in SAVEDIR, it is left out, saying so."""
     with pytest.raises(UserError, match=r"csv-only have no TensorBoard event files.*--plot_x steps"):
-        plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--plot_x", "time"]))
+        plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--xpid", "fast", "csv-only",
+                                    "--plot_x", "time"]))
+    out = plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--plot_x", "time"]))
+    assert capsys.readouterr().out.splitlines() == [
+        f"Left out: run 'csv-only' in {savedir} has no TensorBoard event files, so no wall times",
+        f"Wrote {out}: episodic return of fast, slow against hours of training"]
+
+
+def test_a_return_that_is_no_number_is_left_out_not_the_rolling_mean_after_it(tmp_path: Path) -> None:
+    """One NaN or infinite return among a run's games (a logged game of a broken env) blanked the bold line from it
+    on: the mean of every window that held it."""
+    returns = [float(i) for i in range(100)]
+    returns[5], returns[50] = float("nan"), float("inf")
+    _event_run(tmp_path, "odd", returns, list(range(0, 10_000, 100)))
+    curve = plotting.load_curve(tmp_path, "odd")
+    assert len(curve.returns) == 98 and 5 not in curve.returns and np.isfinite(curve.returns).all()
+    smoothed = plotting.returns_figure([curve]).axes[0].get_lines()[1].get_ydata()
+    assert np.isfinite(smoothed).all()
+
+
+def test_run_names_are_shown_as_written_in_the_legend(tmp_path: Path) -> None:
+    """A `$` opened a formula (a name with `$^$` failed the whole plot with mathtext's traceback) and a name that
+    begins with `_` was left out of the legend, as matplotlib does for such labels."""
+    for name in ("lr$1e-3$", "bad$^$", "_hidden"):
+        _event_run(tmp_path, name, [1.0, 2.0], [0, 100])
+    out = plotting.plot(parse_config(["--mode", "plot", "--savedir", str(tmp_path)]))
+    assert imread(out).shape[0] > 0
+    curves = [plotting.load_curve(tmp_path, name) for name in ("lr$1e-3$", "bad$^$", "_hidden")]
+    figure = plotting.returns_figure(curves)
+    figure.canvas.draw()  # where a formula would fail
+    shown = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert shown == [r"lr\$1e-3\$", r"bad\$^\$", "_hidden"]
+
+
+def test_a_run_named_twice_or_as_latest_too_is_drawn_once(savedir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture) -> None:
+    drawn: list[list[str]] = []
+    figure = plotting.returns_figure
+    monkeypatch.setattr(plotting, "returns_figure", lambda curves, **kwargs: drawn.append(
+        [c.name for c in curves]) or figure(curves, **kwargs))
+    out = plotting.plot(parse_config(["--mode", "plot", "--savedir", str(savedir), "--xpid", "latest", "fast",
+                                      "slow", "slow"]))
+    assert drawn == [["fast", "slow"]]
+    assert capsys.readouterr().out == f"Wrote {out}: episodic return of fast, slow against agent steps\n"
+
+
+def test_a_logs_csv_set_aside_is_named_where_a_run_is_plotted_from_its_csv(savedir: Path,
+                                                                        capsys: pytest.CaptureFixture) -> None:
+    (savedir / "csv-only" / "logs.csv.unreadable").write_text("step,charts/mean_return_100\n10,\"5\n")
+    plotting.load_curve(savedir, "csv-only")
+    assert capsys.readouterr().out == ("Run csv-only: not plotted: logs.csv.unreadable, its logs.csv set aside as "
+                                       "damaged when the run resumed (kept as it was, for a hand to mend)\n")
 
 
 def test_results_script_compares_run_directories_of_different_savedirs(tmp_path: Path) -> None:
