@@ -92,14 +92,30 @@ def _step_below(text: str, limit: int) -> bool:
 
 
 def _complete_rows(file: Iterable[str], cut: bool) -> Iterator[list[str]]:
-    """The CSV rows of `file`, but for its last where a kill cut that line short (`cut`: no newline at its end)."""
+    """The CSV rows of `file`, but for its last where a kill cut that line short (`cut`: no newline at its end).
+    Raises csv.Error for a field across lines: a stray quote (a garbled byte) that made the rows after it one field,
+    which no row of numbers has."""
     previous = None
     for row in csv.reader(file):
+        _check_one_line(row)
         if previous is not None:
             yield previous
         previous = row
     if previous is not None and not cut:
         yield previous
+
+
+def _check_one_line(fields: Iterable[object]) -> None:
+    """Raise csv.Error for a row with a field across lines: no row of numbers has one."""
+    if any(isinstance(field, str) and ("\n" in field or "\r" in field) for field in fields):
+        raise csv.Error("a quote that no field closes joins the lines after it into one field")
+
+
+def _one_line_rows(rows: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """`rows` (a DictReader's), checked by `_check_one_line`."""
+    for row in rows:
+        _check_one_line(row.values())
+        yield row
 
 
 def _is_open_file(path: Path, file: io.IOBase) -> bool:
@@ -371,7 +387,8 @@ class RunLog:
         file.close()
         try:
             with open(self._csv_path, newline="", errors="replace") as f:  # streamed, as in `_purge_csv`
-                self._replace_csv(fieldnames, ([row.get(key) or "" for key in fieldnames] for row in csv.DictReader(f)))
+                self._replace_csv(fieldnames, ([row.get(key) or "" for key in fieldnames]
+                                               for row in _one_line_rows(csv.DictReader(f))))
         except csv.Error as exc:
             self._set_csv_aside(exc)
             self._open_csv(fieldnames, append=False)

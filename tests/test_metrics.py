@@ -206,6 +206,26 @@ def test_a_csv_the_csv_module_cannot_parse_is_kept_aside_and_a_new_one_begun(
         assert aside == damaged + b"300000,7.0,\r\n" and rows == [("300100", "8.0", "1.0")]
 
 
+@pytest.mark.parametrize("purge", [True, False], ids=["resumed", "widened"])
+def test_a_stray_quote_short_of_the_field_limit_sets_the_csv_aside_rather_than_dropping_the_rows_after_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, purge: bool) -> None:
+    """The same quote where less than 128 KiB follows it: the csv module read the rest of the file as one field of
+    one row, which the purge then dropped as a row of the wrong length, and with it every row after the quote,
+    those before the checkpoint too, logging "dropped 1 rows"."""
+    _write_rows(tmp_path / "logs.csv", list(range(0, 300_000, 100)))
+    damaged = (tmp_path / "logs.csv").read_bytes().replace(b"\n150000,", b'\n"150000,', 1)
+    (tmp_path / "logs.csv").write_bytes(damaged)
+    with caplog.at_level(logging.WARNING, logger="impala"):
+        runlog = RunLog(tmp_path, purge_step=200_001 if purge else None)
+        runlog.scalars(300_000, {"charts/SPS": 7.0, **({} if purge else {"late/tag": 1.0})})
+        runlog.close()
+    assert "logs.csv could not be read (csv: a quote that no field closes" in caplog.text
+    aside = (tmp_path / "logs.csv.unreadable").read_bytes()
+    assert aside == damaged  # every row kept, as it was
+    with open(tmp_path / "logs.csv", newline="") as f:
+        assert [row["step"] for row in csv.DictReader(f)] == ["300000"]
+
+
 @pytest.mark.parametrize("widen", [False, True], ids=["purged", "widened"])
 def test_a_long_runs_csv_is_purged_and_widened_without_holding_it_in_memory(tmp_path: Path, widen: bool) -> None:
     """A run of weeks has a logs.csv of hundreds of MB: read whole, its rows took some 12 times its size in
