@@ -180,7 +180,7 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
         log_dir = write_test_results(video_run_dir, int(state["step"]), games.returns, recorder.frames(),
                                      VIDEO_FPS_ATARI if is_atari(config.env) else VIDEO_FPS_OTHER)
         say(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {log_dir} "
-              f"(IMAGES tab, {TEST_TAG_PREFIX}/video)")
+            f"(IMAGES tab, {TEST_TAG_PREFIX}/video)")
     return mean
 
 
@@ -200,7 +200,7 @@ def _print_results(games: Games, state: dict) -> float:
     best = (f"; its {actions}evaluation while training: {state['eval_return_mean']:.2f}" if "eval_return_mean" in state
             else "")
     say(f"Mean return over {len(returns)} episode{'s' if len(returns) != 1 else ''}: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
-          f"checkpoint at step {state['step']}{best})")
+        f"checkpoint at step {state['step']}{best})")
     say(games.summary())
     return mean
 

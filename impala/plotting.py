@@ -102,7 +102,7 @@ def plot(config: Config) -> Path:
     out = Path(config.plot_out).expanduser() if config.plot_out else savedir / "returns.png"
     save_figure(returns_figure(curves, x=config.plot_x), out, "--plot_out", dpi=120)
     say(f"Wrote {out}: episodic return of {', '.join(names)} against "
-          f"{'agent steps' if config.plot_x == 'steps' else 'hours of training'}")
+        f"{'agent steps' if config.plot_x == 'steps' else 'hours of training'}")
     return out
 
 

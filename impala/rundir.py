@@ -63,7 +63,8 @@ def run_directory(config: Config) -> tuple[Path, bool]:
     """The run's directory and whether it resumes an existing run. Writes nothing.
 
     Without --xpid the name is ENV-date-time, or ENV-date-time-N where that is taken: a new run, whatever is in
-    SAVEDIR (ENV: the env id as a plain name, its first MAX_ENV_NAME_CHARS characters). `prepare_run_directory` claims it."""
+    SAVEDIR (ENV: the env id as a plain name, its first MAX_ENV_NAME_CHARS characters). `prepare_run_directory`
+    claims it."""
     if config.xpid is None:
         base = f"{plain_name(config.env)[:MAX_ENV_NAME_CHARS]}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
         names = (base if n == 1 else f"{base}-{n}" for n in itertools.count(1))
