@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -30,29 +30,33 @@ def capture(graph: torch.cuda.CUDAGraph, pool: Any = None, stream: torch.cuda.St
     on (`torch.cuda.graph`'s exit raises before it leaves its capture stream, and every later launch of the thread
     would go there) and the allocator no longer capturing (`_end_pool`)."""
     device, previous = torch.cuda.current_device(), torch.cuda.current_stream()
+    # Its id known before the capture: once `capture_end` has failed, the graph no longer tells it (`graph.pool()`
+    # refuses "without a preceding successful capture"). A new handle is the fresh pool that None gives.
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     try:
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             yield
     except BaseException:
         torch.cuda.set_stream(previous)
         torch.cuda.set_device(device)  # the capture stream's context had switched it too
-        _end_pool(graph)
+        _end_pool(pool)
         raise
 
 
-def _end_pool(graph: torch.cuda.CUDAGraph) -> None:
+def _end_pool(pool: Any) -> None:
     """What a failed capture leaves undone (torch 2.13's `capture_end` raises before it): the caching allocator still
-    routes the capture stream's allocations to the graph's memory pool, counts a capture under way (and so never
-    reuses a block freed after another stream's use: memory that grows over a long run) and holds the pool. As
-    `torch.cuda.use_mem_pool` ends a pool. Private functions of torch's: where they are missing or refuse (the capture
+    routes the capture stream's allocations to memory pool `pool`, counts a capture under way (so every later
+    capture's `empty_cache` fails its check, and a block freed after another stream's use is never reused: memory
+    that grows over a long run) and holds the pool. As `torch.cuda.use_mem_pool` ends a pool. Private functions of
+    torch's: where they are missing, or refuse (a capture that ended, whose graph releases its pool itself; one that
     failed before it began allocating), nothing is done."""
     end = getattr(torch._C, "_cuda_endAllocateToPool", None)
     release = getattr(torch._C, "_cuda_releasePool", None)
     if end is None or release is None:
         return
     try:
-        pool = graph.pool()
         end(torch.cuda.current_device(), pool)
+    except RuntimeError:  # not allocating to it: nothing of the capture's to undo
+        return
+    with suppress(RuntimeError):  # the capture's own error is the one to raise
         release(torch.cuda.current_device(), pool)
-    except RuntimeError:
-        pass

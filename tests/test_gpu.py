@@ -572,6 +572,15 @@ def test_a_failed_capture_leaves_the_thread_on_its_own_stream():
         torch.ones(4, device="cuda").sum().item()  # waiting for the GPU is not allowed while capturing
     assert torch.cuda.current_stream() == before and torch.cuda.current_device() == before.device.index
     assert torch.ones(4, device="cuda").sum().item() == 4  # the thread launches and waits as before
+    # The allocator counts no capture under way: it empties its cache (which checks that none is), and the next
+    # capture (which empties it as it begins) succeeds and replays.
+    torch.cuda.empty_cache()
+    static = torch.zeros(4, device="cuda")
+    again = torch.cuda.CUDAGraph()
+    with cudagraphs.CAPTURE_LOCK, cudagraphs.capture(again):
+        static.add_(1)
+    again.replay()
+    assert static.sum().item() == 4
 
 
 def test_a_run_with_a_graphed_update_and_graphed_central_inference_keeps_both(tmp_path):
