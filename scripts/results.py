@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from impala import atari5  # the repository root is on the path only now
-from impala.config import OneLineErrorParser, UserError
+from impala.config import OneLineErrorParser, UserError, whole_number
 from impala.events import event_files, read_scalars
 from impala.plotting import (
     CSV_RETURN_COLUMN,
@@ -197,14 +197,30 @@ def write_text(path: Path, text: str, what: str) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def run_state(run_dir: Path) -> str:
-    """What a rerun does with `run_dir`: "finished" (trained to its own total_steps: skip it), "resume" (a
-    checkpoint to continue from: run.py resumes it given the same --xpid) or "new" (train from the start; run.py
+def run_state(run_dir: Path, total_steps: int | None = None) -> str:
+    """What a rerun does with `run_dir`: "finished" (trained to `total_steps`, else to its own: skip it), "resume"
+    (a checkpoint to continue from: run.py resumes it given the same --xpid) or "new" (train from the start; run.py
     refuses a directory whose meta.json records a checkpoint that is gone)."""
     meta, flags = _read_json(run_dir / "meta.json"), _read_json(run_dir / "flags.json")
-    if (meta.get("final_step") or 0) >= flags.get("total_steps", float("inf")):  # a stop that came with the last update
-        return "finished"                                                          # too: run.py trains it no further
+    target = total_steps if total_steps is not None else flags.get("total_steps", float("inf"))
+    if (meta.get("final_step") or 0) >= target:  # a stop that came with the last update too: run.py trains it no
+        return "finished"                        # further
     return "resume" if (run_dir / "model.tar").is_file() else "new"
+
+
+def total_steps_given(flags: list[str]) -> int | None:
+    """The last --total_steps of run.py's `flags` (as run.py reads them), or None where there is none or it is no
+    whole number (run.py's own line then says so)."""
+    value = None
+    for index, token in enumerate(flags):
+        if token == "--total_steps" and index + 1 < len(flags):
+            value = flags[index + 1]
+        elif token.startswith("--total_steps="):
+            value = token.partition("=")[2]
+    try:
+        return whole_number(value) if value is not None else None
+    except argparse.ArgumentTypeError:
+        return None
 
 
 def machine_description() -> str:
@@ -248,7 +264,9 @@ def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str,
     """Train one game unless it finished (here, or on another machine: `kept`, its `--keep` record), then test it
     greedily once (the result is kept in atari5.json) and, with `--keep`, keep its record."""
     run_dir = args.savedir / xpid
-    state = run_state(run_dir)
+    experiment_flags = ["--env", env_id, *ATARI5_FLAGS]
+    wanted = total_steps_given([*experiment_flags, *run_flags])  # a --total_steps given trains a finished game on
+    state = run_state(run_dir, wanted)
     if kept and kept.get("state") == "finished" and not run_dir.is_dir():
         print(f"{xpid}: finished on {kept.get('machine') or 'another machine'} (kept in {args.keep}), not trained "
               "again", flush=True)
@@ -259,7 +277,7 @@ def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str,
         print(f"{xpid}: {'resuming from its checkpoint' if state == 'resume' else 'new run'}", flush=True)
         machine, start, code = machine_description(), time.monotonic(), None
         try:
-            code = train("atari5", seed, args.savedir, xpid, args.minutes, run_flags, ["--env", env_id, *ATARI5_FLAGS])
+            code = train("atari5", seed, args.savedir, xpid, args.minutes, run_flags, experiment_flags)
         finally:  # on Ctrl-C and SIGTERM too (code None), once the run has stopped in order
             if code != 2:  # run.py's bad input: it changed nothing, and no session is recorded either
                 save_session(args, run_dir, env_id, seed, time.monotonic() - start, state, machine,
@@ -269,9 +287,11 @@ def run_atari5_game(args: argparse.Namespace, run_flags: list[str], env_id: str,
         if code not in (0, 130):  # 130: stopped by --minutes, resumable
             print(f"{xpid}: run.py exited with {code} (its out.log says why); going on with the next game", flush=True)
     record = _read_json(run_dir / ATARI5_RECORD)
-    if run_state(run_dir) == "finished" and record.get("greedy_test_episodes") != args.test_episodes:
+    final_step = _read_json(run_dir / "meta.json").get("final_step")
+    tested = (record.get("greedy_test_episodes"), record.get("greedy_test_step", final_step))  # (a record from
+    if run_state(run_dir, wanted) == "finished" and tested != (args.test_episodes, final_step):  # before the step)
         record["greedy_test_mean"], record["greedy_test_lengths"] = greedy_test(args.savedir, xpid, args.test_episodes)
-        record["greedy_test_episodes"] = args.test_episodes
+        record["greedy_test_episodes"], record["greedy_test_step"] = args.test_episodes, final_step
         write_text(run_dir / ATARI5_RECORD, json.dumps(record, indent=2) + "\n", "the greedy test's record")
     if args.keep and (run_dir / "meta.json").is_file():  # before the next game: a session may end during it
         keep(args.keep, kept_record(run_dir, env_id, seed))

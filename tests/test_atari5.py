@@ -373,6 +373,28 @@ def test_a_finished_game_is_tested_greedily_once_and_its_games_lengths_kept(
     assert (record["greedy_test_mean"], record["greedy_test_episodes"]) == (5123.5, 10)
     assert record["greedy_test_lengths"] == lengths
 
+    def train_on(*args: object, **kwargs: object) -> int:  # --total_steps 12e6: the game trains on to it
+        meta = json.loads((run_dir / "meta.json").read_text())
+        (run_dir / "meta.json").write_text(json.dumps({**meta, "final_step": 12_000_000}))
+        (run_dir / "flags.json").write_text(json.dumps({"env": PHX, "total_steps": 12_000_000}))
+        return 0
+
+    monkeypatch.setattr(results, "train", train_on)
+    monkeypatch.setattr(results, "machine_description", lambda: "M")
+    assert _main("atari5", "--games", "Phoenix", "--savedir", str(tmp_path), "--total_steps", "12e6") == 0
+    assert len(commands) == 2  # the agent of the new step tested, once
+    monkeypatch.setattr(results, "train", lambda *args, **kwargs: pytest.fail("a finished game trained again"))
+    assert _main("atari5", "--games", "Phoenix", "--savedir", str(tmp_path), "--total_steps=12000000") == 0
+    assert len(commands) == 2 and json.loads((run_dir / results.ATARI5_RECORD).read_text())["greedy_test_step"] == \
+        12_000_000
+
+
+def test_the_total_steps_given_to_run_py_are_read_as_run_py_reads_them() -> None:
+    assert results.total_steps_given(["--env", PHX, *results.ATARI5_FLAGS]) == results.ATARI5_STEPS
+    assert results.total_steps_given([*results.ATARI5_FLAGS, "--seed", "1", "--total_steps", "2e7"]) == 20_000_000
+    assert results.total_steps_given([*results.ATARI5_FLAGS, "--total_steps=15000000"]) == 15_000_000
+    assert results.total_steps_given(["--total_steps", "1.5"]) is None and results.total_steps_given([]) is None
+
 
 def test_a_kept_record_is_not_replaced_by_a_run_with_fewer_steps(tmp_path: Path, capsys) -> None:
     kept = tmp_path / "kept"
