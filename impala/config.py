@@ -185,11 +185,16 @@ def _memory_limit_in_bytes(directory: Path) -> int | None:
 
 
 def _num_actors_arg(text: str) -> int:
+    """--num_actors: auto, or a whole number >= 0 written as the other counts may be (4, 1e2)."""
     if text == "auto":
         return AUTO_ACTORS
-    if not text.isdigit():
+    try:
+        number = whole_number(text)
+    except argparse.ArgumentTypeError:
+        number = -1
+    if number < 0:
         raise argparse.ArgumentTypeError(f"takes a number >= 0 or auto, got {text!r}")
-    return int(text)
+    return number
 
 
 @dataclass(frozen=True)

@@ -263,6 +263,13 @@ def test_whole_number_flags_take_a_floats_notation_too(value: str, number: int) 
     assert type(config.total_steps) is int
 
 
+def test_num_actors_takes_auto_or_a_whole_number_in_either_notation() -> None:
+    assert [parse_config(["--num_actors", value]).num_actors for value in ("1", "3", "3.0", "1e1")] == [1, 3, 3, 10]
+    for value in ("1.5", "-1", "-1e0", "many", ""):
+        with pytest.raises(UserError, match=rf"^argument --num_actors: takes a number >= 0 or auto, got '{value}'$"):
+            parse_config(["--num_actors", value])
+
+
 @pytest.mark.parametrize("value", ["1.5", "2.5e-1", "5M", "inf", "nan", "1e6x", ""])
 def test_a_whole_number_flag_refuses_anything_else_in_one_line(value: str) -> None:
     with pytest.raises(UserError, match=rf"^argument --total_steps: takes a whole number \(such as 5000000 or 5e6\), "
