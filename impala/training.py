@@ -812,7 +812,8 @@ def _log_best(run_dir: Path, evaluator: Evaluator, actions: str) -> None:
 def shutdown(run: Run, save: bool, finished: bool = False) -> OSError | None:
     """Stop acting and learning, save, close: the one ordered path for every way a run ends. Returns why
     the final checkpoint could not be written, if it could not. A run that `finished` (reached --total_steps)
-    has its final weights evaluated first where it evaluates while training (`evaluate_final_weights`).
+    has its final weights evaluated where it evaluates while training (`evaluate_final_weights`), between two saves of
+    its final checkpoint: a kill while those games play (up to `evaluator.FINAL_EVALUATION_MAX_S`) costs no training.
 
     Bounded in time (learners LEARNER_JOIN_TIMEOUT_S, actors actor_pool.ACTOR_JOIN_TIMEOUT_S, then killed,
     each close after the checkpoint END_CLOSE_TIMEOUT_S); on return no actor process, fork server or queue
@@ -829,6 +830,12 @@ def shutdown(run: Run, save: bool, finished: bool = False) -> OSError | None:
             run.pool.stop(functools.partial(_drain_episodes, run))
         except Exception as exc:  # noqa: BLE001 - raised below
             stop_error = exc
+        if save and not run.learners.weights_whole():  # a learner failed while it was being stopped
+            log.error("Not saving a final checkpoint: a learner thread failed while stopping (%s)", _last_saved(run))
+            save = False
+        evaluating = finished and run.evaluator is not None and not run.evaluator.disabled
+        if save and evaluating:  # the training kept before its final evaluation, which may take many minutes
+            save_error = _save_final(run)
         try:
             if finished:
                 evaluate_final_weights(run, lambda: run.stop.reason is not None)
@@ -840,22 +847,24 @@ def shutdown(run: Run, save: bool, finished: bool = False) -> OSError | None:
             deadline = time.monotonic() + LEARNER_JOIN_TIMEOUT_S
             for thread in run.inference.threads:
                 thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        if save and not run.learners.weights_whole():  # a learner failed while it was being stopped
-            log.error("Not saving a final checkpoint: a learner thread failed while stopping (%s)", _last_saved(run))
-            save = False
-        if save:
-            try:
-                checkpoint(run)  # waits for a learner still inside an update: it holds update_lock
-            except OSError as exc:
-                save_error = exc
-                log.error("Could not save the final checkpoint at step %d: %s (%s)", run.state.step, exc,
-                          _last_saved(run))
+        if save:  # again after a final evaluation: the evaluations and their seeds counted
+            save_error = _save_final(run)
         if stop_error is not None:
             raise stop_error
     finally:
         finish_within(END_CLOSE_TIMEOUT_S, run.runlog.close, "closing the TensorBoard and CSV logs")
         finish_within(END_CLOSE_TIMEOUT_S, run.pool.close, "closing the actors' channels and the fork server")
     return save_error
+
+
+def _save_final(run: Run) -> OSError | None:
+    """`checkpoint` at the run's end; returns why it could not be written, if it could not (logged)."""
+    try:
+        checkpoint(run)  # waits for a learner still inside an update: it holds update_lock
+    except OSError as exc:
+        log.error("Could not save the final checkpoint at step %d: %s (%s)", run.state.step, exc, _last_saved(run))
+        return exc
+    return None
 
 
 def train(config: Config, started_s: float | None = None) -> Path:

@@ -782,6 +782,29 @@ def test_the_final_weights_are_not_evaluated_after_a_stop_or_when_their_step_was
     assert sent == [] and evaluator.pending is None
 
 
+def test_a_finished_runs_checkpoint_is_saved_before_its_final_evaluation_and_again_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The final evaluation may play for many minutes (up to FINAL_EVALUATION_MAX_S): a kill meanwhile (the OOM
+    killer, a preempted machine) lost the training since the last periodic checkpoint."""
+    from impala import training
+
+    saved_then: list[int] = []
+
+    def final_evaluation(run_: Any, stopped: Callable[[], bool]) -> None:
+        saved_then.append(load_checkpoint(run_.run_dir / CHECKPOINT_NAME)["step"] if (
+            run_.run_dir / CHECKPOINT_NAME).is_file() else -1)
+        run_.state.evaluations += 1  # what an evaluation counts, for the save after it
+
+    monkeypatch.setattr(training, "evaluate_final_weights", final_evaluation)
+    config = Config(env="CartPole-v1", model="mlp", hidden_size=16, num_actors=1, envs_per_actor=2, unroll_length=5,
+                    batch_size=4, total_steps=2_000, eval_interval_s=3600, checkpoint_interval_s=3600,
+                    disable_cuda=True, savedir=str(tmp_path), xpid="final")
+    run_dir = training.train(config)
+    final = load_checkpoint(run_dir / CHECKPOINT_NAME)
+    assert saved_then == [final["step"]] and final["step"] >= 2_000  # saved at the final step before it
+    assert final["evaluations"] == 1  # and after it
+
+
 @pytest.mark.slow
 def test_a_killed_evaluator_is_reported_and_replaced_and_training_goes_on(tmp_path: Path) -> None:
     """Stopped once the replacement has evaluated: a run of a fixed number of steps could end before that."""
