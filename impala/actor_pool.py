@@ -215,7 +215,9 @@ class LocalActorPool:
     # ------------------------------------------------------------------------------------- start
 
     def start(self) -> None:
-        self.processes = [self.start_actor(i) for i in range(self.config.num_actors)]
+        self.processes = []
+        for i in range(self.config.num_actors):  # one by one: where a start fails, `stop` still ends those begun
+            self.processes.append(self.start_actor(i))
 
     def start_actor(self, actor_index: int) -> Any:
         """Start a new life of actor `actor_index`, with seeds no other life of the run had, and log its pid."""

@@ -276,6 +276,25 @@ class _Exiting:
         pass
 
 
+def test_actors_started_before_one_that_failed_to_start_are_the_pools_to_stop() -> None:
+    """A start that fails part way (fork's ENOMEM at actor 2): the actors already running are in `processes`, which
+    `stop` waits for and kills, rather than left to end by themselves."""
+    pool = object.__new__(LocalActorPool)
+    pool.config = Config(env="CartPole-v1", num_actors=4)
+    started: list[_Exiting] = []
+
+    def start_actor(index: int) -> _Exiting:
+        if index == 2:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        started.append(_Exiting(alive=True))
+        return started[-1]
+
+    pool.start_actor = start_actor
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        pool.start()
+    assert pool.processes == started and len(started) == 2
+
+
 def test_the_traceback_of_an_actor_still_exiting_is_reported_with_its_death_at_the_next_check() -> None:
     """Two actors fail together: one has exited, the other has sent its traceback and is still exiting. The
     first check reads both tracebacks; the second actor's is kept for the check that finds it dead."""
