@@ -356,9 +356,9 @@ class Config:
     eval_actions: str = _flag("greedy", "actions in evaluations and test mode: greedy (the most likely) or sampled "
                               "(from the policy, as the actors act)", choices=EVAL_ACTIONS)
     eval_max_steps: int = _flag(27_000, "evaluations and test mode: a game of an env without a time limit of its "
-                                "own (gymnasium's max_episode_steps; Atari has its 27,000) is cut after this many agent "
-                                "steps, as a time limit cuts it, so that a policy that never ends a game cannot stall "
-                                "them")
+                                "own (gymnasium's max_episode_steps) is cut after this many agent steps, as a time "
+                                "limit cuts it, so that a policy that never ends a game cannot stall them; an Atari "
+                                "game's own limit (27,000) is lowered to it")
 
     # Test and plot modes.
     test_episodes: int = _flag(10, "test mode: full-game episodes to play")

@@ -156,7 +156,7 @@ class EnvBatch:
                  fire_on_life_loss: bool = True, max_episode_steps: int | None = None) -> None:
         """`seed`: one seed per env, or the first of `num_envs` consecutive ones (wrapped below 2^31, which
         ale-py requires). `max_episode_steps`: a time limit for an env that has none of its own (gymnasium's
-        TimeLimit); Atari envs have theirs."""
+        TimeLimit); an Atari env's own (27,000 agent steps) is lowered to it where it is shorter."""
         self.num_envs = num_envs
         self.env_id = env_id
         self._seeds = env_seeds(seed, num_envs) if isinstance(seed, int) else tuple(seed)
@@ -170,8 +170,8 @@ class EnvBatch:
         self._env: Any  # an ale-py or gymnasium vector env, or _OneVectorEnvEach: the same calls on each
         if self._atari:
             self._fire_on_life_loss = fire_on_life_loss and _needs_fire_after_life_loss(spec)
-            self._env = (_OneVectorEnvEach(spec, num_envs) if self._fire_on_life_loss
-                         else _make_atari(spec, num_envs))
+            self._env = (_OneVectorEnvEach(spec, num_envs, max_episode_steps) if self._fire_on_life_loss
+                         else _make_atari(spec, num_envs, max_episode_steps))
             self._episodic_life = episodic_life
         else:
             limit = max_episode_steps if spec.max_episode_steps is None else None
@@ -331,18 +331,26 @@ def _final_obs(obs: np.ndarray, truncated: np.ndarray, info: dict[str, Any]) -> 
     return final
 
 
-def _make_atari(spec: gym.envs.registration.EnvSpec, num_envs: int) -> Any:
+ATARI_FRAMESKIP = 4  # emulator frames per agent step
+
+
+def _make_atari(spec: gym.envs.registration.EnvSpec, num_envs: int, max_steps: int | None = None) -> Any:
+    """ale-py's vector env of the game, as the trainer steps it; `max_steps` (agent steps) shortens the game's own
+    time limit where it is less."""
     from ale_py.vector_env import AtariVectorEnv
 
     kwargs = spec.kwargs
+    frames = kwargs.get("max_num_frames_per_episode", 108_000)
+    if max_steps is not None:
+        frames = min(frames, max_steps * ATARI_FRAMESKIP)
     return AtariVectorEnv(
             game=kwargs["game"],
             num_envs=num_envs,
             num_threads=1,  # an actor process is one core's worth of work
             repeat_action_probability=kwargs.get("repeat_action_probability", 0.0),
             full_action_space=kwargs.get("full_action_space", False),
-            max_num_frames_per_episode=kwargs.get("max_num_frames_per_episode", 108_000),
-            frameskip=4,
+            max_num_frames_per_episode=frames,
+            frameskip=ATARI_FRAMESKIP,
             noop_max=30,
             reward_clipping=False,  # the learner clips; returns are reported unclipped
             autoreset_mode="SameStep",
@@ -366,8 +374,8 @@ def _needs_fire_after_life_loss(spec: gym.envs.registration.EnvSpec) -> bool:
 class _OneVectorEnvEach:
     """N single-env ale-py vector envs behind the batch interface, so that some envs can step alone."""
 
-    def __init__(self, spec: gym.envs.registration.EnvSpec, num_envs: int) -> None:
-        self._envs = [_make_atari(spec, 1) for _ in range(num_envs)]
+    def __init__(self, spec: gym.envs.registration.EnvSpec, num_envs: int, max_steps: int | None = None) -> None:
+        self._envs = [_make_atari(spec, 1, max_steps) for _ in range(num_envs)]
         self.single_observation_space = self._envs[0].single_observation_space
         self.single_action_space = self._envs[0].single_action_space
 

@@ -363,6 +363,22 @@ def test_a_time_limit_is_given_only_to_an_env_without_one_of_its_own(env_id: str
         env.close()
 
 
+@pytest.mark.parametrize("env_id, fire_on_life_loss", [("PongNoFrameskip-v4", True),  # one vector env
+                                                        ("BreakoutNoFrameskip-v4", True)])  # one env each
+def test_a_time_limit_below_an_atari_games_own_cuts_it_there(env_id: str, fire_on_life_loss: bool) -> None:
+    """--eval_max_steps on Atari: once ignored (its own 27,000 steps stood), so nothing bounded an evaluation of a
+    policy that never ends a game (one that never presses FIRE in a game where sticky actions lost the env's)."""
+    env = EnvBatch(env_id, 2, seed=3, max_episode_steps=10, fire_on_life_loss=fire_on_life_loss)
+    try:
+        env.reset()
+        for t in range(1, 11):
+            step = env.step(np.zeros(2, np.int64))  # NOOP: neither game ends by itself this soon
+            assert step.game_over.all() == (t == 10) and step.truncated.all() == (t == 10), t
+        np.testing.assert_array_equal(step.episode_step, [10, 10])
+    finally:
+        env.close()
+
+
 def test_an_action_space_that_starts_elsewhere_gets_the_policys_indices_shifted_to_its_actions_and_a_scalar_box_is_1d(
 ) -> None:
     import odd_spaces_env  # noqa: F401  (registers the env)
