@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import threading
@@ -164,6 +165,10 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
     if video_run_dir is not None and config.xpid and not video_run_dir.is_dir():  # --checkpoint PATH of elsewhere
         raise UserError(f"--video: there is no run {config.xpid!r} in {config.savedir} to write the video in; drop "
                         "--xpid to write it beside the checkpoint file")
+    if video_run_dir is not None and config.xpid and (trained := _run_env(video_run_dir)) not in (None, config.env):
+        raise UserError(f"--video: run {config.xpid!r} trained {trained}, and this test plays {config.env}: its "
+                        "return and video would go among that run's; drop --xpid to write them beside the "
+                        "checkpoint file")
     if video_run_dir is not None:  # before the games, which may take long: a video that cannot be kept is one line
         _check_writable(video_run_dir / TEST_DIR_NAME)
     try:
@@ -182,6 +187,15 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
         say(f"Wrote the first episode ({len(recorder.observations)} frames) to TensorBoard in {log_dir} "
             f"(IMAGES tab, {TEST_TAG_PREFIX}/video)")
     return mean
+
+
+def _run_env(run_dir: Path) -> str | None:
+    """The env a run trained (its flags.json); None where that cannot be read."""
+    try:
+        env = json.loads((run_dir / "flags.json").read_text()).get("env")
+    except (OSError, ValueError, AttributeError):  # missing, damaged, or not an object
+        return None
+    return env if isinstance(env, str) else None
 
 
 def _check_writable(log_dir: Path) -> None:

@@ -333,6 +333,25 @@ def test_test_mode_video_of_a_checkpoint_path_into_a_run_that_does_not_exist_is_
     assert not (tmp_path / "ghost").exists()
 
 
+def test_test_mode_video_of_another_envs_checkpoint_into_a_run_is_one_line_before_any_game(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """--checkpoint PATH of another game's run with --xpid X: its return and video went into X's test/ among the
+    points of X's own game, without a word."""
+    other = _saved_run(tmp_path, "cartpole")
+    run_dir = _saved_run(tmp_path, "acrobot")
+    (run_dir / "flags.json").write_text(json.dumps({"env": "Acrobot-v1"}))
+    before = sorted(p.name for p in run_dir.iterdir())
+    argv = ["--mode", "test", "--savedir", str(tmp_path), "--xpid", "acrobot", "--checkpoint",
+            str(other / "model.tar"), "--test_episodes", "1", "--video"]
+    assert run.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "Playing CartPole-v1, the env of the checkpoint\n"
+    assert captured.err == ("run.py: error: --video: run 'acrobot' trained Acrobot-v1, and this test plays CartPole-v1: "
+                            "its return and video would go among that run's; drop --xpid to write them beside the "
+                            "checkpoint file\n")
+    assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
 def test_test_mode_video_of_a_checkpoint_pruned_once_loaded_goes_beside_where_it_was(
         capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A kept model_step_N.tar of a run still training: --keep_checkpoints may delete it just after test mode
