@@ -88,7 +88,7 @@ class Learners:
         self.coordinator = coordinator
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.errors: list[Exception] = []
+        self.errors: list[BaseException] = []
         self.failed_at: float | None = None  # when the first of them came (time.monotonic())
         # An update that raised (other than for want of device memory), said under `update_lock` before it is let
         # go: whoever takes the lock next (a checkpoint, an evaluation's copy) finds the weights it may have torn.
@@ -132,7 +132,9 @@ class Learners:
             error = out_of_memory(exc, self.device)
             log.error("Learner thread %s stopped: %s", threading.current_thread().name, error)
             self._fail(error)
-        except Exception as exc:  # logged here with its traceback; the monitor stops the run
+        # Logged here with its traceback; the monitor stops the run. A library's SystemExit too: a thread gone
+        # without a word would stall the run for good.
+        except BaseException as exc:
             log.exception("Learner thread %s failed", threading.current_thread().name)
             self._fail(exc)
         finally:
@@ -236,7 +238,7 @@ class Learners:
                 f"{state.bad_updates_in_a_row} non-finite updates in a row; stopping with the last good "
                 "checkpoint (try a lower --learning_rate or --grad_norm_clipping)"))
 
-    def _fail(self, error: Exception) -> None:
+    def _fail(self, error: BaseException) -> None:
         """Record why learning stopped, and stop every learner thread; the monitor ends the run with it."""
         if self.failed_at is None:
             self.failed_at = time.monotonic()

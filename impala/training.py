@@ -127,7 +127,7 @@ class CentralInference:
     servers: InferenceServers
     threads: list[threading.Thread] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
-    error: Exception | None = None
+    error: BaseException | None = None
 
 
 @dataclass
@@ -443,7 +443,7 @@ def start_inference(run: Run) -> None:
 def _inference_thread(inference: CentralInference, server: InferenceServer) -> None:
     try:
         server.serve(inference.stop)
-    except Exception as exc:  # logged here with its traceback; the monitor stops the run
+    except BaseException as exc:  # logged here with its traceback; the monitor stops the run (SystemExit too)
         log.exception("The inference thread %s failed", threading.current_thread().name)
         if inference.error is None:
             inference.error = exc

@@ -276,6 +276,26 @@ class _Exiting:
         pass
 
 
+def test_a_learner_thread_ended_by_a_librarys_sys_exit_stops_the_run_saying_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """SystemExit is no Exception: a learner thread it ended went without a word, the monitor saw no error, and the
+    run stalled for good (actors waiting for slots count as alive)."""
+    learners = object.__new__(Learners)
+    learners.errors, learners.failed_at, learners.busy_since = [], None, {}
+    learners.stop_event = threading.Event()
+
+    def exits() -> None:
+        sys.exit(3)
+
+    learners._learn = exits
+    learners._thread()
+    assert [type(error) for error in learners.errors] == [SystemExit] and learners.stop_event.is_set()
+    assert "Learner thread MainThread failed" in caplog.text
+    run_ = types.SimpleNamespace(learners=learners, inference=None)
+    with pytest.raises(training.TrainingError, match=r"^learner thread failed: SystemExit\(3\)$"):
+        training._check_threads(run_)
+
+
 def test_actors_started_before_one_that_failed_to_start_are_the_pools_to_stop() -> None:
     """A start that fails part way (fork's ENOMEM at actor 2): the actors already running are in `processes`, which
     `stop` waits for and kills, rather than left to end by themselves."""
