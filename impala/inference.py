@@ -39,6 +39,10 @@ from impala.model import Net, actions_from_noise
 
 log = logging.getLogger(__name__)
 
+# How often a server waiting for more actors looks whether the other servers took them (InferenceServer._asking)
+ASKING_POLL_S = 0.0005
+STOP_POLL_S = 0.1  # and whether the run stopped, when it has nothing else to look at (--inference_wait_ms to 60 s)
+
 
 class InferenceServer:
     """Serves actions to actors; `serve` is the body of the inference thread.
@@ -51,7 +55,7 @@ class InferenceServer:
 
     def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
                  wait_s: float, seed: int, graphed: bool = False, max_clients: int | None = None,
-                 splits: int = 1) -> None:
+                 splits: int = 1, asking: bytearray | None = None) -> None:
         self.model = copy.deepcopy(model).requires_grad_(False)  # what the forwards use
         self._next_model = copy.deepcopy(self.model)  # where the next published weights go
         if amp:  # the torsos' weights held in bfloat16: cast once as they are published (`load_weights` copies
@@ -75,6 +79,12 @@ class InferenceServer:
         # Clients per actor (--env_splits; client c is actor c // splits's split c % splits). An actor asks for one of
         # its splits at a time, so a batch has all it can get once each actor served has a request in it.
         self.splits = splits
+        # Actor a's byte is 1 while a request of its is in a server's batch, not yet answered. `InferenceServers`
+        # passes one array to all its servers: a wait for more actors is for those not asking any server, since an
+        # actor asking another cannot ask this one before that one answers (two servers waiting for each other's
+        # actors would both wait out --inference_wait_ms at every batch). Another server's take is seen by polling.
+        self._shared_asking = asking is not None
+        self._asking = bytearray(positions.shape[0] // splits) if asking is None else asking
         self.generator = torch.Generator(device=device).manual_seed(seed)
         # (id of the weight copy acted with, rows) -> its captured forward; {} and False off a GPU, or after a
         # capture failed (then every batch is eager, as without --cuda_graph)
@@ -155,13 +165,13 @@ class InferenceServer:
         """Answer requests until `stop` is set."""
         try:
             while not stop.is_set():
-                self.serve_once(timeout_s=0.1)
+                self.serve_once(timeout_s=0.1, stop=stop)
         finally:
             self._selector.close()
 
-    def serve_once(self, timeout_s: float) -> int:
+    def serve_once(self, timeout_s: float, stop: threading.Event | None = None) -> int:
         """Wait up to `timeout_s` for a request, gather more for up to `wait_s` (less once every actor it serves has
-        asked), answer them all.
+        asked, or `stop` is set), answer them all.
 
         Returns the number of clients (actor env splits) served.
         """
@@ -184,13 +194,15 @@ class InferenceServer:
             return 0
         deadline = start + self.wait_s
         # counted once: an actor that dies meanwhile costs this batch at most the rest of the wait
-        actors = len({client // self.splits for client in connections}) if self.wait_s > 0 else 0
-        while len(pending) < actors:
+        actors = sorted({client // self.splits for client in connections}) if self.wait_s > 0 else []
+        asking = self._asking
+        while not all(asking[actor] for actor in actors):
             remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if remaining <= 0 or (stop is not None and stop.is_set()):
                 break
             # The pending clients' pipes were drained and stay quiet until answered, unless their actor died.
-            self._receive(self._ready(remaining), pending, connections)
+            self._receive(self._ready(min(remaining, ASKING_POLL_S if self._shared_asking else STOP_POLL_S)), pending,
+                          connections)
         if not pending:  # the one client that asked died meanwhile
             return 0
         # The hung-thread watch's clock: the batch's work, not the wait for more actors (--inference_wait_ms may
@@ -199,6 +211,7 @@ class InferenceServer:
         try:
             slots_s, forward_s = self._act(pending)
             for client in pending:
+                asking[client // self.splits] = 0  # before its answer: then it may ask any server again
                 try:
                     signal(connections[client])
                 except OSError:
@@ -259,8 +272,10 @@ class InferenceServer:
                 self._drop(client, connection, connections)  # the actor died
                 if client in pending:  # it asked, then died before the batch was served: nobody to answer
                     pending.remove(client)
+                    self._asking[client // self.splits] = 0
                 continue
             pending.append(client)
+            self._asking[client // self.splits] = 1
 
     def _drop(self, client: int, connection: Connection, connections: dict[int, Connection]) -> None:
         """Stop waiting on a dead actor's pipe, in this batch's snapshot (`connections`) and in the server's.
@@ -357,8 +372,9 @@ class InferenceServers:
     def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
                  wait_s: float, seeds: list[int], graphed: bool = False, splits: int = 1) -> None:
         clients, threads = positions.shape[0], len(seeds)
+        asking = bytearray(clients // splits) if threads > 1 else None  # which actors any server has a request of
         self.servers = [InferenceServer(model, buffers, positions, device, amp, wait_s, seed, graphed,
-                                        max_clients=len(range(k, clients, threads)), splits=splits)
+                                        max_clients=len(range(k, clients, threads)), splits=splits, asking=asking)
                         for k, seed in enumerate(seeds)]
 
     def connect(self, client: int, connection: Connection) -> None:

@@ -5,14 +5,17 @@ on any machine.
 Actor processes behave as actor.py's split loop: turn to split s, wait until its envs have stepped (STEP_MS after its
 actions were sent; a sleep, as ale-py's thread steps them), ask, wait for the answer, send, turn to the other split.
 A batch takes FIXED_MS + PER_CLIENT_MS x its clients. Prints agent steps/s (4 envs a split) and clients per batch
-with 1 thread, 2 threads, and 1 thread waiting 1 ms; `scripts/central_model.py` gives what the loop alone predicts.
+with 1 thread, 2 threads, and 1 thread waiting 1 ms (or each THREADS:WAIT_MS of --configs, with --splits env splits an
+actor); `scripts/central_model.py` gives what the loop alone predicts.
 
-    python scripts/central_stand_in.py ACTORS FIXED_MS STEP_MS [PER_CLIENT_MS]
+    python scripts/central_stand_in.py ACTORS FIXED_MS STEP_MS [PER_CLIENT_MS] [--splits S] [--configs K:W ...]
     python scripts/central_stand_in.py 14 0.5 2.8 0.37
+    python scripts/central_stand_in.py 6 0.5 2.8 0.37 --splits 4 --configs 3:0 3:5
 """
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import sys
 import threading
@@ -29,7 +32,7 @@ from impala.buffers import BufferSpec, create_buffers
 from impala.channels import signal, take_signal
 from impala.model import Net
 
-SPLITS, ENVS, SECONDS = 2, 4, 6.0
+ENVS, SECONDS = 4, 6.0
 
 
 def stand_in(fixed_s: float, per_client_s: float) -> Any:
@@ -40,7 +43,7 @@ def stand_in(fixed_s: float, per_client_s: float) -> Any:
 
 
 def actor(index: int, ends: list, step_s: float, stop: Any, steps: Any) -> None:
-    sent = [0.0] * SPLITS
+    sent = [0.0] * len(ends)
     split = 0
     while not stop.is_set():
         delay = sent[split] + step_s - time.monotonic()
@@ -54,26 +57,26 @@ def actor(index: int, ends: list, step_s: float, stop: Any, steps: Any) -> None:
             return
         sent[split] = time.monotonic()
         steps[index] += ENVS
-        split = (split + 1) % SPLITS
+        split = (split + 1) % len(ends)
 
 
-def measure(actors: int, step_s: float, threads: int, wait_ms: float) -> tuple[float, float]:
+def measure(actors: int, step_s: float, threads: int, wait_ms: float, splits: int = 2) -> tuple[float, float]:
     """(agent steps/s, clients per batch) over SECONDS after one second of warm-up."""
-    clients = actors * SPLITS
+    clients = actors * splits
     model = Net((4,), 6, "mlp", hidden_size=16).eval()
     buffers = create_buffers(BufferSpec(clients * ENVS, 2, (4,), torch.float32, 6))
     positions = torch.zeros((clients, ENVS + 1), dtype=torch.int64)
     positions[:, :-1] = torch.arange(clients * ENVS).view(clients, ENVS)
     servers = inference.InferenceServers(model, buffers, positions, torch.device("cpu"), False, wait_ms / 1000,
-                                         list(range(threads)), splits=SPLITS)
+                                         list(range(threads)), splits=splits)
     ctx = mp.get_context("fork")
     stop, steps = ctx.Event(), ctx.Array("q", actors, lock=False)
     processes = []
     for a in range(actors):
         ends = []
-        for split in range(SPLITS):
+        for split in range(splits):
             server_end, actor_end = ctx.Pipe()
-            servers.connect(a * SPLITS + split, server_end)
+            servers.connect(a * splits + split, server_end)
             ends.append(actor_end)
         processes.append(ctx.Process(target=actor, args=(a, ends, step_s, stop, steps)))
     halt = threading.Event()
@@ -98,13 +101,21 @@ def measure(actors: int, step_s: float, threads: int, wait_ms: float) -> tuple[f
 
 
 def main() -> None:
-    actors, fixed_ms, step_ms = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-    per_client_ms = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
-    inference._outputs = stand_in(fixed_ms / 1000, per_client_ms / 1000)
-    for threads, wait_ms in ((1, 0.0), (2, 0.0), (1, 1.0)):
-        rate, per_batch = measure(actors, step_ms / 1000, threads, wait_ms)
-        print(f"{actors} actors, batch {fixed_ms} ms + {per_client_ms} ms per client, envs {step_ms} ms: "
-              f"{threads} thread(s), wait {wait_ms} ms: {rate:,.0f} agent steps/s, {per_batch:.1f} clients per batch")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("actors", type=int)
+    parser.add_argument("fixed_ms", type=float)
+    parser.add_argument("step_ms", type=float)
+    parser.add_argument("per_client_ms", type=float, nargs="?", default=0.0)
+    parser.add_argument("--splits", type=int, default=2)
+    parser.add_argument("--configs", nargs="+", default=["1:0", "2:0", "1:1"], help="THREADS:WAIT_MS each")
+    args = parser.parse_args()
+    inference._outputs = stand_in(args.fixed_ms / 1000, args.per_client_ms / 1000)
+    for config in args.configs:
+        threads, wait_ms = int(config.split(":")[0]), float(config.split(":")[1])
+        rate, per_batch = measure(args.actors, args.step_ms / 1000, threads, wait_ms, args.splits)
+        print(f"{args.actors} actors of {args.splits} splits, batch {args.fixed_ms} ms + {args.per_client_ms} ms per "
+              f"client, envs {args.step_ms} ms: {threads} thread(s), wait {wait_ms} ms: {rate:,.0f} agent steps/s, "
+              f"{per_batch:.1f} clients per batch")
 
 
 if __name__ == "__main__":

@@ -141,6 +141,90 @@ def test_a_wait_ends_once_every_actor_has_asked_for_one_of_its_splits():
     assert ends[1].poll(1.0) and ends[2].poll(1.0)
 
 
+def _three_servers_of_three_actors_with_four_splits(wait_s: float) -> tuple[InferenceServers, dict, torch.Tensor,
+                                                                              list]:
+    """--inference_threads 3, --env_splits 4, 3 actors: client c = 4a + s goes to server c mod 3, so every server
+    has every actor, and actor a's split 0 (client 4a) goes to server a."""
+    torch.manual_seed(0)
+    model = Net(OBS_SHAPE, 2, "mlp", hidden_size=16).eval()
+    buffers = create_buffers(BufferSpec(12 * ENVS, 4, OBS_SHAPE, torch.float32, 2))
+    positions = torch.full((12, ENVS + 1), -1, dtype=torch.int64)
+    servers = InferenceServers(model, buffers, positions, torch.device("cpu"), amp=False, wait_s=wait_s,
+                               seeds=[0, 1, 2], splits=4)
+    ends = []
+    for client in range(12):
+        main_end, actor_end = Pipe()
+        servers.connect(client, main_end)
+        ends.append(actor_end)
+    assert [sorted({c // 4 for c in server.connections}) for server in servers.servers] == [[0, 1, 2]] * 3
+    return servers, buffers, positions, ends
+
+
+def test_a_wait_does_not_wait_for_actors_that_another_server_has_a_request_of():
+    """Three actors, each asking for its splits in turn as actor.py's loop does, the servers in threads with a 600 s
+    wait. They start by asking for their split 0, each of another server. An actor cannot ask a second server before
+    its first answers, so no server waits for the actors that another has: all lap their splits twice. (Each used to
+    wait for every actor it serves, so that every server waited out the 600 s at every batch.)"""
+    servers, buffers, positions, ends = _three_servers_of_three_actors_with_four_splits(wait_s=600.0)
+    answers = [0, 0, 0]
+    stop = threading.Event()
+
+    def actor(a: int) -> None:  # asks until the test ends, as an actor does until the run does
+        while not stop.is_set():
+            client = 4 * a + answers[a] % 4
+            request(buffers, positions, client, ends[client], t=0)
+            while not ends[client].poll(0.1):
+                if stop.is_set():
+                    return
+            take_signal(ends[client])
+            answers[a] += 1
+
+    serving = [threading.Thread(target=server.serve, args=(stop,), daemon=True) for server in servers.servers]
+    actors = [threading.Thread(target=actor, args=(a,), daemon=True) for a in range(3)]
+    for thread in serving + actors:
+        thread.start()
+    deadline = time.monotonic() + 60.0
+    while min(answers) < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    for thread in serving + actors:
+        thread.join(5.0)
+    assert min(answers) >= 8, f"servers waited for actors that could not ask them: {answers} answers"
+
+
+def test_a_server_still_waits_for_the_actors_that_ask_nobody():
+    """The same three servers, a 5 s wait: actor 0 asks server 0 while actors 1 and 2 ask nobody (stepping their
+    envs). Server 0 waits for them, and serves all three in one batch once they have asked it too."""
+    servers, buffers, positions, ends = _three_servers_of_three_actors_with_four_splits(wait_s=5.0)
+    request(buffers, positions, 0, ends[0], t=0)  # actor 0, split 0: server 0
+    served: list[int] = []
+    first = threading.Thread(target=lambda: served.append(servers.servers[0].serve_once(timeout_s=1.0)), daemon=True)
+    first.start()
+    time.sleep(0.3)
+    assert first.is_alive(), "it did not wait for the actors asking nobody"
+    request(buffers, positions, 6, ends[6], t=0)  # actor 1, split 2: server 0
+    request(buffers, positions, 9, ends[9], t=0)  # actor 2, split 1: server 0
+    first.join(4.0)
+    assert served == [3], "it did not serve the three together before its 5 s were out"
+    assert all(ends[client].poll(1.0) and take_signal(ends[client]) for client in (0, 6, 9))
+
+
+def test_a_stopped_run_ends_the_wait_for_more_actors_and_answers_who_asked():
+    """--inference_wait_ms may be a minute: a run that stops meanwhile does not wait for its inference thread that
+    long. The thread answers the actor that asked and ends."""
+    server, buffers, positions, _, ends = make_server(num_actors=2, wait_s=600.0)
+    request(buffers, positions, 0, ends[0], t=0)
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive() and not ends[0].poll(0)  # waiting for actor 1
+    stop.set()
+    thread.join(5.0)
+    assert not thread.is_alive(), "it waited on for actor 1 after the stop"
+    assert ends[0].poll(1.0) and take_signal(ends[0]) and server.served == 1
+
+
 def test_the_wait_for_a_fuller_batch_is_not_work_that_the_hung_thread_watch_counts():
     """`serving_since` is what the watch for hung threads reads: a wait for an actor that does not ask (one waiting
     for free slots) is not a hung batch, however long --inference_wait_ms is; the batch's own work is."""
