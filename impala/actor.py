@@ -18,7 +18,16 @@ import numpy as np
 import torch
 
 from impala.buffers import Buffers, write_row
-from impala.channels import ErrorQueue, SharedFloats, SharedInt, SlotQueue, StopSignal, signal, take_signal
+from impala.channels import (
+    SLOT_WAIT_ROW,
+    ErrorQueue,
+    SharedFloats,
+    SharedInt,
+    SlotQueue,
+    StopSignal,
+    signal,
+    take_signal,
+)
 from impala.config import Config
 from impala.environment import EnvBatch, Step
 from impala.model import CastTorso, Net, sample_actions, use_amp
@@ -107,6 +116,10 @@ class Policy(Protocol):
         """The values [K] of rows `envs` [K] of `final_obs` [N, ...]."""
         ...
 
+    def waiting_for_slots(self, waiting: bool) -> None:
+        """Called as the actor starts (True) and ends (False) a wait for free slots."""
+        ...
+
 
 class StopActing(Exception):
     """Raised inside the actor loop when the main process asks it to stop while it waits."""
@@ -149,6 +162,9 @@ class LocalPolicy:
             output, _ = self.net()(final_obs[envs][None], not_a_start, state)
         return output.baseline[0].float()
 
+    def waiting_for_slots(self, waiting: bool) -> None:
+        pass
+
 
 class RemotePolicy:
     """Actions from the main process's inference thread (--inference central).
@@ -190,18 +206,31 @@ class RemotePolicy:
         self(buffers, index, t + 1, {})
         return buffers["baseline"][index[envs], t + 1].clone()
 
+    def waiting_for_slots(self, waiting: bool) -> None:
+        """Tell the inference threads not to wait for this actor's requests meanwhile (channels.SLOT_WAIT_ROW)."""
+        self.positions[-1] = SLOT_WAIT_ROW if waiting else -1
+
 
 def _take_slots(free_queue: SlotQueue, count: int, stop_event: StopSignal,
-                heartbeat: Callable[[], None] = lambda: None) -> list[int] | None:
-    """`count` slot numbers from this actor's free pipe; None when stopped."""
+                heartbeat: Callable[[], None] = lambda: None,
+                waiting: Callable[[bool], None] = lambda waiting: None) -> list[int] | None:
+    """`count` slot numbers from this actor's free pipe; None when stopped. `waiting(True)` is called before the
+    first wait for a slot that is not there yet, and `waiting(False)` once they are all taken."""
     slots: list[int] = []
+    waited = False
     while len(slots) < count:
         try:
-            slots.append(free_queue.get(timeout=0.2))
+            slots.append(free_queue.get(timeout=0.2) if waited else free_queue.get_nowait())
         except queue.Empty:
-            if stop_event.is_set():
+            if not waited:
+                waiting(True)
+                waited = True
+            elif stop_event.is_set():
                 return None
-            heartbeat()  # waiting for the learner to free slots is not hanging
+            else:
+                heartbeat()  # waiting for the learner to free slots is not hanging
+    if waited:
+        waiting(False)
     return slots
 
 
@@ -282,7 +311,7 @@ def _split_loop(actor_index: int, T: int, buffers: Buffers, channels: ActorChann
     unrolls = 0
     while not channels.stop_event.is_set() and (max_unrolls is None or unrolls < max_unrolls):
         assert channels.free_queue is not None, "each actor is given its own free pipe"
-        slots = _take_slots(channels.free_queue, n, channels.stop_event, heartbeat)
+        slots = _take_slots(channels.free_queue, n, channels.stop_event, heartbeat, policy.waiting_for_slots)
         clock.lap(SLOT_WAIT)
         if slots is None:
             return

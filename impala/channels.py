@@ -218,6 +218,11 @@ class TracebackQueue:
         self._records.close()
 
 
+# --inference central: the row an actor's split puts in its `positions` while the actor waits for free slots, so
+# that the inference threads do not wait for a request that cannot come until the learner frees some
+# (InferenceServer.serve_once). -1 is a split that has not asked yet.
+SLOT_WAIT_ROW = -2
+
 # --inference central: an actor asks for actions and the inference thread answers, each with one byte on the pair's
 # pipe (`multiprocessing.Pipe`, made by `actor_pool.py`). Each side writes only after reading the other's byte, so
 # one read takes all there is. The byte goes straight to the pipe's file descriptor, not through `send_bytes` and

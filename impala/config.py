@@ -239,7 +239,8 @@ class Config:
                            choices=("actor", "central"))
     inference_wait_ms: float = _flag(0.0, "central inference: how long to wait for more actors before "
                                      "running a partial batch (0: serve whoever is ready); a batch starts sooner "
-                                     "once every actor has asked (each asks for one env split at a time)")
+                                     "once every actor has asked, of any thread (each asks for one env split at a "
+                                     "time), or waits for free slots")
     inference_threads: int = _flag(1, "central inference: threads that serve the actors, each its share of the env "
                                    "splits, with its own CUDA stream and weight copies, so that several batches run "
                                    "at once (pays where a batch waits on the GPU rather than on the host)")

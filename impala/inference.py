@@ -8,7 +8,8 @@ observations straight out of shared memory, runs one forward for all the actors 
 actions, logits and baselines back into the slots and answers each actor with one byte.
 
 How long to wait for a fuller batch is `--inference_wait_ms`: 0 serves whoever is ready; a longer
-wait trades actor idle time for bigger, cheaper batches. `training.py` runs `serve` in a thread, or with
+wait trades actor idle time for bigger, cheaper batches, and ends once no actor can ask any more (each has a request
+in a server's batch, or waits for free slots). `training.py` runs `serve` in a thread, or with
 --inference_threads K each of K servers (`InferenceServers`) in a thread of its own, every one answering its share
 of the actors' env splits.
 
@@ -29,19 +30,19 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import torch
 
 from impala import cudagraphs
 from impala.buffers import Buffers
-from impala.channels import signal, take_signal
+from impala.channels import SLOT_WAIT_ROW, signal, take_signal
 from impala.config import first_line
 from impala.model import Net, actions_from_noise
 
 log = logging.getLogger(__name__)
 
-# How often a server waiting for more actors looks whether the other servers took them (InferenceServer._asking)
+# How often a server waiting for more actors looks whether they can still ask (`InferenceServer._none_can_ask`)
 ASKING_POLL_S = 0.0005
-STOP_POLL_S = 0.1  # and whether the run stopped, when it has nothing else to look at (--inference_wait_ms to 60 s)
 
 
 class InferenceServer:
@@ -55,7 +56,7 @@ class InferenceServer:
 
     def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
                  wait_s: float, seed: int, graphed: bool = False, max_clients: int | None = None,
-                 splits: int = 1, asking: bytearray | None = None) -> None:
+                 splits: int = 1, asking: np.ndarray | None = None) -> None:
         self.model = copy.deepcopy(model).requires_grad_(False)  # what the forwards use
         self._next_model = copy.deepcopy(self.model)  # where the next published weights go
         if amp:  # the torsos' weights held in bfloat16: cast once as they are published (`load_weights` copies
@@ -79,12 +80,13 @@ class InferenceServer:
         # Clients per actor (--env_splits; client c is actor c // splits's split c % splits). An actor asks for one of
         # its splits at a time, so a batch has all it can get once each actor served has a request in it.
         self.splits = splits
-        # Actor a's byte is 1 while a request of its is in a server's batch, not yet answered. `InferenceServers`
-        # passes one array to all its servers: a wait for more actors is for those not asking any server, since an
-        # actor asking another cannot ask this one before that one answers (two servers waiting for each other's
-        # actors would both wait out --inference_wait_ms at every batch). Another server's take is seen by polling.
-        self._shared_asking = asking is not None
-        self._asking = bytearray(positions.shape[0] // splits) if asking is None else asking
+        # Who can still ask, for a wait for more actors: not an actor with a request in a server's batch (it asks
+        # one server at a time, and cannot ask again before that one answers), nor one waiting for free slots (one
+        # of its splits' rows is SLOT_WAIT_ROW; it asks again only once the learner frees some). `InferenceServers`
+        # shares `asking` among its servers: two servers waiting for each other's actors would both wait out
+        # --inference_wait_ms at every batch.
+        self._asking = np.zeros(positions.shape[0] // splits, dtype=bool) if asking is None else asking
+        self._rows = positions.numpy()[:, -1].reshape(-1, splits)  # [actors, splits], a view of the shared memory
         self.generator = torch.Generator(device=device).manual_seed(seed)
         # (id of the weight copy acted with, rows) -> its captured forward; {} and False off a GPU, or after a
         # capture failed (then every batch is eager, as without --cuda_graph)
@@ -193,25 +195,25 @@ class InferenceServer:
         if not pending:
             return 0
         deadline = start + self.wait_s
-        # counted once: an actor that dies meanwhile costs this batch at most the rest of the wait
-        actors = sorted({client // self.splits for client in connections}) if self.wait_s > 0 else []
-        asking = self._asking
-        while not all(asking[actor] for actor in actors):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or (stop is not None and stop.is_set()):
-                break
-            # The pending clients' pipes were drained and stay quiet until answered, unless their actor died.
-            self._receive(self._ready(min(remaining, ASKING_POLL_S if self._shared_asking else STOP_POLL_S)), pending,
-                          connections)
+        if self.wait_s > 0:
+            # counted once: an actor that dies meanwhile costs this batch at most the rest of the wait
+            actors = np.array(sorted({client // self.splits for client in connections}))
+            while not self._none_can_ask(actors):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (stop is not None and stop.is_set()):
+                    break
+                # The pending clients' pipes were drained and stay quiet until answered, unless their actor died.
+                # Polled: another server's requests, and an actor's wait for slots, come by no pipe of this one's.
+                self._receive(self._ready(min(remaining, ASKING_POLL_S)), pending, connections)
         if not pending:  # the one client that asked died meanwhile
             return 0
         # The hung-thread watch's clock: the batch's work, not the wait for more actors (--inference_wait_ms may
-        # be longer than --learner_timeout_s, and an actor waiting for free slots may not ask for all of it).
+        # be longer than --learner_timeout_s, and an actor still starting may not ask for all of it).
         self.serving_since = time.monotonic()
         try:
             slots_s, forward_s = self._act(pending)
             for client in pending:
-                asking[client // self.splits] = 0  # before its answer: then it may ask any server again
+                self._asking[client // self.splits] = False  # before its answer: then it may ask any server again
                 try:
                     signal(connections[client])
                 except OSError:
@@ -245,6 +247,10 @@ class InferenceServer:
         batches, served, busy_s, slots_s, forward_s = (a - b for a, b in zip(after, before, strict=True))
         return now - then, int(batches), int(served), busy_s, slots_s, forward_s
 
+    def _none_can_ask(self, actors: np.ndarray) -> bool:
+        """Whether every actor of `actors` has a request in a server's batch or waits for free slots."""
+        return bool((self._asking[actors] | (self._rows[actors] == SLOT_WAIT_ROW).any(axis=1)).all())
+
     def _watch(self, connections: dict[int, Connection]) -> None:
         """Wait on exactly the pipes of `connections` from now on: those replaced or gone out, the new in."""
         for client, connection in list(self._watched.items()):
@@ -272,10 +278,10 @@ class InferenceServer:
                 self._drop(client, connection, connections)  # the actor died
                 if client in pending:  # it asked, then died before the batch was served: nobody to answer
                     pending.remove(client)
-                    self._asking[client // self.splits] = 0
+                    self._asking[client // self.splits] = False
                 continue
             pending.append(client)
-            self._asking[client // self.splits] = 1
+            self._asking[client // self.splits] = True
 
     def _drop(self, client: int, connection: Connection, connections: dict[int, Connection]) -> None:
         """Stop waiting on a dead actor's pipe, in this batch's snapshot (`connections`) and in the server's.
@@ -372,7 +378,7 @@ class InferenceServers:
     def __init__(self, model: Net, buffers: Buffers, positions: torch.Tensor, device: torch.device, amp: bool,
                  wait_s: float, seeds: list[int], graphed: bool = False, splits: int = 1) -> None:
         clients, threads = positions.shape[0], len(seeds)
-        asking = bytearray(clients // splits) if threads > 1 else None  # which actors any server has a request of
+        asking = np.zeros(clients // splits, dtype=bool)  # which actors have a request in any server's batch
         self.servers = [InferenceServer(model, buffers, positions, device, amp, wait_s, seed, graphed,
                                         max_clients=len(range(k, clients, threads)), splits=splits, asking=asking)
                         for k, seed in enumerate(seeds)]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from impala.actor import ACTOR_PHASES, ENV, POLICY, ActorChannels, PhaseClock, run_actor
+from impala.actor import ACTOR_PHASES, ENV, POLICY, ActorChannels, PhaseClock, _take_slots, run_actor
 from impala.buffers import Buffers, BufferSpec, create_buffers, write_row
 from impala.config import Config
 from impala.environment import EnvBatch
@@ -420,3 +420,23 @@ def test_a_time_limit_is_written_as_truncated_with_the_value_of_the_final_observ
              for u, e, t in ended_rows]
     assert sorted(rollout.episodes) == sorted(games)
     assert all(length <= TIME_LIMIT for _, _, length in games)
+
+
+def test_taking_slots_says_when_it_must_wait_for_them_and_when_the_wait_ends():
+    """Central inference's threads read the marks (RemotePolicy.waiting_for_slots) to stop waiting for the actor's
+    requests meanwhile: made before a wait for a slot not there yet, taken back once all are taken, and not made
+    when they are all there."""
+    free: queue.Queue = queue.Queue()
+    calls: list[bool] = []
+    for slot in (3, 4):
+        free.put(slot)
+    assert _take_slots(free, 2, threading.Event(), waiting=calls.append) == [3, 4]
+    assert calls == []  # no wait
+    free.put(5)
+    threading.Timer(0.3, free.put, args=(6,)).start()
+    assert _take_slots(free, 2, threading.Event(), waiting=calls.append) == [5, 6]
+    assert calls == [True, False]
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    assert _take_slots(free, 1, stop, waiting=calls.append) is None  # stopped while waiting
+    assert calls == [True, False, True]
