@@ -554,9 +554,13 @@ class Config:
         if self.policy_loss == "ppo" and min(self.batch_size, self.unroll_length, self.minibatches) >= 1:
             over = "batch" if self.advantage_norm == "batch" else "minibatch"
             steps = self.batch_size * self.unroll_length if over == "batch" else self.smallest_minibatch
-            if steps < 2:  # the standard deviation of one number is NaN: every update would be skipped
+            if steps < 2 and over == "batch":  # the standard deviation of one number is NaN: every update skipped
+                problems.append(f"PPO normalises its advantages over each batch, which {self.batch_size} x "
+                                f"{self.unroll_length} steps leave with 1 step; use a longer --unroll_length or a "
+                                "larger --batch_size")
+            elif steps < 2:
                 fewer = "fewer --minibatches, " if self.minibatches > 1 else ""
-                problems.append(f"PPO normalises its advantages over each {over}, which batches of "
+                problems.append(f"PPO normalises its advantages over each minibatch, which batches of "
                                 f"{self.batch_size} x {self.unroll_length} steps cut into {self.minibatches} "
                                 f"minibatches leave with 1 step; use {fewer}a longer --unroll_length "
                                 "or a larger --batch_size")
@@ -797,13 +801,15 @@ def ignored_flags_line(mode: str, given: frozenset[str]) -> str | None:
 # Training flags that count only beside another: given without it, they are ignored, and the start says so.
 ONLY_WITH = (("--ray", ("ray_actors", "ray_envs_per_actor", "ray_steps_per_request", "ray_actor_resource",
                         "ray_publish_every", "ray_max_policy_lag")),
-             ("--inference central", ("inference_wait_ms", "inference_threads")))
+             ("--inference central", ("inference_wait_ms", "inference_threads")),
+             ("--policy_loss ppo", ("ppo_clip", "ppo_dual_clip", "advantage_norm")))
 
 
 def unused_training_flags_line(config: Config, given: frozenset[str]) -> str | None:
     """One line naming the flags `given` to a training that only another flag, not given, makes count (None when
     there are none): --ray_actors without --ray would otherwise pass for remote actors asked for."""
-    needed = {"--ray": bool(config.ray), "--inference central": config.inference == "central"}
+    needed = {"--ray": bool(config.ray), "--inference central": config.inference == "central",
+              "--policy_loss ppo": config.policy_loss == "ppo"}
     parts = [f"{', '.join('--' + name for name in names if name in given)} only with {flag}"
              for flag, names in ONLY_WITH if not needed[flag] and given.intersection(names)]
     return f"run.py: {'; '.join(parts)}: ignored" if parts else None

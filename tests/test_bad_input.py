@@ -117,6 +117,9 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
       r"more batches$")),
     (["--minibatches", "1", "--unroll_length", "1", "--batch_size", "1"],  # none fewer to use
      r"1 x 1 steps cut into 1 minibatches leave with 1 step; use a longer --unroll_length or a larger --batch_size"),
+    (["--advantage_norm", "batch", "--unroll_length", "1", "--batch_size", "1"],  # once advised fewer --minibatches
+     (r"PPO normalises its advantages over each batch, which 1 x 1 steps leave with 1 step; use a longer "
+      r"--unroll_length or a larger --batch_size$")),
     # Each once a run that started, skipped --max_bad_updates non-finite updates and stopped, or killed its actors
     # or itself at their first step:
     (["--learning_rate", "3e4"], r"--learning_rate must be at most 1, got 30000.0"),

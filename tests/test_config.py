@@ -595,6 +595,9 @@ def test_training_flags_that_count_only_beside_another_are_named_when_that_one_i
     assert unused_training_flags_line(parse_config(central), given_flags(central)) == (
         "run.py: --ray_actors, --ray_publish_every only with --ray: ignored")
     assert unused_training_flags_line(parse_config([]), given_flags([])) is None
+    impala_loss = ["--policy_loss", "impala", "--ppo_clip", "0.2", "--advantage_norm", "batch", "--epochs", "1"]
+    assert unused_training_flags_line(parse_config(impala_loss), given_flags(impala_loss)) == (
+        "run.py: --ppo_clip, --advantage_norm only with --policy_loss ppo: ignored")
 
 
 def test_say_goes_on_quietly_once_the_reader_of_stdout_is_gone() -> None:
