@@ -30,9 +30,9 @@ from impala.seeding import EVAL_SEED_OFFSET, TEST_SEED_OFFSET
 log = logging.getLogger("impala")
 
 
-def load_agent(config: Config, env_from_checkpoint: bool = False) -> tuple[Net, dict]:
+def load_agent(config: Config, env_from_checkpoint: bool = False) -> tuple[Net, dict, Path]:
     """The model `--checkpoint` names (latest or best of SAVEDIR/XPID, or a path), checked against the env (unless
-    the env is to be the checkpoint's own)."""
+    the env is to be the checkpoint's own), its checkpoint, and the file it was read from."""
     path = find_checkpoint(_run_dir(config), config.checkpoint, config.eval_actions)
     state = load_checkpoint(path)
     flags = state["flags"]
@@ -44,7 +44,7 @@ def load_agent(config: Config, env_from_checkpoint: bool = False) -> tuple[Net, 
                         f"pass --env {flags.get('env')}")
     model = _saved_net(state, path)
     model.eval()
-    return model, state
+    return model, state, path
 
 
 def _saved_net(state: dict[str, Any], path: Path) -> Net:
@@ -155,7 +155,9 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
     """Play `config.test_episodes` games (greedy unless --eval_actions sampled) and print their mean return; on
     the checkpoint's own env where `env_from_checkpoint` (no --env given)."""
     torch.set_num_threads(1)
-    model, state = load_agent(config, env_from_checkpoint)
+    model, state, path = load_agent(config, env_from_checkpoint)
+    # which file --checkpoint latest or best chose in the run (best may fall back on another kind's), and how it plays
+    played = f"{path.name if config.xpid else path} at step {state['step']}, {config.eval_actions} actions"
     if env_from_checkpoint and state["flags"].get("env") != config.env:
         config = dataclasses.replace(config, env=str(state["flags"]["env"]))
         say(f"Playing {config.env}, the env of the checkpoint")
@@ -178,9 +180,9 @@ def test(config: Config, env_from_checkpoint: bool = False) -> float:
     except PlayInterrupted as stopped:  # what had been played, then exit code 130 (no video: a game unfinished)
         say(f"Stopped by Ctrl-C with {len(stopped.games.returns)} of {config.test_episodes} games ended")
         if stopped.games.returns:
-            _print_results(stopped.games, state)
+            _print_results(stopped.games, state, played)
         raise
-    mean = _print_results(games, state)
+    mean = _print_results(games, state, played)
     if recorder is not None and video_run_dir is not None:
         log_dir = write_test_results(video_run_dir, int(state["step"]), games.returns, recorder.frames(),
                                      VIDEO_FPS_ATARI if is_atari(config.env) else VIDEO_FPS_OTHER)
@@ -206,15 +208,16 @@ def _check_writable(log_dir: Path) -> None:
                         f"{existing} is not a writable directory")
 
 
-def _print_results(games: Games, state: dict) -> float:
-    """Print the games' mean return and lengths; return the mean."""
+def _print_results(games: Games, state: dict, played: str) -> float:
+    """Print the games' mean return and lengths, and `played` (the checkpoint's file and step, and the actions);
+    return the mean."""
     returns = games.returns
     mean = float(np.mean(returns))
     actions = f"{state['eval_actions']} " if isinstance(state.get("eval_actions"), str) else ""
     best = (f"; its {actions}evaluation while training: {state['eval_return_mean']:.2f}" if "eval_return_mean" in state
             else "")
     say(f"Mean return over {len(returns)} episode{'s' if len(returns) != 1 else ''}: {mean:.2f} (min {min(returns):.2f}, max {max(returns):.2f}; "
-        f"checkpoint at step {state['step']}{best})")
+        f"{played}{best})")
     say(games.summary())
     return mean
 

@@ -377,6 +377,18 @@ def test_test_mode_video_of_a_checkpoint_pruned_once_loaded_goes_beside_where_it
     assert list((run_dir / "test").glob("events.out.tfevents.*"))
 
 
+def test_test_mode_names_the_file_it_played_and_how_it_chose_actions(
+        capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
+    """--checkpoint latest or best picks a file of the run (best may fall back on the kept best of the other
+    --eval_actions): the results say which file, at which step, with which actions; a path is named whole."""
+    run_dir = _saved_run(tmp_path, "cartpole")
+    argv = ["--mode", "test", "--savedir", str(tmp_path), "--xpid", "cartpole", "--test_episodes", "1"]
+    assert run.main([*argv, "--eval_actions", "sampled"]) == 0
+    assert "; model.tar at step 40, sampled actions)" in capsys.readouterr().out
+    assert run.main(["--mode", "test", "--checkpoint", str(run_dir / CHECKPOINT_NAME), "--test_episodes", "1"]) == 0
+    assert f"; {run_dir / CHECKPOINT_NAME} at step 40, greedy actions)" in capsys.readouterr().out
+
+
 def test_test_mode_video_on_a_full_disk_is_one_line_after_the_results(
         capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     from tensorboard.compat.tensorflow_stub.io import gfile
@@ -414,7 +426,7 @@ def test_ctrl_c_in_test_mode_prints_the_games_that_had_ended_and_exits_130(
     lines = captured.out.splitlines()[1:]  # after "Playing CartPole-v1, ..."
     assert lines[0] == f"Stopped by Ctrl-C with {ended} of 4 games ended"
     if ended:
-        assert lines[1:] == ["Mean return over 2 episodes: 4.00 (min 3.00, max 5.00; checkpoint at step 40)",
+        assert lines[1:] == ["Mean return over 2 episodes: 4.00 (min 3.00, max 5.00; model.tar at step 40, greedy actions)",
                              "Games lasted 3-5 agent steps (mean 4); 1 of 2 cut by the time limit"]
     else:
         assert lines[1:] == []

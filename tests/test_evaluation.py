@@ -751,7 +751,7 @@ def test_a_run_evaluates_keeps_its_best_and_test_mode_plays_it(tmp_path: Path) -
     played = run_py("--mode", "test", "--env", "CartPole-v1", "--savedir", str(tmp_path), "--xpid", "evaluated",
                     "--checkpoint", "best", "--test_episodes", "3")
     assert played.returncode == 0, played.stderr
-    assert f"checkpoint at step {saved['step']}; its greedy evaluation while training: " \
+    assert f"model_best.tar at step {saved['step']}, greedy actions; its greedy evaluation while training: " \
         f"{saved['eval_return_mean']:.2f}" in played.stdout
 
 
