@@ -172,8 +172,8 @@ class InferenceServer:
             self._selector.close()
 
     def serve_once(self, timeout_s: float, stop: threading.Event | None = None) -> int:
-        """Wait up to `timeout_s` for a request, gather more for up to `wait_s` (less once every actor it serves has
-        asked, or `stop` is set), answer them all.
+        """Wait up to `timeout_s` for a request, gather more for up to `wait_s` (less once no actor it serves can ask
+        any more, `_none_can_ask`, or once `stop` is set), answer them all.
 
         Returns the number of clients (actor env splits) served.
         """
