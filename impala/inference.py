@@ -42,7 +42,7 @@ from impala.model import Net, actions_from_noise
 log = logging.getLogger(__name__)
 
 # How often a server waiting for more actors looks whether they can still ask (`InferenceServer._none_can_ask`)
-ASKING_POLL_S = 0.0005
+ASKING_POLL_S = 0.001  # epoll waits whole milliseconds (selectors rounds a shorter timeout up)
 
 
 class InferenceServer:
@@ -196,15 +196,17 @@ class InferenceServer:
             return 0
         deadline = start + self.wait_s
         if self.wait_s > 0:
-            # counted once: an actor that dies meanwhile costs this batch at most the rest of the wait
-            actors = np.array(sorted({client // self.splits for client in connections}))
+            actors = self._actors_of(connections)
             while not self._none_can_ask(actors):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or (stop is not None and stop.is_set()):
                     break
                 # The pending clients' pipes were drained and stay quiet until answered, unless their actor died.
                 # Polled: another server's requests, and an actor's wait for slots, come by no pipe of this one's.
+                served = len(connections)
                 self._receive(self._ready(min(remaining, ASKING_POLL_S)), pending, connections)
+                if len(connections) < served:  # an actor died (its pipes dropped): not waited for any more; its
+                    actors = self._actors_of(connections)  # replacement asks on new pipes, in a later batch
         if not pending:  # the one client that asked died meanwhile
             return 0
         # The hung-thread watch's clock: the batch's work, not the wait for more actors (--inference_wait_ms may
@@ -246,6 +248,9 @@ class InferenceServer:
             self._taken = (now, *after)
         batches, served, busy_s, slots_s, forward_s = (a - b for a, b in zip(after, before, strict=True))
         return now - then, int(batches), int(served), busy_s, slots_s, forward_s
+
+    def _actors_of(self, connections: dict[int, Connection]) -> np.ndarray:
+        return np.array(sorted({client // self.splits for client in connections}), dtype=np.int64)
 
     def _none_can_ask(self, actors: np.ndarray) -> bool:
         """Whether every actor of `actors` has a request in a server's batch or waits for free slots."""

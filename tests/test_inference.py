@@ -522,7 +522,9 @@ def test_a_client_that_asks_then_dies_while_a_batch_gathers_is_left_out_of_it():
 
     other = threading.Timer(0.2, die_then_the_other_asks)
     other.start()
+    start = time.monotonic()
     assert server.serve_once(timeout_s=1.0) == 1  # client 1 alone, once it asked: not the 5 s wait
+    assert time.monotonic() - start < 4.0, "it waited on for the dead actor"
     other.join()
     assert ends[1].poll(1.0) and list(server.connections) == [1]
     assert server.batches == 1 and server.served == 1
@@ -532,3 +534,14 @@ def test_a_client_that_asks_then_dies_while_a_batch_gathers_is_left_out_of_it():
     threading.Timer(0.1, ends[0].close).start()
     assert server.serve_once(timeout_s=1.0) == 0  # the only client that asked died: no batch
     assert list(server.connections) == [1] and server.batches == 0
+
+    # An actor that had not asked dies while the others wait: they are served then, not after the 60 s (kill -9 of
+    # an actor once stalled every actor for the whole --inference_wait_ms).
+    server, buffers, positions, _, ends = make_server(num_actors=3, wait_s=60.0)
+    request(buffers, positions, 0, ends[0], t=0)
+    request(buffers, positions, 1, ends[1], t=0)
+    threading.Timer(0.2, ends[2].close).start()
+    start = time.monotonic()
+    assert server.serve_once(timeout_s=1.0) == 2
+    assert time.monotonic() - start < 30.0, "it waited for the dead actor"
+    assert sorted(server.connections) == [0, 1]
